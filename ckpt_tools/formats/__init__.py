@@ -1,0 +1,47 @@
+"""Format adapters: one module per on-disk layout, each with ``detect`` and ``describe``
+(and a writer, in ``ckpt_tools.writers``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..describe import Checkpoint, check_coverage
+from ..errors import BadInput
+from . import dcp, hf, sharded, torchsave
+
+FORMATS = ("hf", "torch", "dcp", "sharded")
+_ORDER = (("sharded", sharded), ("dcp", dcp), ("hf", hf), ("torch", torchsave))
+
+
+def detect(path: Path | str) -> str:
+    """The format name of the checkpoint at ``path``; never asks, raises BadInput if unsure."""
+    path = Path(path)
+    if not path.exists():
+        raise BadInput(f"{path}: no such file or directory")
+    if path.is_dir():
+        if not any(path.iterdir()):
+            raise BadInput(f"{path}: the directory is empty; expected a checkpoint "
+                           "(safetensors, a torch .pt/.bin, a DCP .metadata, or model_world_size_W_rank_r.pt files)")
+        if path.name == "huggingface" and (path / "config.json").is_file() and not hf.detect(path):
+            raise BadInput(f"{path}: holds a config but no weights; point at its parent checkpoint directory")
+    for name, module in _ORDER:
+        if module.detect(path):
+            return name
+    if path.is_file():
+        if path.name == dcp.METADATA or path.suffix == ".distcp":
+            raise BadInput(f"{path}: part of a DCP checkpoint; point at its directory {path.parent}")
+        raise BadInput(f"{path}: unknown checkpoint file; expected .safetensors, .pt, .pth or .bin")
+    names = sorted(p.name for p in path.iterdir())[:5]
+    raise BadInput(f"{path}: no checkpoint found (it holds {', '.join(names)}{'...' if len(names) == 5 else ''}); "
+                   "expected safetensors, a torch .pt/.bin, a DCP .metadata, or model_world_size_W_rank_r.pt files")
+
+
+def describe(path: Path | str, *, check: bool = True) -> Checkpoint:
+    """Describe the checkpoint at ``path`` from its headers and metadata (no tensor data)."""
+    path = Path(path)
+    name = detect(path)
+    module = dict(_ORDER)[name]
+    ckpt = module.describe(path)
+    if check:
+        check_coverage(ckpt)
+    return ckpt

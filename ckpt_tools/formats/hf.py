@@ -1,0 +1,167 @@
+"""Hugging Face safetensors: one file, or shards listed by ``model.safetensors.index.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..describe import Checkpoint, Chunk, FileEntry, Location, TensorInfo
+from ..errors import BadInput
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "C64": torch.complex64,
+}
+DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+
+
+def detect(path: Path) -> bool:
+    if path.is_file():
+        return path.suffix == ".safetensors"
+    return (path / INDEX_NAME).is_file() or (path / SINGLE_NAME).is_file() or (
+        any(path.glob("*.safetensors")) and not any(path.glob("*.distcp"))
+    )
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """Parse and validate a safetensors header without touching the data.
+
+    Returns the header (``__metadata__`` removed) and the byte offset where data begins.
+    Refuses what the format forbids: a header past the end of the file or over 100 MB,
+    non-UTF-8 or duplicate keys, offsets out of range or overlapping, a byte range that does
+    not match shape × dtype, holes or trailing bytes.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise BadInput(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise BadInput(f"{path}: safetensors header claims {n} bytes but the file has {size}; corrupt or truncated")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+        raise BadInput(f"{path}: safetensors header is not valid UTF-8 JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise BadInput(f"{path}: safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    data_start = 8 + n
+    data_len = size - data_start
+    spans = []
+    for name, entry in header.items():
+        try:
+            dtype = DTYPES[entry["dtype"]]
+            shape = [int(d) for d in entry["shape"]]
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadInput(f"{path}: tensor {name!r}: malformed header entry {entry!r}") from e
+        if any(d < 0 for d in shape) or not 0 <= begin <= end <= data_len:
+            raise BadInput(f"{path}: tensor {name!r}: offsets {begin}..{end} outside the {data_len} data bytes")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel * torch.empty((), dtype=dtype).element_size() != end - begin:
+            raise BadInput(f"{path}: tensor {name!r}: shape {shape} × {entry['dtype']} does not match its {end - begin} bytes")
+        spans.append((begin, end, name))
+    spans.sort()
+    pos = 0
+    for begin, end, name in spans:
+        if begin < pos:
+            raise BadInput(f"{path}: tensor {name!r} overlaps the tensor before it")
+        if begin > pos:
+            raise BadInput(f"{path}: a hole of {begin - pos} bytes before tensor {name!r}")
+        pos = end
+    if pos != data_len:
+        raise BadInput(f"{path}: {data_len - pos} trailing bytes after the last tensor; truncated or corrupt")
+    return header, data_start
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def shard_files(path: Path) -> tuple[Path, list[str], dict[str, str] | None]:
+    """The base dir, the shard file names, and the index's weight map (None without index)."""
+    if path.is_file():
+        return path.parent, [path.name], None
+    index = path / INDEX_NAME
+    if index.is_file():
+        weight_map = read_index(index)
+        return path, sorted(set(weight_map.values())), weight_map
+    if (path / SINGLE_NAME).is_file():
+        return path, [SINGLE_NAME], None
+    files = sorted(p.name for p in path.glob("*.safetensors"))
+    if len(files) > 1:
+        raise BadInput(f"{path}: {len(files)} .safetensors files but no {INDEX_NAME}; cannot tell how they fit together")
+    return path, files, None
+
+
+def read_index(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BadInput(f"{index}: not a valid safetensors index ({e})") from e
+    if not isinstance(weight_map, dict):
+        raise BadInput(f"{index}: weight_map is not an object")
+    for name, file in weight_map.items():
+        safe_relative(index.parent, file, what=f"{index}: tensor {name!r}")
+    return weight_map
+
+
+def safe_relative(base: Path, name: str, *, what: str) -> Path:
+    """Resolve ``name`` under ``base``; refuse absolute paths, ``..`` and symlinks leaving base."""
+    if not isinstance(name, str) or not name or os.path.isabs(name) or ".." in Path(name).parts:
+        raise BadInput(f"{what}: file name {name!r} escapes the checkpoint directory")
+    full = base / name
+    if full.is_symlink() and not full.resolve().is_relative_to(base.resolve()):
+        raise BadInput(f"{what}: {name!r} is a symlink out of the checkpoint directory")
+    return full
+
+
+def describe(path: Path) -> Checkpoint:
+    base, files, weight_map = shard_files(path)
+    tensors: list[TensorInfo] = []
+    entries: list[FileEntry] = []
+    seen: dict[str, str] = {}
+    for name in files:
+        file = safe_relative(base, name, what=str(base))
+        if not file.is_file():
+            raise BadInput(f"{base / INDEX_NAME}: names shard {name!r}, which is missing")
+        header, data_start = read_header(file)
+        entries.append(FileEntry(name, file.stat().st_size))
+        for key, e in header.items():
+            if key in seen:
+                raise BadInput(f"{file}: tensor {key!r} is also in {seen[key]}")
+            if weight_map is not None and weight_map.get(key) != name:
+                raise BadInput(f"{file}: holds {key!r}, but the index puts it in {weight_map.get(key)!r}")
+            seen[key] = name
+            begin, end = e["data_offsets"]
+            shape = tuple(int(d) for d in e["shape"])
+            loc = Location(name, "raw", data_start + begin, end - begin)
+            tensors.append(TensorInfo("model", key, shape, DTYPES[e["dtype"]],
+                                      (Chunk((0,) * len(shape), shape, loc),)))
+    if weight_map is not None:
+        missing = sorted(set(weight_map) - set(seen))
+        if missing:
+            raise BadInput(f"{base / INDEX_NAME}: names {len(missing)} tensors no shard holds, e.g. {missing[0]!r}")
+    root = path
+    return Checkpoint("hf", root, None, tuple(tensors), files=tuple(entries))

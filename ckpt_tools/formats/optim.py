@@ -1,0 +1,60 @@
+"""Optimizer state dicts, int-keyed (``optimizer.state_dict()``) or FQN-keyed
+(``get_optimizer_state_dict``), mapped to parameter names."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+
+def is_optimizer_state(obj: Any) -> bool:
+    return isinstance(obj, dict) and "state" in obj and "param_groups" in obj and isinstance(obj["state"], dict)
+
+
+def is_int_keyed(osd: dict) -> bool:
+    ids = [p for g in osd["param_groups"] for p in g.get("params", [])]
+    return bool(ids) and all(isinstance(p, int) for p in ids) or (
+        not ids and all(isinstance(k, int) for k in osd["state"])
+    )
+
+
+def state_entries(osd: dict, param_order: Sequence[str]) -> Iterator[tuple[str, str, Any, tuple]]:
+    """Yield ``(param_fqn, state_key, value, key_path)`` for each per-parameter state value.
+
+    Int keys are mapped through ``param_order`` (the parameters in ``model.parameters()``
+    order); an int with no name there keeps its number as its name.
+    """
+    for pid, states in osd["state"].items():
+        if isinstance(pid, int):
+            fqn = param_order[pid] if 0 <= pid < len(param_order) else str(pid)
+        else:
+            fqn = str(pid)
+        for k, v in states.items():
+            yield fqn, str(k), v, ("state", pid, k)
+
+
+def is_tensor(v: Any) -> bool:
+    return isinstance(v, torch.Tensor)
+
+
+def param_order_from_model(model_sd: dict) -> tuple[str, ...]:
+    """The parameters of a saved ``model.state_dict()`` in ``model.parameters()`` order: its
+    DTensor entries (FSDP2 parameters are DTensors, buffers are not), tied ones once. For a
+    plain (unsharded) state dict, every floating tensor, tied ones once."""
+    from torch.distributed.tensor import DTensor
+
+    values = [(k, v) for k, v in model_sd.items() if isinstance(v, torch.Tensor)]
+    if any(isinstance(v, DTensor) for _, v in values):
+        values = [(k, v) for k, v in values if isinstance(v, DTensor)]
+    else:
+        values = [(k, v) for k, v in values if v.is_floating_point()]
+    seen: set[int] = set()
+    order = []
+    for k, v in values:
+        ident = id(v)
+        if ident not in seen:
+            seen.add(ident)
+            order.append(k)
+    return tuple(order)

@@ -1,0 +1,179 @@
+"""verl's per-rank layout: ``model_/optim_/extra_state_world_size_{W}_rank_{r}.pt``.
+
+Model files hold FSDP2 DTensor state dicts (``Shard``/``Replicate`` placements on a 1-D or
+2-D mesh) or FSDP1 ShardedTensors; optimizer files are int-keyed or FQN-keyed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo, chunk_rows
+from ..errors import BadInput
+from ..safeload import load_torch
+from . import optim
+
+PATTERN = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
+CONFIG_NAME = "fsdp_config.json"
+
+
+def file_name(kind: str, world_size: int, rank: int) -> str:
+    return f"{kind}_world_size_{world_size}_rank_{rank}.pt"
+
+
+def detect(path: Path) -> bool:
+    return path.is_dir() and any(PATTERN.match(p.name) for p in path.iterdir())
+
+
+def _inventory(path: Path) -> tuple[int, dict[str, dict[int, str]]]:
+    found: dict[str, dict[int, str]] = {"model": {}, "optim": {}, "extra_state": {}}
+    sizes = set()
+    for p in path.iterdir():
+        m = PATTERN.match(p.name)
+        if m:
+            kind, ws, rank = m.group(1), int(m.group(2)), int(m.group(3))
+            sizes.add(ws)
+            found[kind][rank] = p.name
+    if len(sizes) != 1:
+        raise BadInput(f"{path}: rank files of several world sizes {sorted(sizes)}; keep one save per directory")
+    (ws,) = sizes
+    config = path / CONFIG_NAME
+    if config.is_file():
+        try:
+            cfg_ws = json.loads(config.read_text()).get("world_size")
+        except (OSError, ValueError, AttributeError) as e:
+            raise BadInput(f"{config}: not valid JSON ({e})") from e
+        if cfg_ws is not None and cfg_ws != ws:
+            raise BadInput(f"{path}: file names say world size {ws} but {CONFIG_NAME} says {cfg_ws}")
+    if not found["model"]:
+        raise BadInput(f"{path}: no model_world_size_{ws}_rank_*.pt files (only optimizer or extra state)")
+    for kind, ranks in found.items():
+        if ranks and set(ranks) != set(range(ws)):
+            missing = sorted(set(range(ws)) - set(ranks))
+            extra = sorted(set(ranks) - set(range(ws)))
+            what = f"missing ranks {missing}" if missing else f"ranks {extra} beyond the world size"
+            raise BadInput(f"{path}: {kind} files at world size {ws} have {what}; "
+                           f"expected {file_name(kind, ws, 0)} .. {file_name(kind, ws, ws - 1)}")
+    return ws, found
+
+
+def describe(path: Path) -> Checkpoint:
+    ws, found = _inventory(path)
+    pieces: dict[tuple[str, str], dict[str, Any]] = {}
+    objects: list[ObjectInfo] = []
+    entries = [FileEntry(p.name, p.stat().st_size) for p in sorted(path.iterdir()) if p.is_file()]
+    if (path / "huggingface").is_dir():
+        entries += [FileEntry(str(p.relative_to(path)), p.stat().st_size)
+                    for p in sorted((path / "huggingface").rglob("*")) if p.is_file()]
+    mesh_shape: tuple[int, ...] | None = None
+    param_order: tuple[str, ...] = ()
+    details: dict[str, Any] = {"fsdp": None}
+    for rank in range(ws):
+        name = found["model"][rank]
+        sd = load_torch(path / name)
+        if not isinstance(sd, dict):
+            raise BadInput(f"{path / name}: holds a {type(sd).__name__}, not a state dict")
+        order = optim.param_order_from_model(sd)
+        if rank == 0:
+            param_order = order
+        elif order != param_order:
+            raise BadInput(f"{path / name}: its parameters differ from rank 0's; the files are not from one save")
+        for key, v in sd.items():
+            loc = Location(name, "pickled", key=(key,))
+            if isinstance(v, torch.Tensor):
+                shape, chunk, mesh, kind = _chunk(v, rank, ws, loc, path / name, key)
+                details["fsdp"] = details["fsdp"] or kind
+                mesh_shape = mesh_shape or mesh
+                _add(pieces, ("model", key), shape, v.dtype, chunk, path / name)
+            elif rank == 0:
+                objects.append(ObjectInfo("model", key, loc, path=("model", key)))
+        if rank in found["optim"]:
+            oname = found["optim"][rank]
+            osd = load_torch(path / oname)
+            if not optim.is_optimizer_state(osd):
+                raise BadInput(f"{path / oname}: not an optimizer state dict (no 'state'/'param_groups')")
+            details["optimizer_keyed"] = "int" if optim.is_int_keyed(osd) else "fqn"
+            if rank == 0:
+                details["param_groups"] = len(osd["param_groups"])
+                objects.append(ObjectInfo("optimizer", "param_groups", Location(oname, "pickled", key=("param_groups",)),
+                                          path=("optimizer", "param_groups")))
+            for fqn, skey, v, kp in optim.state_entries(osd, param_order):
+                tname = f"state.{fqn}.{skey}"
+                loc = Location(oname, "pickled", key=kp)
+                if isinstance(v, torch.Tensor):
+                    shape, chunk, _, _ = _chunk(v, rank, ws, loc, path / oname, tname)
+                    _add(pieces, ("optimizer", tname), shape, v.dtype, chunk, path / oname, fqn, skey)
+                elif rank == 0:
+                    objects.append(ObjectInfo("optimizer", tname, loc, path=("optimizer", *kp)))
+        if rank in found["extra_state"]:
+            ename = found["extra_state"][rank]
+            extra = load_torch(path / ename)
+            if not isinstance(extra, dict):
+                raise BadInput(f"{path / ename}: holds a {type(extra).__name__}, expected a dict")
+            for key in extra:
+                objects.append(ObjectInfo("extra", str(key), Location(ename, "pickled", key=(key,)), rank=rank,
+                                          path=(key,)))
+    tensors = tuple(
+        TensorInfo(g, n, p["shape"], p["dtype"], tuple(p["chunks"]), p["param"], p["state"])
+        for (g, n), p in pieces.items()
+    )
+    return Checkpoint("sharded", path, ws, tensors, tuple(objects), tuple(entries), mesh_shape,
+                      details, param_order)
+
+
+def _add(pieces: dict, key: tuple[str, str], shape: tuple[int, ...], dtype: torch.dtype, chunk: Chunk,
+         file: Path, param: str | None = None, state: str | None = None) -> None:
+    entry = pieces.setdefault(key, {"shape": shape, "dtype": dtype, "chunks": [], "param": param, "state": state})
+    if entry["shape"] != shape or entry["dtype"] != dtype:
+        raise BadInput(f"{file}: tensor {key[1]!r} is {tuple(shape)} {dtype} here but "
+                       f"{entry['shape']} {entry['dtype']} on rank 0; the files are not from one save")
+    entry["chunks"].append(chunk)
+
+
+def _chunk(v: torch.Tensor, rank: int, ws: int, loc: Location, file: Path, name: str):
+    """Global shape and the chunk that ``rank`` holds, from a DTensor's placements."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if isinstance(v, DTensor):
+        mesh = v.device_mesh.mesh
+        shape = tuple(v.shape)
+        if mesh.numel() != ws:
+            raise BadInput(f"{file}: tensor {name!r} lives on a mesh of {mesh.numel()} devices, "
+                           f"but the files say world size {ws}")
+        coord = (mesh == rank).nonzero()
+        if coord.shape[0] != 1:
+            raise BadInput(f"{file}: rank {rank} is not in the device mesh of tensor {name!r}")
+        coord = coord[0].tolist()
+        offsets, sizes = [0] * len(shape), list(shape)
+        for mesh_dim, p in enumerate(v.placements):
+            if type(p) is Shard:
+                d = p.dim
+                start, stop = chunk_rows(sizes[d], mesh.shape[mesh_dim], coord[mesh_dim])
+                offsets[d] += start
+                sizes[d] = stop - start
+            elif not isinstance(p, Replicate):
+                raise BadInput(f"{file}: tensor {name!r} has placement {p}, which ckpt cannot read yet "
+                               "(only Shard and Replicate)")
+        local = tuple(v._local_tensor.shape)
+        if local != tuple(sizes):
+            raise BadInput(f"{file}: tensor {name!r}: rank {rank} holds {local}, but its placement "
+                           f"{v.placements} on world size {ws} gives {tuple(sizes)}")
+        kind = "FSDP2 (DTensor)"
+        return shape, Chunk(tuple(offsets), tuple(sizes), loc, rank), tuple(mesh.shape), kind
+    if type(v).__name__ == "ShardedTensor":
+        md = v.metadata()
+        shape = tuple(md.size)
+        mine = v.local_shards()
+        if len(mine) != 1:
+            raise BadInput(f"{file}: tensor {name!r}: rank {rank} holds {len(mine)} local shards; expected 1")
+        sm = mine[0].metadata
+        loc = Location(loc.file, loc.kind, key=loc.key)
+        return shape, Chunk(tuple(sm.shard_offsets), tuple(sm.shard_sizes), loc, rank), (ws,), "FSDP1 (ShardedTensor)"
+    # A plain tensor (a buffer, or a scalar such as `step`) is a full copy on every rank.
+    shape = tuple(v.shape)
+    return shape, Chunk((0,) * len(shape), shape, loc, rank), None, None

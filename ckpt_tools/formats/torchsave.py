@@ -1,0 +1,115 @@
+"""One full (unsharded) ``torch.save`` file, or HF ``pytorch_model-*.bin`` shards + index.
+
+The file may hold a bare state dict, or ``{"model": ..., "optimizer": ..., ...}``; anything
+that is neither model nor optimizer is extra state.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo
+from ..errors import BadInput
+from ..safeload import load_torch
+from . import optim
+from .hf import safe_relative
+
+SUFFIXES = (".pt", ".pth", ".bin")
+INDEX_NAME = "pytorch_model.bin.index.json"
+
+
+def detect(path: Path) -> bool:
+    if path.is_file():
+        return path.suffix in SUFFIXES
+    return (path / INDEX_NAME).is_file() or (path / "pytorch_model.bin").is_file() or (
+        len([p for p in path.iterdir() if p.suffix in SUFFIXES]) == 1
+    )
+
+
+def _files(path: Path) -> tuple[Path, list[str], dict[str, str] | None]:
+    if path.is_file():
+        return path.parent, [path.name], None
+    index = path / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise BadInput(f"{index}: not a valid index ({e})") from e
+        for name, file in weight_map.items():
+            safe_relative(path, file, what=f"{index}: tensor {name!r}")
+        return path, sorted(set(weight_map.values())), weight_map
+    if (path / "pytorch_model.bin").is_file():
+        return path, ["pytorch_model.bin"], None
+    files = sorted(p.name for p in path.iterdir() if p.suffix in SUFFIXES)
+    return path, files, None
+
+
+def describe(path: Path) -> Checkpoint:
+    base, files, weight_map = _files(path)
+    tensors: list[TensorInfo] = []
+    objects: list[ObjectInfo] = []
+    entries: list[FileEntry] = []
+    details: dict[str, Any] = {}
+    param_order: tuple[str, ...] = ()
+    for name in files:
+        file = base / name
+        if not file.is_file():
+            raise BadInput(f"{base / INDEX_NAME}: names shard {name!r}, which is missing")
+        entries.append(FileEntry(name, file.stat().st_size))
+        obj = load_torch(file)
+        if not isinstance(obj, dict):
+            raise BadInput(f"{file}: holds a {type(obj).__name__}, not a state dict")
+        model, model_key = _model_part(obj)
+        for key, v in model.items():
+            kp = (model_key, key) if model_key else (key,)
+            if isinstance(v, torch.Tensor):
+                if weight_map is not None and weight_map.get(key) != name:
+                    raise BadInput(f"{file}: holds {key!r}, but the index puts it in {weight_map.get(key)!r}")
+                tensors.append(_full("model", key, v, Location(name, "pickled", key=kp)))
+            else:
+                objects.append(ObjectInfo("model", key, Location(name, "pickled", key=kp), path=kp))
+        if model_key is None:
+            continue
+        param_order = optim.param_order_from_model(model)
+        for top, value in obj.items():
+            if top == model_key:
+                continue
+            if top == "optimizer" and optim.is_optimizer_state(value):
+                details["optimizer_keyed"] = "int" if optim.is_int_keyed(value) else "fqn"
+                for fqn, skey, v, kp in optim.state_entries(value, param_order):
+                    loc = Location(name, "pickled", key=("optimizer", *kp))
+                    if isinstance(v, torch.Tensor):
+                        tensors.append(_full("optimizer", f"state.{fqn}.{skey}", v, loc, fqn, skey))
+                    else:
+                        objects.append(ObjectInfo("optimizer", f"state.{fqn}.{skey}", loc, path=("optimizer", *kp)))
+                objects.append(ObjectInfo("optimizer", "param_groups",
+                                          Location(name, "pickled", key=("optimizer", "param_groups")),
+                                          path=("optimizer", "param_groups")))
+                details["param_groups"] = len(value["param_groups"])
+            else:
+                objects.append(ObjectInfo("extra", str(top), Location(name, "pickled", key=(top,)), path=(top,)))
+    if weight_map is not None:
+        missing = set(weight_map) - {t.name for t in tensors}
+        if missing:
+            raise BadInput(f"{base / INDEX_NAME}: names {len(missing)} tensors no shard holds, e.g. {sorted(missing)[0]!r}")
+    return Checkpoint("torch", path, None, tuple(tensors), tuple(objects), tuple(entries),
+                      details=details, param_order=param_order)
+
+
+def _model_part(obj: dict) -> tuple[dict, str | None]:
+    """A training checkpoint nests the model under "model" (or "state_dict"/"module");
+    a bare state dict is the model itself."""
+    for key in ("model", "state_dict", "module"):
+        if isinstance(obj.get(key), dict):
+            return obj[key], key
+    return obj, None
+
+
+def _full(group: str, name: str, v: torch.Tensor, loc: Location,
+          param: str | None = None, state: str | None = None) -> TensorInfo:
+    shape = tuple(v.shape)
+    return TensorInfo(group, name, shape, v.dtype, (Chunk((0,) * len(shape), shape, loc),), param, state)

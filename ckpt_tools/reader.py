@@ -1,0 +1,141 @@
+"""Reading the bytes a description points at: one chunk or one object at a time.
+
+Files are memory-mapped, so a chunk costs page cache, not process memory, until it is copied.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .describe import Checkpoint, Chunk, Location, ObjectInfo, TensorInfo
+from .errors import BadInput
+from .safeload import load_torch, load_torch_bytes
+
+
+class Reader:
+    """Reads chunks and objects of one checkpoint. Use as a context manager.
+
+    ``torch.save``'d files are loaded memory-mapped and kept in a small LRU cache, so a plan
+    that walks a per-rank file tensor by tensor unpickles it once.
+    """
+
+    def __init__(self, ckpt: Checkpoint, *, cache_files: int = 4):
+        self.ckpt = ckpt
+        self._maps: dict[str, mmap.mmap] = {}
+        self._loaded: OrderedDict[str, Any] = OrderedDict()
+        self._cache_files = cache_files
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._loaded.clear()
+        for m in self._maps.values():
+            try:
+                m.close()
+            except BufferError:  # a tensor still views it; the GC closes it later
+                pass
+        self._maps.clear()
+
+    # -- raw bytes ----------------------------------------------------------------------
+    def _map(self, file: str) -> mmap.mmap:
+        m = self._maps.get(file)
+        if m is None:
+            path = self.ckpt.base_dir() / file
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    raise BadInput(f"{path}: empty file")
+                # ACCESS_COPY: a writable (copy-on-write) view, so torch.frombuffer needs no copy
+                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._maps[file] = m
+        return m
+
+    def _bytes(self, loc: Location) -> memoryview:
+        m = self._map(loc.file)
+        if loc.offset + loc.length > len(m):
+            raise BadInput(f"{self.ckpt.base_dir() / loc.file}: item at {loc.offset}+{loc.length} "
+                           f"runs past the end of the file ({len(m)} bytes); truncated")
+        return memoryview(m)[loc.offset: loc.offset + loc.length]
+
+    def _pickled(self, file: str) -> Any:
+        obj = self._loaded.get(file)
+        if obj is None:
+            obj = load_torch(self.ckpt.base_dir() / file)
+            self._loaded[file] = obj
+            while len(self._loaded) > self._cache_files:
+                self._loaded.popitem(last=False)
+        else:
+            self._loaded.move_to_end(file)
+        return obj
+
+    def _lookup(self, loc: Location) -> Any:
+        obj = self._pickled(loc.file)
+        for k in loc.key:
+            try:
+                obj = obj[k]
+            except (KeyError, IndexError, TypeError) as e:
+                raise BadInput(f"{self.ckpt.base_dir() / loc.file}: no entry {loc.key!r}; the file changed since it was described") from e
+        return obj
+
+    # -- public ---------------------------------------------------------------------------
+    def chunk(self, tensor: TensorInfo, chunk: Chunk) -> torch.Tensor:
+        """The stored values of ``chunk`` as a tensor of its sizes (may view a mapped file:
+        copy it before the reader closes)."""
+        loc = chunk.location
+        if loc.kind == "raw":
+            data = self._bytes(loc)
+            if not chunk.numel:
+                return torch.empty(chunk.sizes, dtype=tensor.dtype)
+            return torch.frombuffer(data, dtype=tensor.dtype).view(chunk.sizes)
+        if loc.kind == "torch_item":
+            value = load_torch_bytes(self._bytes(loc), where=f"{self.ckpt.base_dir() / loc.file} ({tensor.name})")
+        elif loc.kind == "pickled":
+            value = self._lookup(loc)
+        else:
+            raise BadInput(f"{loc.file}: cannot read a {loc.kind!r} item as a tensor")
+        value = _local(value)
+        if not isinstance(value, torch.Tensor):
+            raise BadInput(f"{self.ckpt.base_dir() / loc.file}: {tensor.name!r} is a {type(value).__name__}, not a tensor")
+        if tuple(value.shape) != tuple(chunk.sizes) or value.dtype != tensor.dtype:
+            raise BadInput(f"{self.ckpt.base_dir() / loc.file}: {tensor.name!r} holds {tuple(value.shape)} "
+                           f"{value.dtype}, its metadata says {chunk.sizes} {tensor.dtype}")
+        return value
+
+    def object(self, obj: ObjectInfo) -> Any:
+        loc = obj.location
+        if loc.kind == "bytes_item":
+            return load_torch_bytes(self._bytes(loc), where=f"{self.ckpt.base_dir() / loc.file} ({obj.name})")
+        if loc.kind == "pickled":
+            return _local(self._lookup(loc))
+        raise BadInput(f"{loc.file}: cannot read a {loc.kind!r} item as an object")
+
+    def full(self, tensor: TensorInfo) -> torch.Tensor:
+        """Assemble a whole logical tensor (for small tensors and tests)."""
+        out = torch.empty(tensor.shape, dtype=tensor.dtype)
+        for c in tensor.chunks:
+            region = out
+            for d, (o, s) in enumerate(zip(c.offsets, c.sizes)):
+                region = region.narrow(d, o, s)
+            region.copy_(self.chunk(tensor, c))
+        return out
+
+
+def _local(value: Any) -> Any:
+    """A DTensor or ShardedTensor's local data; anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value._local_tensor
+    if type(value).__name__ == "ShardedTensor":
+        return value.local_shards()[0].tensor
+    return value

@@ -1,0 +1,147 @@
+"""Loading untrusted files without running their code.
+
+``torch.load`` is only ever called with ``weights_only=True``. DCP's ``.metadata`` is a plain
+pickle, so it goes through :class:`MetadataUnpickler`, which admits DCP's own metadata classes
+and the few torch and builtin types they are made of, and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import pickle
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.tensor  # noqa: F401  (registers DTensor for weights_only loading)
+
+from .errors import BadInput, UnsafeInput
+
+# verl's extra-state files hold `np.random.get_state()`: arrays need numpy's reconstructor,
+# which builds an empty array and fills it from bytes; it runs no code of the file's choosing.
+_NUMPY_SAFE = [
+    np.ndarray,
+    np.dtype,
+    np._core.multiarray._reconstruct,
+    np._core.multiarray.scalar,
+    *[getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")],
+]
+
+
+@contextlib.contextmanager
+def _quiet_device_mesh():
+    # Unpickling a DeviceMesh outside its job logs a warning per mesh; it is expected here.
+    logger = logging.getLogger("torch.distributed.device_mesh")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def load_torch(path: Path | str, *, mmap: bool = True) -> Any:
+    """``torch.load`` a file safely; tensors are memory-mapped (read lazily) when ``mmap``."""
+    path = Path(path)
+    if is_torchscript(path):
+        raise UnsafeInput(
+            f"{path} is a TorchScript archive, which carries code; "
+            "save the state dict with torch.save(model.state_dict()) instead"
+        )
+    try:
+        with _quiet_device_mesh(), torch.serialization.safe_globals(_NUMPY_SAFE):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and _is_zip(path))
+    except pickle.UnpicklingError as e:
+        raise UnsafeInput(
+            f"{path}: refused to unpickle it: it needs code that weights_only loading does not "
+            f"allow ({_first_line(e)}); if you trust the file, re-save it as plain tensors"
+        ) from e
+    except (RuntimeError, EOFError, ValueError, OSError, zipfile.BadZipFile) as e:
+        raise BadInput(f"{path}: not a readable torch.save file, corrupt or truncated ({_first_line(e)})") from e
+
+
+def load_torch_bytes(data: bytes | memoryview, *, where: str) -> Any:
+    """``torch.load`` an in-memory ``torch.save`` blob (a DCP item) safely."""
+    try:
+        with _quiet_device_mesh(), torch.serialization.safe_globals(_NUMPY_SAFE):
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeInput(f"{where}: refused to unpickle an item that needs code ({_first_line(e)})") from e
+    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as e:
+        raise BadInput(f"{where}: corrupt or truncated item ({_first_line(e)})") from e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else type(e).__name__
+
+
+def _is_zip(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
+def is_torchscript(path: Path) -> bool:
+    """TorchScript archives are zips holding a ``code/`` folder or ``constants.pkl``."""
+    if not _is_zip(path):
+        return False
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any("/code/" in n or n.endswith("/constants.pkl") for n in z.namelist())
+    except zipfile.BadZipFile:
+        return False
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP ``.metadata``: DCP's metadata dataclasses and plain data, nothing else."""
+
+    _ALLOWED = {
+        ("torch.distributed.checkpoint.metadata", n)
+        for n in (
+            "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata",
+            "BytesStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING", "StorageMeta",
+        )
+    } | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
+        ("torch", "Size"),
+        # how torch.layout pickles: a lookup by name in a fixed table
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+        # StorageMeta.checkpoint_id is the path dcp.save was given
+        ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "slice"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not a DCP metadata class")
+
+
+def load_dcp_metadata(path: Path) -> Any:
+    """Read a DCP ``.metadata`` file through :class:`MetadataUnpickler`."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        with open(path, "rb") as f:
+            meta = MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        raise UnsafeInput(f"{path}: refused: {_first_line(e)}; a DCP .metadata holds only DCP's own classes") from e
+    except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, OSError) as e:
+        raise BadInput(f"{path}: corrupt or truncated DCP metadata ({_first_line(e)})") from e
+    if not isinstance(meta, Metadata):
+        raise BadInput(f"{path}: holds a {type(meta).__name__}, not DCP Metadata")
+    return meta
