@@ -11,6 +11,9 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .errors import BadInput, CkptError, DestinationError, UsageError, VerifyFailed  # noqa: E402
+from .convert import convert, export, reshard  # noqa: E402
+from .estimate import estimate  # noqa: E402
 from .inspect import inspect  # noqa: E402
 
-__all__ = ["__version__", "inspect", "CkptError", "BadInput", "DestinationError", "UsageError", "VerifyFailed"]
+__all__ = ["__version__", "inspect", "convert", "export", "reshard", "estimate",
+           "CkptError", "BadInput", "DestinationError", "UsageError", "VerifyFailed"]

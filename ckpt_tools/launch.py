@@ -20,6 +20,7 @@ import datetime
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -79,6 +80,13 @@ def torchrun_env() -> tuple[int, int, int] | None:
     except ValueError as e:
         raise UsageError(f"RANK/WORLD_SIZE/LOCAL_RANK are not integers ({e}); check the launcher") from e
     return rank, world, local
+
+
+def will_spawn() -> bool:
+    """True when :func:`run` would start the ranks itself (no torchrun, no process group)."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) and torchrun_env() is None
 
 
 def run(fn: Callable[..., Any], *args: Any, ranks: int, device: str = "cpu",
@@ -159,7 +167,9 @@ def _child(rank: int, world: int, device: str, init_method: str, result_dir: str
         data = pickle.dumps((("error", None, traceback.format_exc()), time.time()))
     out.with_suffix(".tmp").write_bytes(data)
     os.replace(out.with_suffix(".tmp"), out)
-    os._exit(0 if payload[0] == "ok" else 1)
+    # A normal exit, not os._exit: it releases what the rank registered (tqdm's lock semaphore)
+    # instead of leaving the parent's resource tracker to warn about it.
+    sys.exit(0 if payload[0] == "ok" else 1)
 
 
 def _spawn(fn, args, ranks: int, device: str, threads_per_rank: int | None) -> Any:

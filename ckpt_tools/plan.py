@@ -34,8 +34,12 @@ class Target:
         return self.source.shape
 
     @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * dtype_size(self.dtype)
+        return self.numel * dtype_size(self.dtype)
 
 
 @dataclass(frozen=True)

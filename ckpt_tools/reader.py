@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ class Reader:
         self._maps: dict[str, mmap.mmap] = {}
         self._loaded: OrderedDict[str, Any] = OrderedDict()
         self._cache_files = cache_files
+        # the engine's prefetch thread reads chunks while the writer reads objects
+        self._lock = threading.RLock()
 
     def __enter__(self) -> Reader:
         return self
@@ -48,6 +51,10 @@ class Reader:
 
     # -- raw bytes ----------------------------------------------------------------------
     def _map(self, file: str) -> mmap.mmap:
+        with self._lock:
+            return self._map_locked(file)
+
+    def _map_locked(self, file: str) -> mmap.mmap:
         m = self._maps.get(file)
         if m is None:
             path = self.ckpt.base_dir() / file
@@ -68,6 +75,10 @@ class Reader:
         return memoryview(m)[loc.offset: loc.offset + loc.length]
 
     def _pickled(self, file: str) -> Any:
+        with self._lock:
+            return self._pickled_locked(file)
+
+    def _pickled_locked(self, file: str) -> Any:
         obj = self._loaded.get(file)
         if obj is None:
             obj = load_torch(self.ckpt.base_dir() / file)

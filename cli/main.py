@@ -68,5 +68,83 @@ def inspect_cmd(path: str, as_json: bool, tensors: bool, progress: bool) -> None
     emit_json(info) if as_json else click.echo(format_summary(info))
 
 
+def _report(report: dict, progress: bool) -> None:
+    if progress:
+        from ckpt_tools.inspect import human_bytes
+
+        n, size = report.get("num_tensors"), report.get("total_bytes")
+        click.echo(f"wrote {report['dst']} ({report['format']}"
+                   + (f", {report['world_size']} ranks" if report.get("world_size") else "")
+                   + (f", {n} tensors, {human_bytes(size)}" if n is not None else "") + ")", err=True)
+
+
+_SIZE = click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard (e.g. 2GB, 500MB).")
+_DTYPE = click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), help="Cast floating-point tensors (others keep theirs).")
+_OVERWRITE = click.option("--overwrite", is_flag=True, help="Replace DST (the old one stays until the new one is complete).")
+_RANK_LOCAL = click.option("--rank-local", type=click.Choice(["drop", "keep-first"]), default="drop", show_default=True,
+                           help="Rank-local extra state (RNG, data-loader) when the world size changes: drop it, "
+                                "or keep source rank r's value on new rank r.")
+
+
+@main.command("convert")
+@click.argument("src", type=click.Path())
+@click.argument("dst", type=click.Path())
+@click.option("--to", "to", required=True, type=click.Choice(["hf", "torch", "dcp", "sharded"]), help="Output format.")
+@click.option("--world-size", type=click.IntRange(min=1), help="Ranks of sharded/dcp output (default: the source's, else 1).")
+@_DTYPE
+@_SIZE
+@click.option("--model-only", is_flag=True, help="Leave out optimizer and extra state.")
+@click.option("--base", help="HF model dir or hub id to take config and tokenizer from (hf output).")
+@_RANK_LOCAL
+@_OVERWRITE
+@command
+def convert_cmd(src, dst, to, world_size, dtype, max_shard_size, model_only, base, rank_local, overwrite, progress):
+    """Convert SRC (any format) to DST in format --to."""
+    _report(ckpt_tools.convert(src, dst, to=to, world_size=world_size, dtype=dtype, max_shard_size=max_shard_size,
+                               model_only=model_only, base=base, overwrite=overwrite, progress=progress,
+                               rank_local=rank_local), progress)
+
+
+@main.command("export")
+@click.argument("src", type=click.Path())
+@click.argument("dst", type=click.Path())
+@click.option("--base", help="HF model dir or hub id to take config and tokenizer from.")
+@_DTYPE
+@_SIZE
+@_OVERWRITE
+@command
+def export_cmd(src, dst, base, dtype, max_shard_size, overwrite, progress):
+    """Export SRC as a Hugging Face directory (safetensors, config, tokenizer) at DST."""
+    _report(ckpt_tools.export(src, dst, base=base, dtype=dtype, max_shard_size=max_shard_size,
+                              overwrite=overwrite, progress=progress), progress)
+
+
+@main.command("reshard")
+@click.argument("src", type=click.Path())
+@click.argument("dst", type=click.Path())
+@click.option("--to", "to", required=True, type=click.IntRange(min=1), help="New world size M.")
+@click.option("--from", "from_", type=click.IntRange(min=1), help="Expected source world size N (checked).")
+@_RANK_LOCAL
+@_OVERWRITE
+@command
+def reshard_cmd(src, dst, to, from_, rank_local, overwrite, progress):
+    """Reshard a sharded or DCP checkpoint (model, optimizer, extra state) to --to ranks."""
+    _report(ckpt_tools.reshard(src, dst, to=to, from_=from_, overwrite=overwrite, progress=progress,
+                               rank_local=rank_local), progress)
+
+
+@main.command("estimate")
+@click.argument("model")
+@click.option("--ranks", required=True, type=click.IntRange(min=1), help="Number of GPUs.")
+@click.option("--mixed-precision", type=click.Choice(["bf16", "fp16"]), help="FSDP2 MixedPrecisionPolicy param dtype.")
+@click.option("--cpu-offload", is_flag=True, help="FSDP2 CPUOffloadPolicy.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
+@command
+def estimate_cmd(model, ranks, mixed_precision, cpu_offload, as_json, progress):
+    """Memory per GPU for training MODEL on --ranks GPUs with DDP and with FSDP."""
+    est = ckpt_tools.estimate(model, ranks=ranks, mixed_precision=mixed_precision, cpu_offload=cpu_offload)
+    emit_json(est.to_json()) if as_json else click.echo(est.table())
+
+
 if __name__ == "__main__":
     main()

@@ -125,3 +125,88 @@ def _classify(fqn: str, obj_path: tuple | None) -> tuple[str, str, str | None, s
     if parts:
         return "extra", fqn, None, None
     return "model", fqn, None, None
+
+
+# -- writing ------------------------------------------------------------------------------
+
+def dcp_key(target) -> tuple:
+    """The nesting path ``dcp.save`` gives a tensor of ``get_state_dict``'s output."""
+    if target.group == "optimizer" and target.param:
+        return ("optimizer", "state", target.param, target.state)
+    return (target.group, target.name)
+
+
+class Writer:
+    """A DCP directory as an M-rank ``dcp.save`` lays it out: ``__{r}_0.distcp`` holding rank
+    r's rows of every sharded tensor, replicated entries (scalars, objects) saved once by rank
+    0, items written as ``torch.save`` blobs, and ``.metadata`` (DCP's own classes) last."""
+
+    single_file = False
+
+    def __init__(self, *, param_order: tuple[str, ...] = ()) -> None:
+        self.param_order = param_order
+        self._written: dict[str, list] = {}
+
+    def write(self, path: Path, job, pieces, objects) -> None:
+        import io
+
+        import torch
+
+        from ..engine import compact
+        from ..state import gather, param_groups_keyed
+
+        records = []
+        with open(path, "wb") as f:
+            for p, values in pieces:
+                start = f.tell()
+                torch.save(compact(values), f)
+                records.append(("tensor", p, start, f.tell() - start))
+            if job.objects or job.meta.get("extra"):
+                from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+                nested = gather(job.objects, objects)
+                nested.update(job.meta.get("extra", {}))
+                if "optimizer" in nested and "param_groups" in nested["optimizer"]:
+                    nested["optimizer"]["param_groups"] = param_groups_keyed(
+                        nested["optimizer"]["param_groups"], keyed="fqn", param_order=self.param_order)
+                flat, mapping = flatten_state_dict(nested)
+                for key, value in flat.items():
+                    buf = io.BytesIO()
+                    torch.save(value, buf)
+                    start = f.tell()
+                    f.write(buf.getbuffer())
+                    records.append(("bytes", (key, mapping[key]), start, f.tell() - start))
+        self._written[job.path] = records
+
+    def finish(self, out: Path, jobs) -> None:
+        import pickle
+
+        import torch
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import (
+            BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
+            TensorProperties, TensorStorageMetadata,
+        )
+
+        state: dict = {}
+        planner: dict = {}
+        storage: dict = {}
+        for job in jobs:
+            for kind, what, start, length in self._written.get(job.path, []):
+                if kind == "tensor":
+                    p = what
+                    path_ = dcp_key(p.target)
+                    fqn = ".".join(map(str, path_))
+                    md = state.setdefault(fqn, TensorStorageMetadata(
+                        properties=TensorProperties(dtype=p.target.dtype), size=torch.Size(p.target.shape), chunks=[]))
+                    md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=torch.Size(p.sizes)))
+                    storage[MetadataIndex(fqn, torch.Size(p.offsets))] = _StorageInfo(job.path, start, length)
+                else:
+                    fqn, path_ = what
+                    state[fqn] = BytesStorageMetadata()
+                    storage[MetadataIndex(fqn)] = _StorageInfo(job.path, start, length)
+                planner[fqn] = path_
+        meta = Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage, version="1.0.0")
+        # written last, as dcp.save does: a reader that finds it knows the data files are complete
+        with open(out / METADATA, "wb") as f:
+            pickle.dump(meta, f)

@@ -165,3 +165,62 @@ def describe(path: Path) -> Checkpoint:
             raise BadInput(f"{base / INDEX_NAME}: names {len(missing)} tensors no shard holds, e.g. {missing[0]!r}")
     root = path
     return Checkpoint("hf", root, None, tuple(tensors), files=tuple(entries))
+
+
+# -- writing ------------------------------------------------------------------------------
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a contiguous tensor, without a copy where possible."""
+    t = t.contiguous().reshape(-1)
+    if not t.numel():
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+class Writer:
+    """safetensors: one file, or shards of ``max_shard_size`` with HF's names and index.
+
+    The header is computed from the plan, so each file is written front to back in one pass.
+    """
+
+    def __init__(self, *, single_file: bool = False, max_shard_size: int | str = "5GB") -> None:
+        self.single_file = single_file
+        self.max_shard_size = max_shard_size
+
+    def plan(self, pieces: list) -> list:
+        from huggingface_hub.serialization._base import split_state_dict_into_shards_factory
+
+        from ..plan import FileJob
+
+        by_name = {p.target.name: p for p in pieces}
+        if self.single_file:
+            return [FileJob(SINGLE_NAME, tuple(pieces))]
+        split = split_state_dict_into_shards_factory(
+            by_name, max_shard_size=self.max_shard_size, filename_pattern="model{suffix}.safetensors",
+            get_storage_size=lambda p: p.nbytes, get_storage_id=lambda p: None,
+        )
+        return [FileJob(name, tuple(by_name[n] for n in names), meta={"sharded": split.is_sharded})
+                for name, names in split.filename_to_tensors.items()]
+
+    def write(self, path: Path, job, pieces, objects) -> None:
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        pos = 0
+        for p in job.pieces:
+            header[p.target.name] = {"dtype": DTYPE_CODES[p.target.dtype], "shape": list(p.sizes),
+                                     "data_offsets": [pos, pos + p.nbytes]}
+            pos += p.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # keep data 8-byte aligned, as safetensors does
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for _, values in pieces:
+                f.write(tensor_bytes(values))
+
+    def finish(self, out: Path, jobs: list) -> None:
+        if self.single_file or len(jobs) == 1 and jobs[0].path == SINGLE_NAME:
+            return
+        index = {"metadata": {"total_size": sum(j.nbytes for j in jobs)},
+                 "weight_map": {p.target.name: j.path for j in jobs for p in j.pieces}}
+        # the index is written last: a reader that finds it knows every shard is complete
+        (out / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -53,7 +53,9 @@ def param_order_from_model(model_sd: dict) -> tuple[str, ...]:
     seen: set[int] = set()
     order = []
     for k, v in values:
-        ident = id(v)
+        # tied parameters are two entries over one storage (not always one object)
+        local = v._local_tensor if isinstance(v, DTensor) else v
+        ident = local.untyped_storage()._cdata
         if ident not in seen:
             seen.add(ident)
             order.append(k)

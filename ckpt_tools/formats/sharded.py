@@ -177,3 +177,83 @@ def _chunk(v: torch.Tensor, rank: int, ws: int, loc: Location, file: Path, name:
     # A plain tensor (a buffer, or a scalar such as `step`) is a full copy on every rank.
     shape = tuple(v.shape)
     return shape, Chunk((0,) * len(shape), shape, loc, rank), None, None
+
+
+# -- writing ------------------------------------------------------------------------------
+
+class Writer:
+    """verl's layout at world size M: per rank, ``model_`` (``model.state_dict()`` of an
+    FSDP2 job: DTensors with ``Shard(0)``), ``optim_`` (``optimizer.state_dict()``, int-keyed
+    unless the source's own per-rank files were FQN-keyed) and ``extra_state_`` files, plus
+    ``fsdp_config.json``. Files are written through :mod:`ckpt_tools.torchzip`, tensor by
+    tensor."""
+
+    single_file = False
+
+    def __init__(self, *, world_size: int, param_order: tuple[str, ...], keyed: str = "int") -> None:
+        self.world_size = world_size
+        self.param_order = param_order
+        self.keyed = keyed
+
+    def write(self, path: Path, job, pieces, objects) -> None:
+        from ..state import gather, param_groups_keyed
+        from ..torchzip import LazyStorages, save
+
+        lazy = LazyStorages()
+        feed = iter(pieces)
+        ready: dict = {}
+
+        def provider(p):
+            def provide():
+                while p not in ready:
+                    got, values = next(feed)
+                    ready[got] = values
+                return ready.pop(p)
+            return provide
+
+        mesh = _mesh(self.world_size, job.rank)
+        if job.kind == "extra":
+            obj = job.meta["extra"]
+        else:
+            values = {}
+            for p in job.pieces:
+                local = lazy.placeholder(p.sizes, p.target.dtype, provider(p))
+                plain = (p.target.group, p.target.name) in job.meta.get("plain", ())
+                values[p] = local if plain else _dtensor(local, mesh, p.target.shape)
+            if job.kind == "model":
+                obj = {p.target.name: values[p] for p in job.pieces}
+                obj.update(gather(job.objects, objects).get("model", {}))
+            else:
+                state: dict = {}
+                for p in job.pieces:
+                    key = self.param_order.index(p.target.param) if self.keyed == "int" else p.target.param
+                    state.setdefault(key, {})[p.target.state] = values[p]
+                opt = gather(job.objects, objects).get("optimizer", {})
+                groups = param_groups_keyed(opt.get("param_groups", []), keyed=self.keyed,
+                                            param_order=self.param_order)
+                obj = {"state": state, "param_groups": groups}
+        save(obj, path, lazy)
+
+    def finish(self, out: Path, jobs) -> None:
+        (out / CONFIG_NAME).write_text(json.dumps({"FSDP_version": 2, "world_size": self.world_size}) + "\n")
+
+
+_MESHES: dict = {}
+
+
+def _mesh(world_size: int, rank: int | None):
+    """A 1-D CPU DeviceMesh for pickling, built without a process group (the loading job's
+    own mesh replaces it when it loads the state dict)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = (world_size, rank or 0)
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh("cpu", torch.arange(world_size), _init_backend=False, _rank=rank or 0)
+    return _MESHES[key]
+
+
+def _dtensor(local: torch.Tensor, mesh, shape: tuple[int, ...]):
+    from torch.distributed.tensor import DTensor, Shard
+
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)

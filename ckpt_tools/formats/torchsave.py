@@ -113,3 +113,55 @@ def _full(group: str, name: str, v: torch.Tensor, loc: Location,
           param: str | None = None, state: str | None = None) -> TensorInfo:
     shape = tuple(v.shape)
     return TensorInfo(group, name, shape, v.dtype, (Chunk((0,) * len(shape), shape, loc),), param, state)
+
+
+# -- writing ------------------------------------------------------------------------------
+
+class Writer:
+    """One ``torch.save`` file: a bare state dict, or ``{"model", "optimizer", ...}`` when
+    there is more than the model. Written through :mod:`ckpt_tools.torchzip`, so tensors are
+    produced one at a time as torch writes them."""
+
+    single_file = True
+
+    def __init__(self, *, param_order: tuple[str, ...] = ()) -> None:
+        self.param_order = param_order
+
+    def write(self, path: Path, job, pieces, objects) -> None:
+        from ..state import gather, param_groups_keyed
+        from ..torchzip import LazyStorages, save
+
+        lazy = LazyStorages()
+        feed = iter(pieces)
+        ready: dict = {}
+
+        def provider(p):
+            def provide():
+                while p not in ready:
+                    got, values = next(feed)
+                    ready[got] = values
+                return ready.pop(p)
+            return provide
+
+        model, state = {}, {}
+        for p in job.pieces:
+            t = lazy.placeholder(p.sizes, p.target.dtype, provider(p))
+            if p.target.group == "optimizer" and p.target.param:
+                state.setdefault(p.target.param, {})[p.target.state] = t
+            else:
+                model[p.target.name] = t
+        rest = gather(job.objects, objects)
+        rest.update(job.meta.get("extra", {}))
+        if not state and not rest:
+            obj: dict = model
+        else:
+            obj = {"model": {**model, **rest.pop("model", {})}}
+            opt = rest.pop("optimizer", {})
+            if state or opt:
+                groups = param_groups_keyed(opt.get("param_groups", []), keyed="fqn", param_order=self.param_order)
+                obj["optimizer"] = {"state": state, "param_groups": groups}
+            obj.update(rest)
+        save(obj, path, lazy)
+
+    def finish(self, out: Path, jobs) -> None:
+        pass

@@ -1,0 +1,252 @@
+"""``convert``, ``export`` and ``reshard``: choose targets, lay them out for a writer, and let
+the engine carry the plan out. The layout functions are pure: descriptions in, jobs out."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import hfassets
+from .describe import Checkpoint, ObjectInfo, TensorInfo
+from .engine import execute
+from .errors import BadInput, UsageError
+from .formats import FORMATS, dcp, describe, hf, sharded, torchsave
+from .plan import FileJob, Target, rows_of, targets_from, whole
+from .reader import Reader
+from .state import per_rank_extras
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_WRAPPER_PREFIXES = re.compile(r"(^|\.)(_orig_mod|module|_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
+
+
+def normalize_name(name: str) -> str:
+    """A weight name as ``from_pretrained`` expects it: wrapper prefixes removed."""
+    while True:
+        new = _WRAPPER_PREFIXES.sub(r"\1", name)
+        if new == name:
+            return name
+        name = new
+
+
+def _say(message: str, progress: bool) -> None:
+    if progress:
+        print(message, file=sys.stderr)
+
+
+# -- layouts (pure) ------------------------------------------------------------------------
+
+def layout_sharded(src: Checkpoint, targets: list[Target], world_size: int, extras: list[dict] | None) -> list[FileJob]:
+    """Per-rank model/optim/extra_state jobs at ``world_size``, FSDP2's ``Shard(0)`` split."""
+    plain = {t.key for t in src.tensors if _replicated(t, src)}
+    model = [t for t in targets if t.group == "model"]
+    optim = [t for t in targets if t.group == "optimizer"]
+    plain_targets = {(t.group, t.name) for t in targets if t.source.key in plain or not t.shape}
+    mobj = tuple(o for o in src.objects if o.group == "model" and o.rank in (None, 0))
+    oobj = tuple(o for o in src.objects if o.group == "optimizer" and o.rank in (None, 0) and o.path[:2] == ("optimizer", "param_groups"))
+    jobs = []
+    for r in range(world_size):
+        def pieces(ts):
+            return tuple(whole(t) if (t.group, t.name) in plain_targets else rows_of(t, world_size, r) for t in ts)
+        jobs.append(FileJob(sharded.file_name("model", world_size, r), pieces(model), mobj, r, "model",
+                            {"plain": plain_targets}))
+        if optim:
+            jobs.append(FileJob(sharded.file_name("optim", world_size, r), pieces(optim), oobj, r, "optim",
+                                {"plain": plain_targets}))
+        if extras and extras[r]:
+            jobs.append(FileJob(sharded.file_name("extra_state", world_size, r), (), (), r, "extra",
+                                {"extra": extras[r]}))
+    return jobs
+
+
+def _replicated(t: TensorInfo, src: Checkpoint) -> bool:
+    """A plain (non-DTensor) entry of a per-rank file: every rank holds the whole tensor."""
+    return (src.format == "sharded" and len(t.chunks) == (src.world_size or 1) > 1
+            and all(c.sizes == t.shape for c in t.chunks))
+
+
+def layout_dcp(targets: list[Target], objects: tuple[ObjectInfo, ...], world_size: int,
+               extra: dict | None = None) -> list[FileJob]:
+    """``__{r}_0.distcp`` per rank: rank r's rows of every tensor with rows; scalars and
+    objects once, on rank 0 (as dcp.save deduplicates replicated entries)."""
+    jobs = []
+    for r in range(world_size):
+        pieces = tuple(rows_of(t, world_size, r) for t in targets if t.shape and rows_of(t, world_size, r).numel)
+        if r == 0:
+            pieces += tuple(whole(t) for t in targets if not t.shape)
+        jobs.append(FileJob(f"__{r}_0.distcp", pieces, objects if r == 0 else (), r,
+                            meta={"extra": extra or {}} if r == 0 else {}))
+    return jobs
+
+
+# -- public operations ---------------------------------------------------------------------
+
+def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None = None,
+            dtype: str | None = None, max_shard_size: str | int = "5GB", model_only: bool = False,
+            base: str | None = None, overwrite: bool = False, progress: bool = True,
+            rank_local: str = "drop", _ckpt: Checkpoint | None = None) -> dict[str, Any]:
+    """Convert the checkpoint at ``src`` to format ``to`` at ``dst``.
+
+    Carries model, optimizer and extra state into every format that can hold them (``hf``
+    holds the model only). ``dtype`` ("bf16", "fp16", "fp32") casts floating-point tensors;
+    without it every tensor is kept bit for bit. ``world_size`` applies to ``sharded`` and
+    ``dcp`` output (default: the source's, else 1).
+
+    Example: ``ckpt_tools.convert("ckpt/actor", "out.pt", to="torch", model_only=True)``
+    """
+    if to not in FORMATS:
+        raise UsageError(f"--to must be one of {', '.join(FORMATS)}, not {to!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if world_size is not None and world_size < 1:
+        raise UsageError(f"--world-size must be at least 1, not {world_size}")
+    src_path, dst = Path(src), Path(dst)
+    ckpt = _ckpt or describe(src_path)
+    cast = DTYPES.get(dtype) if dtype else None
+    keep = [t for t in ckpt.tensors if t.group == "model" or not (model_only or to == "hf")]
+    left_out = sorted({t.group for t in ckpt.tensors} - {t.group for t in keep})
+    if not [t for t in keep if t.group == "model"]:
+        raise BadInput(f"{src_path}: holds no model tensors to write")
+    objects = tuple(o for o in ckpt.objects if not (model_only or to == "hf") or o.group == "model")
+    if to != "hf":
+        left_out += sorted({o.group for o in ckpt.objects} - {o.group for o in objects} - set(left_out))
+    ws = world_size or (ckpt.world_size if ckpt.world_size and to in ("sharded", "dcp") else 1)
+    report: dict[str, Any] = {"src": str(src_path), "dst": str(dst), "format": to, "world_size": ws if to in ("sharded", "dcp") else None}
+    after = None
+    if to == "hf":
+        return _export(ckpt, src_path, dst, keep, cast, max_shard_size, base, overwrite, progress, report, left_out)
+    targets = targets_from(keep, dtype=cast)
+    shared = tuple(o for o in objects if o.rank is None)
+    rank_objs = [o for o in objects if o.rank is not None]
+    if to in ("torch", "dcp") and rank_objs:
+        # one global copy: values equal on every rank; rank-local ones follow the policy
+        with Reader(ckpt) as reader:
+            (merged,) = per_rank_extras(rank_objs, reader.object, src_world=ckpt.world_size, dst_world=1,
+                                        policy=rank_local, warn=None if progress else (lambda m: None))
+    else:
+        merged = {}
+    if to == "torch":
+        writer: Any = torchsave.Writer(param_order=ckpt.param_order)
+        jobs = [FileJob(dst.name, tuple(whole(t) for t in targets), shared, meta={"extra": merged})]
+    elif to == "dcp":
+        writer = dcp.Writer(param_order=ckpt.param_order)
+        jobs = layout_dcp(targets, shared, ws, merged)
+    else:
+        keyed = "fqn" if ckpt.format == "sharded" and ckpt.details.get("optimizer_keyed") == "fqn" else "int"
+        writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed)
+        extra_objs = [o for o in objects if o.group == "extra"]
+        with Reader(ckpt) as reader:
+            extras = per_rank_extras(extra_objs, reader.object, src_world=ckpt.world_size, dst_world=ws,
+                                     policy=rank_local, warn=None if progress else (lambda m: None))
+        jobs = layout_sharded(ckpt, targets, ws, extras)
+        assets = hfassets.find_assets(src_path, base)
+
+        def after(tmp: Path) -> None:
+            if assets is not None:
+                (tmp / "huggingface").mkdir()
+                hfassets.copy_assets(assets, tmp / "huggingface", dtype=None)
+
+    execute(ckpt, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=f"{to} → {dst.name}", after=after)
+    if left_out:
+        _say(f"note: left out {', '.join(left_out)} state (model only)", progress)
+    report.update(num_tensors=len(targets), total_bytes=sum(t.nbytes for t in targets), left_out=left_out)
+    return report
+
+
+def _export(ckpt: Checkpoint, src_path: Path, dst: Path, keep: list[TensorInfo], cast, max_shard_size,
+            base: str | None, overwrite: bool, progress: bool, report: dict, left_out: list[str]) -> dict:
+    assets = hfassets.find_assets(src_path, base)
+    config = hfassets.read_config(assets)
+    targets = targets_from(keep, dtype=cast, rename=lambda t: normalize_name(t.name))
+    names = [t.name for t in targets]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})[0]
+        raise BadInput(f"{src_path}: two tensors become {dup!r} once wrapper prefixes are removed")
+    targets = _untie(ckpt, targets, config, src_path)
+    single = dst.suffix == ".safetensors"
+    writer = hf.Writer(single_file=single, max_shard_size=max_shard_size)
+    pieces = [whole(t) for t in targets]
+    jobs = writer.plan(pieces) if not single else [FileJob(dst.name, tuple(pieces))]
+    dtypes = {t.dtype for t in targets if t.dtype.is_floating_point}
+    written = cast or (max(dtypes, key=lambda d: sum(t.numel for t in targets if t.dtype == d)) if dtypes else None)
+
+    def after(tmp: Path) -> None:
+        if not single:
+            report["assets"] = hfassets.copy_assets(assets, tmp, dtype=written)
+
+    execute(ckpt, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=f"hf → {dst.name}", after=after)
+    if left_out:
+        _say(f"note: the export holds the model only; left out {', '.join(left_out)} state", progress)
+    if assets is None and not single:
+        _say("note: no config.json or tokenizer found (no huggingface/ folder); pass --base MODEL to add them", progress)
+    report.update(num_tensors=len(targets), total_bytes=sum(t.nbytes for t in targets), left_out=left_out,
+                  dtype=str(written).removeprefix("torch.") if written else None)
+    return report
+
+
+def _untie(ckpt: Checkpoint, targets: list[Target], config: dict, src_path: Path) -> list[Target]:
+    """Tied embeddings: write the input embedding once (after checking the output copy
+    equals it); untied: both must be there."""
+    by_name = {t.name: t for t in targets}
+    head = by_name.get("lm_head.weight")
+    embed = next((by_name[n] for n in by_name if n.endswith(("embed_tokens.weight", "wte.weight", "word_embeddings.weight"))), None)
+    if not config or "lm_head.weight" not in by_name and embed is None:
+        return targets
+    if hfassets.tied(config):
+        if head is not None and embed is not None:
+            with Reader(ckpt) as r:
+                if not torch.equal(r.full(head.source), r.full(embed.source)):
+                    raise BadInput(f"{src_path}: the config ties lm_head.weight to {embed.name}, but they differ; "
+                                   "fix tie_word_embeddings in config.json (or pass --base) and re-run")
+            return [t for t in targets if t is not head]
+        return targets
+    if head is None and config.get("architectures", [""])[0].endswith("ForCausalLM"):
+        raise BadInput(f"{src_path}: the config does not tie embeddings, but there is no lm_head.weight; "
+                       "the checkpoint is incomplete, or config.json should say tie_word_embeddings: true")
+    return targets
+
+
+def export(src: str | Path, dst: str | Path, *, base: str | None = None, dtype: str | None = None,
+           max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Export ``src`` as an HF directory ready for ``from_pretrained`` and serving: weights
+    (names normalised, tied weights once), config with its dtype set, generation config and
+    tokenizer (from the source's ``huggingface/`` folder or ``base``). Optimizer state is left out.
+
+    Example: ``ckpt_tools.export("ckpt/global_step_500/actor", "hf_out", dtype="bf16")``
+    """
+    return convert(src, dst, to="hf", dtype=dtype, max_shard_size=max_shard_size, model_only=True,
+                   base=base, overwrite=overwrite, progress=progress)
+
+
+def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = None,
+            overwrite: bool = False, progress: bool = True, rank_local: str = "drop") -> dict[str, Any]:
+    """Reshard a ``sharded`` or ``dcp`` checkpoint to ``to`` ranks, keeping its format and the
+    whole training state (model, optimizer, extra state).
+
+    Example: ``ckpt_tools.reshard("ckpt/actor", "ckpt4/actor", to=4, from_=8)``
+    """
+    if to < 1:
+        raise UsageError(f"--to must be at least 1, not {to}")
+    ckpt = describe(Path(src))
+    if ckpt.format not in ("sharded", "dcp"):
+        raise BadInput(f"{src}: is {ckpt.format!r}, which has no ranks; use `ckpt convert --to sharded --world-size {to}`")
+    if from_ is not None and from_ != ckpt.world_size:
+        raise BadInput(f"{src}: --from {from_} but the checkpoint was saved by {ckpt.world_size} ranks")
+    _check_same_save(ckpt)
+    return convert(src, dst, to=ckpt.format, world_size=to, overwrite=overwrite, progress=progress,
+                   rank_local=rank_local, _ckpt=ckpt)
+
+
+def _check_same_save(ckpt: Checkpoint) -> None:
+    """Every rank's copy of a replicated scalar (the optimizer's ``step``) must agree."""
+    with Reader(ckpt) as r:
+        for t in ckpt.tensors:
+            if t.state != "step" or len(t.chunks) < 2:
+                continue
+            values = {r.chunk(t, c).item() for c in t.chunks}
+            if len(values) > 1:
+                raise BadInput(f"{ckpt.root}: {t.name!r} differs between ranks ({sorted(values)}); "
+                               "the rank files are not from one save")

@@ -1,0 +1,133 @@
+"""The one engine that moves bytes: it carries out a writer's plan (a list of
+:class:`~ckpt_tools.plan.FileJob`) from a source description into a staged destination.
+
+For each destination piece it reads only the source regions the plan names, assembles them
+(a piece that is exactly one stored chunk is passed through as a view of the mapped file),
+casts when asked, and hands it to the writer. A background thread prepares the next pieces
+while the writer writes, within a fixed byte budget, so memory stays near the largest piece
+plus that budget whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import sys
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from tqdm import tqdm
+
+from .atomic import check_destination, staged
+from .describe import Checkpoint, ObjectInfo
+from .plan import FileJob, Piece
+from .reader import Reader
+
+PREFETCH_BYTES = 256 * 1024 * 1024
+
+
+class Writer(Protocol):
+    """A format's writer: plans files from targets, writes one file, then the files that
+    describe the others (index, metadata), last."""
+
+    single_file: bool
+
+    def write(self, path: Path, job: FileJob, pieces: Iterator[tuple[Piece, torch.Tensor]],
+              objects: Callable[[ObjectInfo], Any]) -> None: ...
+
+    def finish(self, out: Path, jobs: Sequence[FileJob]) -> None: ...
+
+
+def narrow(t: torch.Tensor, start: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    for d, (o, s) in enumerate(zip(start, sizes)):
+        if o != 0 or s != t.shape[d]:
+            t = t.narrow(d, o, s)
+    return t
+
+
+def materialize(reader: Reader, piece: Piece) -> torch.Tensor:
+    """The values of ``piece`` in its target dtype."""
+    target = piece.target
+    if len(piece.copies) == 1:
+        c = piece.copies[0]
+        if c.sizes == c.chunk.sizes == piece.sizes:
+            src = reader.chunk(target.source, c.chunk)
+            return src if src.dtype == target.dtype else src.to(target.dtype)
+    out = torch.empty(piece.sizes, dtype=target.dtype)
+    for c in piece.copies:
+        src = reader.chunk(target.source, c.chunk)
+        narrow(out, c.dst_start, c.sizes).copy_(narrow(src, c.src_start, c.sizes))
+    return out
+
+
+def stream(reader: Reader, pieces: Sequence[Piece], bar: tqdm | None = None,
+           budget: int = PREFETCH_BYTES) -> Iterator[tuple[Piece, torch.Tensor]]:
+    """Yield ``(piece, values)`` in order, preparing the next ones in a background thread."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-read") as pool:
+        pending: deque = deque()
+        it = iter(pieces)
+        inflight = 0
+
+        def fill() -> None:
+            nonlocal inflight
+            while not pending or inflight < budget:
+                p = next(it, None)
+                if p is None:
+                    return
+                pending.append((p, pool.submit(materialize, reader, p)))
+                inflight += p.nbytes
+
+        fill()
+        while pending:
+            p, fut = pending.popleft()
+            values = fut.result()
+            inflight -= p.nbytes
+            fill()
+            yield p, values
+            if bar is not None:
+                bar.update(p.nbytes)
+
+
+def progress_bar(total: int, desc: str, enabled: bool) -> tqdm:
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                disable=not enabled, file=sys.stderr, dynamic_ncols=True, leave=False)
+
+
+def run_jobs(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path, *,
+             progress: bool, desc: str) -> None:
+    """Write ``jobs`` under ``out`` (a staging directory, or the staging file itself)."""
+    total = sum(j.nbytes for j in jobs)
+    with Reader(src) as reader, progress_bar(total, desc, progress) as bar:
+        for job in jobs:
+            path = out if writer.single_file else out / job.path
+            path.parent.mkdir(parents=True, exist_ok=True)
+            writer.write(path, job, stream(reader, job.pieces, bar), reader.object)
+
+
+def execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path, *,
+            overwrite: bool = False, progress: bool = True, desc: str = "writing",
+            after: Callable[[Path], None] | None = None) -> None:
+    """Carry out ``jobs`` into ``dst`` atomically: staged in a temporary sibling, fsynced,
+    renamed into place. ``after(staging)`` adds files (HF assets, manifest) before the commit."""
+    dst = Path(dst)
+    check_destination(src.root, dst, overwrite=overwrite)
+    with staged(dst, overwrite=overwrite, is_dir=not writer.single_file) as tmp:
+        run_jobs(src, writer, jobs, tmp, progress=progress, desc=desc)
+        writer.finish(tmp, jobs)
+        if after is not None:
+            after(tmp)
+
+
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a storage of exactly its own bytes (torch.save writes whole storages)."""
+    t = t.contiguous()
+    if t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
+def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
