@@ -149,7 +149,7 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
                 (tmp / "huggingface").mkdir()
                 hfassets.copy_assets(assets, tmp / "huggingface", dtype=None)
 
-    execute(ckpt, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=f"{to} → {dst.name}", after=after)
+    execute(ckpt, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=f"{to} → {dst.name}", fmt=to, after=after)
     if left_out:
         _say(f"note: left out {', '.join(left_out)} state (model only)", progress)
     report.update(num_tensors=len(targets), total_bytes=sum(t.nbytes for t in targets), left_out=left_out)
@@ -177,7 +177,7 @@ def _export(ckpt: Checkpoint, src_path: Path, dst: Path, keep: list[TensorInfo],
         if not single:
             report["assets"] = hfassets.copy_assets(assets, tmp, dtype=written)
 
-    execute(ckpt, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=f"hf → {dst.name}", after=after)
+    execute(ckpt, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=f"hf → {dst.name}", fmt="hf", after=after)
     if left_out:
         _say(f"note: the export holds the model only; left out {', '.join(left_out)} state", progress)
     if assets is None and not single:

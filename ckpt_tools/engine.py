@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 from tqdm import tqdm
 
+from . import manifest
 from .atomic import check_destination, staged
 from .describe import Checkpoint, ObjectInfo
 from .plan import FileJob, Piece
@@ -108,7 +109,7 @@ def run_jobs(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path
 
 
 def execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path, *,
-            overwrite: bool = False, progress: bool = True, desc: str = "writing",
+            overwrite: bool = False, progress: bool = True, desc: str = "writing", fmt: str = "",
             after: Callable[[Path], None] | None = None) -> None:
     """Carry out ``jobs`` into ``dst`` atomically: staged in a temporary sibling, fsynced,
     renamed into place. ``after(staging)`` adds files (HF assets, manifest) before the commit."""
@@ -119,6 +120,9 @@ def execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path,
         writer.finish(tmp, jobs)
         if after is not None:
             after(tmp)
+        if not writer.single_file:
+            # last: a manifest vouches for every file beside it
+            manifest.write(tmp, source=str(src.root), source_format=src.format, format=fmt)
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:
