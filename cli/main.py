@@ -133,6 +133,31 @@ def reshard_cmd(src, dst, to, from_, rank_local, overwrite, progress):
                                rank_local=rank_local), progress)
 
 
+@main.command("shard")
+@click.argument("model")
+@click.argument("dst", type=click.Path())
+@click.option("--ranks", required=True, type=click.IntRange(min=1), help="Number of FSDP ranks N.")
+@click.option("--format", "fmt", type=click.Choice(["dcp", "sharded"]), default="sharded", show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="cpu: gloo; cuda: NCCL, one GPU per rank.")
+@click.option("--mixed-precision", type=click.Choice(["bf16", "fp16"]), help="FSDP2 MixedPrecisionPolicy.")
+@click.option("--cpu-offload", is_flag=True, help="FSDP2 CPUOffloadPolicy.")
+@click.option("--with-optimizer", type=click.Choice(["adamw"]), help="Also write a fresh optimizer state.")
+@click.option("--check", is_flag=True, help="Compare a forward pass with the unsharded model; report the largest difference.")
+@_OVERWRITE
+@command
+def shard_cmd(model, dst, ranks, fmt, device, mixed_precision, cpu_offload, with_optimizer, check, overwrite, progress):
+    """Load Hugging Face MODEL, shard it with FSDP2 over --ranks ranks, save a checkpoint at DST."""
+    from ckpt_tools.shard import shard
+
+    report = shard(model, dst, ranks=ranks, format=fmt, device=device, mixed_precision=mixed_precision,
+                   cpu_offload=cpu_offload, with_optimizer=with_optimizer, overwrite=overwrite, check=check,
+                   progress=progress)
+    click.echo(f"wrote {report.get('dst', dst)} ({fmt}, {ranks} ranks)", err=True)
+    if check and report.get("max_abs_diff") is not None:
+        click.echo(f"check: largest difference from the unsharded model {report['max_abs_diff']:.3g}")
+
+
 @main.command("estimate")
 @click.argument("model")
 @click.option("--ranks", required=True, type=click.IntRange(min=1), help="Number of GPUs.")

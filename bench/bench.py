@@ -1,0 +1,199 @@
+"""Side-by-side timings of ckpt against `cp -r` and the peers, reported as ratios.
+
+    python bench/bench.py export  [--gb 1.5] [--out DIR]   # DCP bf16 -> HF: cp, ckpt export, accelerate, dcp_to_torch_save
+    python bench/bench.py reshard [--gb 2.0] [--out DIR]   # 8-rank fp32 model+AdamW -> 4 ranks: cp, ckpt reshard
+
+Each tool runs in its own process; peak RSS (total and anonymous) is sampled from /proc every 20 ms.
+Page cache is not dropped between runs (no root assumed): every tool reads warm files, cp included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def llama_shapes(gb: float, dtype_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Llama-7B-shaped tensors (hidden 4096, intermediate 11008, vocab 32000), with as many
+    layers as fit in ``gb`` (at least 1)."""
+    h, i, v = 4096, 11008, 32000
+    layer = [("self_attn.q_proj.weight", (h, h)), ("self_attn.k_proj.weight", (h, h)),
+             ("self_attn.v_proj.weight", (h, h)), ("self_attn.o_proj.weight", (h, h)),
+             ("mlp.gate_proj.weight", (i, h)), ("mlp.up_proj.weight", (i, h)), ("mlp.down_proj.weight", (h, i)),
+             ("input_layernorm.weight", (h,)), ("post_attention_layernorm.weight", (h,))]
+    per_layer = sum(torch.Size(s).numel() for _, s in layer) * dtype_bytes
+    fixed = 2 * v * h * dtype_bytes
+    n = max(1, int((gb * 2**30 - fixed) // per_layer))
+    out = [("model.embed_tokens.weight", (v, h))]
+    for k in range(n):
+        out += [(f"model.layers.{k}.{name}", s) for name, s in layer]
+    return out + [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
+
+
+def make_hf(dst: Path, gb: float, dtype: torch.dtype) -> None:
+    from safetensors.torch import save_file
+
+    dst.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    shapes = llama_shapes(gb, torch.empty((), dtype=dtype).element_size())
+    weight_map, part, size, idx = {}, {}, 0, 0
+
+    def flush():
+        nonlocal part, size, idx
+        if part:
+            name = f"model-{idx:05d}.safetensors"
+            save_file(part, dst / name, metadata={"format": "pt"})
+            weight_map.update({k: name for k in part})
+            part, size, idx = {}, 0, idx + 1
+
+    for name, shape in shapes:
+        part[name] = torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
+        size += part[name].nbytes
+        if size > 500 * 2**20:
+            flush()
+    flush()
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def make_sharded_with_adam(dst: Path, gb: float, world: int) -> None:
+    """A verl-style fp32 checkpoint (model + AdamW exp_avg/exp_avg_sq + step) at ``world`` ranks,
+    built from a synthetic HF model through ckpt's own sharded writer (one third model)."""
+    import ckpt_tools
+    from ckpt_tools.describe import TensorInfo
+    from ckpt_tools.formats import describe
+
+    tmp = dst.parent / "hf_src"
+    make_hf(tmp, gb / 3, torch.float32)
+    ckpt = describe(tmp)
+    tensors = list(ckpt.tensors)
+    # the optimizer moments reuse the weights' bytes: same shapes and sizes as real ones
+    for t in ckpt.tensors:
+        for state in ("exp_avg", "exp_avg_sq"):
+            tensors.append(TensorInfo("optimizer", f"state.{t.name}.{state}", t.shape, t.dtype, t.chunks, t.name, state))
+    from dataclasses import replace
+
+    ckpt = replace(ckpt, tensors=tuple(tensors), param_order=tuple(t.name for t in ckpt.tensors))
+    ckpt_tools.convert(tmp, dst, to="sharded", world_size=world, progress=False, _ckpt=ckpt)
+    shutil.rmtree(tmp)
+
+
+class Peak:
+    """Samples a process's RSS and anonymous RSS from /proc until it ends."""
+
+    def __init__(self, pid: int):
+        self.pid, self.rss, self.anon = pid, 0, 0
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._stop = False
+        self._t.start()
+
+    def _run(self):
+        while not self._stop:
+            try:
+                text = Path(f"/proc/{self.pid}/status").read_text()
+            except OSError:
+                return
+            for line in text.splitlines():
+                if line.startswith("VmRSS:"):
+                    self.rss = max(self.rss, int(line.split()[1]) * 1024)
+                elif line.startswith("RssAnon:"):
+                    self.anon = max(self.anon, int(line.split()[1]) * 1024)
+            time.sleep(0.02)
+
+    def stop(self):
+        self._stop = True
+        self._t.join()
+
+
+def timed(name: str, argv: list[str], out: Path) -> dict:
+    if out.exists():
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    subprocess.run(["sync"], check=False)
+    t0 = time.perf_counter()
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak = Peak(p.pid)
+    _, err = p.communicate()
+    subprocess.run(["sync"], check=False)
+    dt = time.perf_counter() - t0
+    peak.stop()
+    if p.returncode:
+        print(f"{name} failed: {err.decode()[-2000:]}", file=sys.stderr)
+    return {"tool": name, "seconds": round(dt, 2), "peak_rss": peak.rss, "peak_anon": peak.anon, "ok": p.returncode == 0}
+
+
+def py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def table(rows: list[dict], base: float) -> str:
+    lines = ["| tool | time (s) | × cp | peak RSS (MiB) | peak anon (MiB) |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['tool']} | {r['seconds']:.2f} | {r['seconds'] / base:.2f} | "
+                     f"{r['peak_rss'] / 2**20:.0f} | {r['peak_anon'] / 2**20:.0f} |" + ("" if r["ok"] else " FAILED"))
+    return "\n".join(lines)
+
+
+def bench_export(work: Path, gb: float) -> list[dict]:
+    hf, src = work / "hf", work / "dcp"
+    make_hf(hf, gb, torch.bfloat16)
+    import ckpt_tools
+
+    ckpt_tools.convert(hf, src, to="dcp", world_size=4, progress=False)
+    shutil.rmtree(hf)
+    print(f"source: {src} ({du(src) / 2**30:.2f} GiB DCP, 4 ranks, bf16)", file=sys.stderr)
+    rows = [timed("cp -r + sync", ["cp", "-r", str(src), str(work / "cp")], work / "cp"),
+            timed("ckpt export", [sys.executable, "-m", "ckpt_tools", "export", str(src), str(work / "ckpt"), "--quiet"], work / "ckpt")]
+    rows.append(timed("accelerate merge_fsdp_weights", py(
+        "from accelerate.utils import merge_fsdp_weights; import sys; "
+        f"merge_fsdp_weights({str(src)!r}, {str(work / 'acc')!r}, safe_serialization=True)"), work / "acc"))
+    rows.append(timed("torch dcp_to_torch_save", py(
+        "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
+        f"dcp_to_torch_save({str(src)!r}, {str(work / 'dcp.pt')!r})"), work / "dcp.pt"))
+    return rows
+
+
+def bench_reshard(work: Path, gb: float) -> list[dict]:
+    src = work / "ws8"
+    make_sharded_with_adam(src, gb, 8)
+    print(f"source: {src} ({du(src) / 2**30:.2f} GiB, 8 ranks, fp32 model + AdamW)", file=sys.stderr)
+    return [timed("cp -r + sync", ["cp", "-r", str(src), str(work / "cp")], work / "cp"),
+            timed("ckpt reshard 8→4", [sys.executable, "-m", "ckpt_tools", "reshard", str(src), str(work / "ws4"),
+                                        "--to", "4", "--from", "8", "--quiet"], work / "ws4")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("which", choices=["export", "reshard"])
+    ap.add_argument("--gb", type=float, default=None, help="source size in GiB (export 1.5, reshard 2.0)")
+    ap.add_argument("--out", type=Path, default=None, help="work directory (default: a temp dir, removed)")
+    args = ap.parse_args()
+    work = Path(args.out or tempfile.mkdtemp(prefix="ckpt-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        gb = args.gb or (1.5 if args.which == "export" else 2.0)
+        rows = bench_export(work, gb) if args.which == "export" else bench_reshard(work, gb)
+        print(f"\n{args.which}, {gb} GiB, {os.cpu_count()} cores, torch {torch.__version__}\n")
+        print(table(rows, rows[0]["seconds"]))
+        print(json.dumps(rows))
+    finally:
+        if args.out is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
