@@ -87,7 +87,7 @@ def layout_dcp(targets: list[Target], objects: tuple[ObjectInfo, ...], world_siz
 def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None = None,
             dtype: str | None = None, max_shard_size: str | int = "5GB", model_only: bool = False,
             base: str | None = None, overwrite: bool = False, progress: bool = True,
-            rank_local: str = "drop", _ckpt: Checkpoint | None = None) -> dict[str, Any]:
+            rank_local: str = "drop", workers: int = 1, _ckpt: Checkpoint | None = None) -> dict[str, Any]:
     """Convert the checkpoint at ``src`` to format ``to`` at ``dst``.
 
     Carries model, optimizer and extra state into every format that can hold them (``hf``
@@ -149,7 +149,8 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
                 (tmp / "huggingface").mkdir()
                 hfassets.copy_assets(assets, tmp / "huggingface", dtype=None)
 
-    execute(ckpt, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=f"{to} → {dst.name}", fmt=to, after=after)
+    execute(ckpt, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=f"{to} → {dst.name}", fmt=to,
+            workers=workers, after=after)
     if left_out:
         _say(f"note: left out {', '.join(left_out)} state (model only)", progress)
     report.update(num_tensors=len(targets), total_bytes=sum(t.nbytes for t in targets), left_out=left_out)
@@ -222,14 +223,20 @@ def export(src: str | Path, dst: str | Path, *, base: str | None = None, dtype: 
 
 
 def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = None,
-            overwrite: bool = False, progress: bool = True, rank_local: str = "drop") -> dict[str, Any]:
+            overwrite: bool = False, progress: bool = True, rank_local: str = "drop",
+            workers: int = 1) -> dict[str, Any]:
     """Reshard a ``sharded`` or ``dcp`` checkpoint to ``to`` ranks, keeping its format and the
     whole training state (model, optimizer, extra state).
+
+    ``workers`` processes write the output files in parallel (each file by one process, so the
+    result is byte-identical to a single process's).
 
     Example: ``ckpt_tools.reshard("ckpt/actor", "ckpt4/actor", to=4, from_=8)``
     """
     if to < 1:
         raise UsageError(f"--to must be at least 1, not {to}")
+    if workers < 1:
+        raise UsageError(f"--workers must be at least 1, not {workers}")
     ckpt = describe(Path(src))
     if ckpt.format not in ("sharded", "dcp"):
         raise BadInput(f"{src}: is {ckpt.format!r}, which has no ranks; use `ckpt convert --to sharded --world-size {to}`")
@@ -237,7 +244,7 @@ def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = No
         raise BadInput(f"{src}: --from {from_} but the checkpoint was saved by {ckpt.world_size} ranks")
     _check_same_save(ckpt)
     return convert(src, dst, to=ckpt.format, world_size=to, overwrite=overwrite, progress=progress,
-                   rank_local=rank_local, _ckpt=ckpt)
+                   rank_local=rank_local, workers=workers, _ckpt=ckpt)
 
 
 def _check_same_save(ckpt: Checkpoint) -> None:

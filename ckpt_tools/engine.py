@@ -37,9 +37,10 @@ class Writer(Protocol):
     single_file: bool
 
     def write(self, path: Path, job: FileJob, pieces: Iterator[tuple[Piece, torch.Tensor]],
-              objects: Callable[[ObjectInfo], Any]) -> None: ...
+              objects: Callable[[ObjectInfo], Any]) -> Any:
+        """Write one file; may return facts that ``finish`` needs (picklable)."""
 
-    def finish(self, out: Path, jobs: Sequence[FileJob]) -> None: ...
+    def finish(self, out: Path, jobs: Sequence[FileJob], written: dict[str, Any]) -> None: ...
 
 
 def narrow(t: torch.Tensor, start: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
@@ -98,26 +99,60 @@ def progress_bar(total: int, desc: str, enabled: bool) -> tqdm:
 
 
 def run_jobs(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path, *,
-             progress: bool, desc: str) -> None:
+             progress: bool, desc: str) -> dict[str, Any]:
     """Write ``jobs`` under ``out`` (a staging directory, or the staging file itself)."""
     total = sum(j.nbytes for j in jobs)
+    written = {}
     with Reader(src) as reader, progress_bar(total, desc, progress) as bar:
         for job in jobs:
             path = out if writer.single_file else out / job.path
             path.parent.mkdir(parents=True, exist_ok=True)
-            writer.write(path, job, stream(reader, job.pieces, bar), reader.object)
+            written[job.path] = writer.write(path, job, stream(reader, job.pieces, bar), reader.object)
+    return written
+
+
+def _run_share(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return run_jobs(src, writer, jobs, out, progress=False, desc="")
+
+
+def run_parallel(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path, *,
+                 workers: int, progress: bool, desc: str) -> dict[str, Any]:
+    """Write ``jobs`` with ``workers`` processes, each taking whole files (balanced by bytes).
+    Each file is written by exactly one process, so the output is byte-identical to a
+    single process's."""
+    import multiprocessing
+
+    shares: list[list[FileJob]] = [[] for _ in range(workers)]
+    loads = [0] * workers
+    for job in sorted(jobs, key=lambda j: -j.nbytes):
+        k = loads.index(min(loads))
+        shares[k].append(job)
+        loads[k] += job.nbytes
+    written: dict[str, Any] = {}
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool, \
+            progress_bar(sum(loads), desc, progress) as bar:
+        futures = {pool.submit(_run_share, src, writer, share, out): share for share in shares if share}
+        for fut in concurrent.futures.as_completed(futures):
+            written.update(fut.result())
+            bar.update(sum(j.nbytes for j in futures[fut]))
+    return written
 
 
 def execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path, *,
             overwrite: bool = False, progress: bool = True, desc: str = "writing", fmt: str = "",
-            after: Callable[[Path], None] | None = None) -> None:
+            workers: int = 1, after: Callable[[Path], None] | None = None) -> None:
     """Carry out ``jobs`` into ``dst`` atomically: staged in a temporary sibling, fsynced,
     renamed into place. ``after(staging)`` adds files (HF assets, manifest) before the commit."""
     dst = Path(dst)
     check_destination(src.root, dst, overwrite=overwrite)
     with staged(dst, overwrite=overwrite, is_dir=not writer.single_file) as tmp:
-        run_jobs(src, writer, jobs, tmp, progress=progress, desc=desc)
-        writer.finish(tmp, jobs)
+        if workers > 1 and len(jobs) > 1 and not writer.single_file:
+            written = run_parallel(src, writer, jobs, tmp, workers=workers, progress=progress, desc=desc)
+        else:
+            written = run_jobs(src, writer, jobs, tmp, progress=progress, desc=desc)
+        writer.finish(tmp, jobs, written)
         if after is not None:
             after(tmp)
         if not writer.single_file:

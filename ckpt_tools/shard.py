@@ -57,6 +57,11 @@ class SourceTensor:
     file: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    offset: int  # of its first byte in ``file`` (safetensors data is row-major, little-endian)
+
+    @property
+    def row_bytes(self) -> int:
+        return _numel(self.shape[1:]) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -165,11 +170,12 @@ def read_sources(model_dir: Path) -> dict[str, SourceTensor]:
     base, files, _ = hf.shard_files(model_dir)
     sources: dict[str, SourceTensor] = {}
     for name in files:
-        header, _ = hf.read_header(hf.safe_relative(base, name, what=str(base)))
+        header, data_start = hf.read_header(hf.safe_relative(base, name, what=str(base)))
         for key, entry in header.items():
             if key in sources:
                 raise BadInput(f"{base / name}: tensor {key!r} is also in {sources[key].file}")
-            sources[key] = SourceTensor(key, name, tuple(entry["shape"]), hf.DTYPES[entry["dtype"]])
+            sources[key] = SourceTensor(key, name, tuple(entry["shape"]), hf.DTYPES[entry["dtype"]],
+                                        data_start + entry["data_offsets"][0])
     return sources
 
 
@@ -385,40 +391,53 @@ def _non_persistent_buffers(model: nn.Module):
 
 @torch.no_grad()
 def fill(model: nn.Module, model_dir: Path, reads: list[Read], *, progress: bool, label: str) -> int:
-    """Give every tensor of the materialised (``to_empty``) model its value; returns bytes read."""
-    from safetensors import safe_open
+    """Give every tensor of the materialised (``to_empty``) model its value; returns bytes read.
+
+    Rows are read with plain file reads straight into the rank's shard (no mmap of the files:
+    mapped pages would count in the rank's memory, and safetensors' slices add a copy)."""
     from torch.distributed.tensor import DTensor, Shard
     from tqdm.auto import tqdm
 
+    if sys.byteorder != "little":
+        raise CkptError("safetensors data is little-endian; this big-endian host is not supported")
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
     _init_non_persistent_buffers(model, {r.target for r in reads})
     total = sum(_rows_bytes(r) for r in reads)
-    done = 0
     with contextlib.ExitStack() as stack, tqdm(total=total, unit="B", unit_scale=True, desc=label,
                                                 disable=not progress, file=sys.stderr) as bar:
         files: dict[str, Any] = {}
-        for r in sorted(reads, key=lambda r: r.source.file):
+        for r in sorted(reads, key=lambda r: (r.source.file, r.source.offset)):
             if r.source.file not in files:
-                files[r.source.file] = stack.enter_context(
-                    safe_open(str(model_dir / r.source.file), framework="pt", device="cpu"))
-            handle, tensor = files[r.source.file], targets[r.target]
+                files[r.source.file] = stack.enter_context(open(model_dir / r.source.file, "rb", buffering=0))
+            tensor = targets[r.target]
             if isinstance(tensor, DTensor):
                 if tuple(tensor.placements) != (Shard(0),):
                     raise CkptError(f"{r.target}: placements {tensor.placements}, expected (Shard(0),)")
-                local = tensor.to_local()
-                if r.start is None or local.shape[0] != r.stop - r.start:
-                    raise CkptError(f"{r.target}: this rank holds {local.shape[0]} rows, the plan says "
+                tensor = tensor.to_local()
+                if r.start is None or tensor.shape[0] != r.stop - r.start:
+                    raise CkptError(f"{r.target}: this rank holds {tensor.shape[0]} rows, the plan says "
                                     f"{r.start}..{r.stop}; fully_shard's split changed")
-                if local.numel():
-                    local.copy_(handle.get_slice(r.source.name)[r.start:r.stop])
-            elif r.start is None:
-                tensor.copy_(handle.get_tensor(r.source.name))
-            else:
+            elif r.start is not None:
                 raise CkptError(f"{r.target}: fully_shard left this parameter unsharded")
-            n = _rows_bytes(r)
-            done += n
-            bar.update(n)
-    return done
+            _read_into(files[r.source.file], r, tensor, model_dir)
+            bar.update(_rows_bytes(r))
+    return total
+
+
+def _read_into(f, r: Read, out: torch.Tensor, model_dir: Path) -> None:
+    start = r.source.offset + (r.start or 0) * r.source.row_bytes
+    n = _rows_bytes(r)
+    direct = out.device.type == "cpu" and out.is_contiguous()
+    buf = out if direct else torch.empty(out.shape, dtype=out.dtype)
+    if n:
+        view = buf.reshape(-1).view(torch.uint8).numpy()  # shares buf's memory
+        f.seek(start)
+        got = f.readinto(view)
+        if got != n:
+            raise BadInput(f"{model_dir / r.source.file}: tensor {r.source.name!r}: file ends after "
+                           f"{got} of {n} bytes; truncated?")
+    if not direct:  # a CUDA shard: through one host buffer of this tensor's rows
+        out.copy_(buf)
 
 
 def _rows_bytes(r: Read) -> int:
@@ -477,14 +496,20 @@ def fresh_adamw(model: nn.Module) -> torch.optim.Optimizer:
 def forward_check(model: nn.Module, cls: type, config, ctx: launch.RankContext, model_dir: Path) -> float | None:
     """Largest |difference| between the sharded model's output and ``from_pretrained``'s (rank 0
     only builds the unsharded reference) on one fixed input; ``None`` on other ranks."""
+    from torch.distributed.fsdp import FSDPModule
+
     vocab = config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, CHECK_INPUT_SHAPE, generator=torch.Generator().manual_seed(0)).to(ctx.device)
+    dtype = next(model.parameters()).dtype  # now: after a forward the root's parameters stay unsharded
     model.eval()
     out = model(input_ids=ids)[0]
+    for module in model.modules():  # back to sharded DTensors before anything saves the state dict
+        if isinstance(module, FSDPModule):
+            module.reshard()
     if ctx.rank != 0:
         return None
     with _no_transformers_progress():
-        ref = cls.from_pretrained(str(model_dir), dtype=next(model.parameters()).dtype)
+        ref = cls.from_pretrained(str(model_dir), dtype=dtype)
     ref = ref.to(ctx.device).eval()
     expected = ref(input_ids=ids)[0]
     return (out.float() - expected.float()).abs().max().item()

@@ -124,13 +124,15 @@ def export_cmd(src, dst, base, dtype, max_shard_size, overwrite, progress):
 @click.argument("dst", type=click.Path())
 @click.option("--to", "to", required=True, type=click.IntRange(min=1), help="New world size M.")
 @click.option("--from", "from_", type=click.IntRange(min=1), help="Expected source world size N (checked).")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Processes writing output files in parallel (same bytes as one).")
 @_RANK_LOCAL
 @_OVERWRITE
 @command
-def reshard_cmd(src, dst, to, from_, rank_local, overwrite, progress):
+def reshard_cmd(src, dst, to, from_, workers, rank_local, overwrite, progress):
     """Reshard a sharded or DCP checkpoint (model, optimizer, extra state) to --to ranks."""
     _report(ckpt_tools.reshard(src, dst, to=to, from_=from_, overwrite=overwrite, progress=progress,
-                               rank_local=rank_local), progress)
+                               rank_local=rank_local, workers=workers), progress)
 
 
 @main.command("shard")

@@ -145,7 +145,6 @@ class Writer:
 
     def __init__(self, *, param_order: tuple[str, ...] = ()) -> None:
         self.param_order = param_order
-        self._written: dict[str, list] = {}
 
     def write(self, path: Path, job, pieces, objects) -> None:
         import io
@@ -157,10 +156,12 @@ class Writer:
 
         records = []
         with open(path, "wb") as f:
-            for p, values in pieces:
+            for i, (_, values) in enumerate(pieces):
                 start = f.tell()
                 torch.save(compact(values), f)
-                records.append(("tensor", p, start, f.tell() - start))
+                # the piece's index, not the piece: finish() builds metadata from the plan it
+                # holds, so the bytes do not depend on which process wrote the file
+                records.append(("tensor", i, start, f.tell() - start))
             if job.objects or job.meta.get("extra"):
                 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
@@ -176,9 +177,9 @@ class Writer:
                     start = f.tell()
                     f.write(buf.getbuffer())
                     records.append(("bytes", (key, mapping[key]), start, f.tell() - start))
-        self._written[job.path] = records
+        return records
 
-    def finish(self, out: Path, jobs) -> None:
+    def finish(self, out: Path, jobs, written: dict) -> None:
         import pickle
 
         import torch
@@ -192,9 +193,9 @@ class Writer:
         planner: dict = {}
         storage: dict = {}
         for job in jobs:
-            for kind, what, start, length in self._written.get(job.path, []):
+            for kind, what, start, length in written.get(job.path) or []:
                 if kind == "tensor":
-                    p = what
+                    p = job.pieces[what]
                     path_ = dcp_key(p.target)
                     fqn = ".".join(map(str, path_))
                     md = state.setdefault(fqn, TensorStorageMetadata(

@@ -217,7 +217,7 @@ class Writer:
             for _, values in pieces:
                 f.write(tensor_bytes(values))
 
-    def finish(self, out: Path, jobs: list) -> None:
+    def finish(self, out: Path, jobs: list, written: dict) -> None:
         if self.single_file or len(jobs) == 1 and jobs[0].path == SINGLE_NAME:
             return
         index = {"metadata": {"total_size": sum(j.nbytes for j in jobs)},

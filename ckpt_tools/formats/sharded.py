@@ -234,7 +234,7 @@ class Writer:
                 obj = {"state": state, "param_groups": groups}
         save(obj, path, lazy)
 
-    def finish(self, out: Path, jobs) -> None:
+    def finish(self, out: Path, jobs, written: dict) -> None:
         (out / CONFIG_NAME).write_text(json.dumps({"FSDP_version": 2, "world_size": self.world_size}) + "\n")
 
 

@@ -163,5 +163,5 @@ class Writer:
             obj.update(rest)
         save(obj, path, lazy)
 
-    def finish(self, out: Path, jobs) -> None:
+    def finish(self, out: Path, jobs, written: dict) -> None:
         pass
