@@ -160,6 +160,33 @@ def shard_cmd(model, dst, ranks, fmt, device, mixed_precision, cpu_offload, with
         click.echo(f"check: largest difference from the unsharded model {report['max_abs_diff']:.3g}")
 
 
+@main.command("verify")
+@click.argument("a", type=click.Path())
+@click.argument("b", type=click.Path(), required=False)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
+@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance (after a dtype cast).")
+@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance (after a dtype cast).")
+@click.option("--nan-check", is_flag=True, help="Also flag tensors holding NaN or Inf.")
+@command
+def verify_cmd(a, b, as_json, atol, rtol, nan_check, progress):
+    """Check A's integrity, or that A and B hold the same tensors (any formats); exit 1 on a difference."""
+    from ckpt_tools.verify import verify
+
+    report = verify(a, b, atol=atol, rtol=rtol, nan_check=nan_check, progress=progress)
+    if as_json:
+        emit_json(report)
+    else:
+        what = f"{a} vs {b}" if b else a
+        click.echo(f"{'OK' if report['ok'] else 'DIFFERENT' if b else 'DAMAGED'}: {what}: "
+                   f"{report['checked']} tensors checked")
+        for name in report.get("mismatches", [])[:50]:
+            click.echo(f"  differs: {name}")
+        for problem in report.get("problems", [])[:50]:
+            click.echo(f"  problem: {problem}")
+    if not report["ok"]:
+        sys.exit(1)
+
+
 @main.command("estimate")
 @click.argument("model")
 @click.option("--ranks", required=True, type=click.IntRange(min=1), help="Number of GPUs.")
