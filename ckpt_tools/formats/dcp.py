@@ -44,6 +44,13 @@ def describe(path: Path) -> Checkpoint:
         objects += o
         entries += e
         ranks |= r
+    if layout == "accelerate":
+        # accelerate's save_state keeps the LR scheduler beside the DCP dirs, as a torch.save
+        for f in sorted(path.glob("scheduler*.bin")):
+            objects.append(ObjectInfo("extra", "lr_scheduler" if f.stem == "scheduler" else f.stem,
+                                      Location(f.name, "pickled", key=()),
+                                      path=("lr_scheduler" if f.stem == "scheduler" else f.stem,)))
+            entries.append(FileEntry(f.name, f.stat().st_size))
     details: dict[str, Any] = {"layout": layout}
     if any(t.group == "optimizer" for t in tensors):
         details["optimizer_keyed"] = "fqn"

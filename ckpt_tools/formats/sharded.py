@@ -248,7 +248,11 @@ def _mesh(world_size: int, rank: int | None):
 
     key = (world_size, rank or 0)
     if key not in _MESHES:
-        _MESHES[key] = DeviceMesh("cpu", torch.arange(world_size), _init_backend=False, _rank=rank or 0)
+        mesh = DeviceMesh("cpu", torch.arange(world_size), _init_backend=False, _rank=rank or 0)
+        # a real 1-D FSDP2 mesh names the default process group ("0"); the loading job resolves
+        # it when it unpickles, so optimizer states loaded from these files can run collectives
+        mesh._dim_group_names = ["0"]
+        _MESHES[key] = mesh
     return _MESHES[key]
 
 
