@@ -49,20 +49,20 @@ def staged(dst: Path, *, overwrite: bool, is_dir: bool = True) -> Iterator[Path]
         with _sigterm_as_interrupt():
             yield tmp
             fsync_tree(tmp)
-            _replace(tmp, dst, overwrite=overwrite)
+            commit_into(tmp, dst, overwrite=overwrite)
     except OSError as e:
-        _remove(tmp)
+        remove_path(tmp)
         if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             raise DestinationError(f"{dst}: out of space ({e.strerror}); nothing was written, free space and re-run") from e
         if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise DestinationError(f"{dst}: not writable ({e.strerror})") from e
         raise
     except BaseException:
-        _remove(tmp)
+        remove_path(tmp)
         raise
 
 
-def _replace(tmp: Path, dst: Path, *, overwrite: bool) -> None:
+def commit_into(tmp: Path, dst: Path, *, overwrite: bool) -> None:
     if dst.exists() or dst.is_symlink():
         if not overwrite:
             raise DestinationError(f"{dst} appeared while writing; pass --overwrite to replace it")
@@ -70,13 +70,13 @@ def _replace(tmp: Path, dst: Path, *, overwrite: bool) -> None:
         os.rename(dst, old)
         os.rename(tmp, dst)
         _fsync_dir(dst.parent)
-        _remove(old)
+        remove_path(old)
     else:
         os.rename(tmp, dst)
         _fsync_dir(dst.parent)
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:

@@ -17,6 +17,7 @@ from .errors import BadInput, UsageError
 from .formats import FORMATS, dcp, describe, hf, sharded, torchsave
 from .plan import FileJob, Target, rows_of, targets_from, whole
 from .reader import Reader
+from .scaleout import torchrun_rank
 from .state import per_rank_extras
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -104,6 +105,8 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
     if world_size is not None and world_size < 1:
         raise UsageError(f"--world-size must be at least 1, not {world_size}")
     src_path, dst = Path(src), Path(dst)
+    if torchrun_rank() != 0:
+        progress = False  # one voice per torchrun launch
     ckpt = _ckpt or describe(src_path)
     cast = DTYPES.get(dtype) if dtype else None
     keep = [t for t in ckpt.tensors if t.group == "model" or not (model_only or to == "hf")]

@@ -111,53 +111,34 @@ def run_jobs(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path
     return written
 
 
-def _run_share(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    return run_jobs(src, writer, jobs, out, progress=False, desc="")
-
-
-def run_parallel(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path, *,
-                 workers: int, progress: bool, desc: str) -> dict[str, Any]:
-    """Write ``jobs`` with ``workers`` processes, each taking whole files (balanced by bytes).
-    Each file is written by exactly one process, so the output is byte-identical to a
-    single process's."""
-    import multiprocessing
-
-    shares: list[list[FileJob]] = [[] for _ in range(workers)]
-    loads = [0] * workers
-    for job in sorted(jobs, key=lambda j: -j.nbytes):
-        k = loads.index(min(loads))
-        shares[k].append(job)
-        loads[k] += job.nbytes
-    written: dict[str, Any] = {}
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool, \
-            progress_bar(sum(loads), desc, progress) as bar:
-        futures = {pool.submit(_run_share, src, writer, share, out): share for share in shares if share}
-        for fut in concurrent.futures.as_completed(futures):
-            written.update(fut.result())
-            bar.update(sum(j.nbytes for j in futures[fut]))
-    return written
-
-
 def execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path, *,
             overwrite: bool = False, progress: bool = True, desc: str = "writing", fmt: str = "",
             workers: int = 1, after: Callable[[Path], None] | None = None) -> None:
     """Carry out ``jobs`` into ``dst`` atomically: staged in a temporary sibling, fsynced,
     renamed into place. ``after(staging)`` adds files (HF assets, manifest) before the commit."""
+    from . import scaleout
+
     dst = Path(dst)
-    check_destination(src.root, dst, overwrite=overwrite)
-    with staged(dst, overwrite=overwrite, is_dir=not writer.single_file) as tmp:
-        if workers > 1 and len(jobs) > 1 and not writer.single_file:
-            written = run_parallel(src, writer, jobs, tmp, workers=workers, progress=progress, desc=desc)
-        else:
-            written = run_jobs(src, writer, jobs, tmp, progress=progress, desc=desc)
+
+    def complete(tmp: Path, written: dict[str, Any]) -> None:
         writer.finish(tmp, jobs, written)
         if after is not None:
             after(tmp)
         if not writer.single_file:
             # last: a manifest vouches for every file beside it
             manifest.write(tmp, source=str(src.root), source_format=src.format, format=fmt)
+
+    if scaleout.torchrun_world() > 1 and not writer.single_file:
+        scaleout.execute_torchrun(src, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=desc,
+                                  complete=complete)
+        return
+    check_destination(src.root, dst, overwrite=overwrite)
+    with staged(dst, overwrite=overwrite, is_dir=not writer.single_file) as tmp:
+        if workers > 1 and len(jobs) > 1 and not writer.single_file:
+            written = scaleout.run_parallel(src, writer, jobs, tmp, workers=workers, progress=progress, desc=desc)
+        else:
+            written = run_jobs(src, writer, jobs, tmp, progress=progress, desc=desc)
+        complete(tmp, written)
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:

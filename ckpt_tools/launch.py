@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import resource
 import shutil
 import sys
 import tempfile
@@ -128,6 +129,38 @@ def _join(fn, args, ranks, device, rank, world, local_rank, *, own_group: bool) 
     finally:
         if own_group:
             dist.destroy_process_group()
+
+
+def on_rank0(ctx: RankContext, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0, its result (or its CkptError) on every rank."""
+    import torch.distributed as dist
+
+    box: list[Any] = [None]
+    if ctx.rank == 0:
+        try:
+            box[0] = ("ok", fn())
+        except CkptError as e:
+            box[0] = ("error", e)
+    dist.broadcast_object_list(box, src=0)
+    if box[0][0] == "error":
+        raise box[0][1]
+    return box[0][1]
+
+
+def all_gather(ctx: RankContext, obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def peak_memory(ctx: RankContext) -> dict[str, int | None]:
+    """This process's peak resident memory and, on CUDA, peak allocated device memory (bytes)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return {"rss_bytes": rss if sys.platform == "darwin" else rss * 1024,
+            "device_bytes": torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else None}
 
 
 def _set_device(device: str, local_rank: int) -> torch.device:

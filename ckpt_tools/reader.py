@@ -5,8 +5,11 @@ Files are memory-mapped, so a chunk costs page cache, not process memory, until 
 
 from __future__ import annotations
 
+import io
 import mmap
 import os
+import struct
+import zipfile
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -16,7 +19,7 @@ import torch
 
 from .describe import Checkpoint, Chunk, Location, ObjectInfo, TensorInfo
 from .errors import BadInput
-from .safeload import load_torch, load_torch_bytes
+from .safeload import load_torch, load_torch_bytes, load_torch_meta
 
 
 class Reader:
@@ -109,7 +112,7 @@ class Reader:
                 return torch.empty(chunk.sizes, dtype=tensor.dtype)
             return torch.frombuffer(data, dtype=tensor.dtype).view(chunk.sizes)
         if loc.kind == "torch_item":
-            value = load_torch_bytes(self._bytes(loc), where=f"{self.ckpt.base_dir() / loc.file} ({tensor.name})")
+            value = self._torch_item(loc, tensor.name)
         elif loc.kind == "pickled":
             value = self._lookup(loc)
         else:
@@ -121,6 +124,26 @@ class Reader:
             raise BadInput(f"{self.ckpt.base_dir() / loc.file}: {tensor.name!r} holds {tuple(value.shape)} "
                            f"{value.dtype}, its metadata says {chunk.sizes} {tensor.dtype}")
         return value
+
+    def _torch_item(self, loc: Location, name: str) -> torch.Tensor:
+        """A ``torch.save``'d tensor inside a larger file (a DCP item), as a view of the mapped
+        file: the pickle is read for shape, stride and offset (on the meta device, no data),
+        the zip record for where the raw bytes start. Anything unusual is loaded normally."""
+        where = f"{self.ckpt.base_dir() / loc.file} ({name})"
+        m = self._map(loc.file)
+        if loc.offset + loc.length > len(m):
+            raise BadInput(f"{where}: item runs past the end of the file; truncated")
+        meta = load_torch_meta(_MapSlice(m, loc.offset, loc.length), where=where)
+        start, size = _storage_record(m, loc.offset, loc.length)
+        if not isinstance(meta, torch.Tensor) or start is None:
+            return load_torch_bytes(self._bytes(loc), where=where)
+        if not meta.numel():
+            return torch.empty(meta.shape, dtype=meta.dtype)
+        storage = torch.frombuffer(m, dtype=torch.uint8, count=size, offset=start).untyped_storage()
+        try:
+            return torch.empty(0, dtype=meta.dtype).set_(storage, meta.storage_offset(), meta.shape, meta.stride())
+        except RuntimeError as e:
+            raise BadInput(f"{where}: the item's tensor does not fit its {size} stored bytes ({e})") from e
 
     def object(self, obj: ObjectInfo) -> Any:
         loc = obj.location
@@ -139,6 +162,55 @@ class Reader:
                 region = region.narrow(d, o, s)
             region.copy_(self.chunk(tensor, c))
         return out
+
+
+class _MapSlice(io.RawIOBase):
+    """A read-only file over ``[start, start + length)`` of a mapped file (no copy)."""
+
+    def __init__(self, m: mmap.mmap, start: int, length: int):
+        self._view = memoryview(m)[start:start + length]
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self._pos, len(self._view))[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), len(self._view) - self._pos))
+        b[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+
+def _storage_record(m: mmap.mmap, start: int, length: int) -> tuple[int | None, int]:
+    """Absolute offset and size of the single uncompressed ``*/data/0`` record of a
+    ``torch.save`` blob at ``[start, start + length)``; ``(None, 0)`` if it is not that simple."""
+    try:
+        with zipfile.ZipFile(_MapSlice(m, start, length)) as z:
+            records = [i for i in z.infolist() if "/data/" in i.filename and not i.filename.endswith("/data.pkl")]
+            if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
+                return None, 0
+            info = records[0]
+    except (zipfile.BadZipFile, ValueError, OSError):
+        return None, 0
+    header = start + info.header_offset
+    if m[header:header + 4] != b"PK\x03\x04":
+        return None, 0
+    name_len, extra_len = struct.unpack("<HH", m[header + 26:header + 30])
+    data = header + 30 + name_len + extra_len
+    if data + info.file_size > start + length:
+        return None, 0
+    return data, info.file_size
 
 
 def _local(value: Any) -> Any:

@@ -78,6 +78,18 @@ def load_torch_bytes(data: bytes | memoryview, *, where: str) -> Any:
         raise BadInput(f"{where}: corrupt or truncated item ({_first_line(e)})") from e
 
 
+def load_torch_meta(f: Any, *, where: str) -> Any:
+    """``torch.load`` a file-like ``torch.save`` blob onto the meta device: the structure,
+    shapes, strides and offsets, without reading the data."""
+    try:
+        with _quiet_device_mesh():
+            return torch.load(f, map_location="meta", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeInput(f"{where}: refused to unpickle an item that needs code ({_first_line(e)})") from e
+    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as e:
+        raise BadInput(f"{where}: corrupt or truncated item ({_first_line(e)})") from e
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0][:300] if text else type(e).__name__

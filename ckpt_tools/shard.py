@@ -2,7 +2,8 @@
 
 Every rank builds the model on the meta device, wraps it with ``fully_shard`` (each transformer
 block, then the root), materialises only its own shards and fills them by reading just its rows
-of each tensor from the safetensors files, so no rank ever holds the whole model. The result is
+of each tensor from the safetensors files (plain reads at header offsets, no mmap), so no rank
+ever holds, or maps, the whole model. The result is
 written as per-rank ``sharded`` files (verl's layout) or as a DCP directory, atomically.
 
 Order of work on each rank:
@@ -18,10 +19,11 @@ Order of work on each rank:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import math
 import os
 import re
-import resource
 import shutil
 import sys
 import tempfile
@@ -34,7 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import launch
+from . import launch, manifest
+from .atomic import TMP_MARK, fsync_tree
+from .atomic import check_destination as check_not_source
 from .describe import chunk_rows
 from .errors import BadInput, CkptError, DestinationError, UsageError
 from .formats import hf
@@ -61,7 +65,7 @@ class SourceTensor:
 
     @property
     def row_bytes(self) -> int:
-        return _numel(self.shape[1:]) * self.dtype.itemsize
+        return math.prod(self.shape[1:]) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,7 @@ def shard(model: str, dst: str | Path, *, ranks: int, format: str = "sharded", d
     dst = Path(dst).expanduser().absolute()
     check_destination(dst, overwrite)
     model_dir = fetch_model(model)
+    check_not_source(model_dir, dst, overwrite=overwrite)
     sources = read_sources(model_dir)
     # On meta, cheap: a config that does not fit the weights fails here, before any rank starts.
     build_meta_model(_load_config(model_dir), sources)
@@ -180,13 +185,14 @@ def read_sources(model_dir: Path) -> dict[str, SourceTensor]:
 
 
 def check_destination(dst: Path, overwrite: bool) -> None:
+    """Before any download or rank: an existing DST needs ``overwrite``; its folder must be writable."""
     if dst.exists() and not overwrite:
         raise DestinationError(f"{dst}: already exists; pass --overwrite to replace it "
                                "(the old one is kept until the new one is complete)")
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise DestinationError(f"{dst.parent}: cannot create the destination's folder ({e})") from e
+        raise DestinationError(f"{dst.parent}: cannot create the destination's folder ({e.strerror})") from e
     if not os.access(dst.parent, os.W_OK):
         raise DestinationError(f"{dst.parent}: not writable; choose another destination")
 
@@ -194,29 +200,29 @@ def check_destination(dst: Path, overwrite: bool) -> None:
 def make_tmp_dir(dst: Path) -> Path:
     """A hidden sibling of ``dst`` on the same file system, so the final rename is atomic."""
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.ckpt-tmp-", dir=dst.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}{TMP_MARK}", dir=dst.parent))
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would make DST private
     except OSError as e:
-        raise DestinationError(f"{dst.parent}: cannot write there ({e})") from e
+        raise DestinationError(f"{dst.parent}: cannot write there ({e.strerror})") from e
     return tmp
 
 
 def commit(tmp: Path, dst: Path, overwrite: bool) -> None:
     """Rename the finished ``tmp`` to ``dst``; an old ``dst`` is moved aside first and deleted
     only once the new one is in place, so a crash leaves either the old or the new one."""
-    _fsync_dir(tmp)
+    fsync_tree(tmp)
     if dst.exists() or dst.is_symlink():
         if not overwrite:
             raise DestinationError(f"{dst}: appeared while sharding; pass --overwrite to replace it")
-        old = dst.parent / f".{dst.name}.ckpt-old-{uuid.uuid4().hex[:8]}"
+        old = dst.parent / f".{dst.name}{TMP_MARK}old-{uuid.uuid4().hex[:8]}"
         os.rename(dst, old)
         try:
             os.rename(tmp, dst)
         except OSError as e:
             os.rename(old, dst)
-            raise DestinationError(f"{dst}: could not move the new checkpoint into place ({e})") from e
+            raise DestinationError(f"{dst}: could not move the new checkpoint into place ({e.strerror})") from e
         _fsync_dir(dst.parent)
         shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
     else:
@@ -230,6 +236,22 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def _writing(where: Path):
+    """A full disk or quota is a destination problem (exit 4), whatever layer reports it:
+    torch.save says so in a RuntimeError, dcp.save in a CheckpointException (a BaseException)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except (OSError, RuntimeError, CheckpointException) as e:
+        space = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or any(
+            m in str(e) for m in ("No space left", "Disk quota", "file write failed"))
+        if space:
+            raise DestinationError(f"{where}: out of space ({e}); nothing was committed, free space and re-run") from e
+        raise
 
 
 def _save_torch(obj: Any, path: Path) -> None:
@@ -350,7 +372,7 @@ def plan_reads(model: nn.Module, sources: dict[str, SourceTensor], *, world_size
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     tensors = [(name, p, True) for name, p in model.named_parameters()]
-    tensors += [(name, b, False) for name, b in _persistent_buffers(model)]
+    tensors += [(name, b, False) for name, b in _buffers(model, persistent=True)]
     for name, tensor, is_param in tensors:
         names = aliases.get(id(tensor), [name]) if is_param else [name]
         found = [s for s in map(source_of, names) if s is not None]
@@ -375,17 +397,10 @@ def plan_reads(model: nn.Module, sources: dict[str, SourceTensor], *, world_size
     return reads
 
 
-def _persistent_buffers(model: nn.Module):
+def _buffers(model: nn.Module, *, persistent: bool):
     for name, buf in model.named_buffers():
         owner, _, leaf = name.rpartition(".")
-        if leaf not in model.get_submodule(owner)._non_persistent_buffers_set:
-            yield name, buf
-
-
-def _non_persistent_buffers(model: nn.Module):
-    for name, buf in model.named_buffers():
-        owner, _, leaf = name.rpartition(".")
-        if leaf in model.get_submodule(owner)._non_persistent_buffers_set:
+        if (leaf in model.get_submodule(owner)._non_persistent_buffers_set) != persistent:
             yield name, buf
 
 
@@ -441,19 +456,16 @@ def _read_into(f, r: Read, out: torch.Tensor, model_dir: Path) -> None:
 
 
 def _rows_bytes(r: Read) -> int:
-    shape = r.source.shape
-    rows = (r.stop - r.start) if r.start is not None else (shape[0] if shape else 1)
-    numel = rows
-    for d in shape[1:]:
-        numel *= d
-    return numel * r.source.dtype.itemsize
+    if r.start is None:
+        return math.prod(r.source.shape) * r.source.dtype.itemsize
+    return (r.stop - r.start) * r.source.row_bytes
 
 
 def _init_non_persistent_buffers(model: nn.Module, loaded: set[str]) -> None:
     """Compute the buffers no file holds (rotary ``inv_freq``, BERT ``position_ids``) the way
     transformers 5's ``from_pretrained`` does: mark every loaded tensor initialised, then run
     the model's ``initialize_weights``, whose ``_init_weights`` fills only unmarked ones."""
-    todo = dict(_non_persistent_buffers(model))
+    todo = dict(_buffers(model, persistent=False))
     if not todo:
         return
     if not hasattr(model, "initialize_weights"):
@@ -467,12 +479,14 @@ def _init_non_persistent_buffers(model: nn.Module, loaded: set[str]) -> None:
         sentinel[name] = buf
     for t in marked:
         t._is_hf_initialized = True
+    # initialize_weights skips modules flagged by an earlier run; every module must be visited.
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)
     try:
         model.initialize_weights()
     finally:
-        for t in marked:
-            with contextlib.suppress(AttributeError):
-                del t._is_hf_initialized
+        for t in (*marked, *model.modules()):
+            t.__dict__.pop("_is_hf_initialized", None)
     for name, buf in sentinel.items():
         poisoned = buf.isnan() if buf.is_floating_point() else (buf == -(2**31)) if buf.dtype != torch.bool else None
         if poisoned is not None and poisoned.any():
@@ -550,11 +564,15 @@ def _rank_main(ctx: launch.RankContext, job: ShardJob) -> dict[str, Any]:
              label=f"shard rank 0/{ctx.world_size}")
         optimizer = fresh_adamw(model) if job.with_optimizer else None
         diff = forward_check(model, cls, config, ctx, model_dir) if job.check else None
-        _save(model, optimizer, ctx, job, tmp, model_dir)
-        stats = _gather_stats(ctx, diff)
+        with _writing(dst):
+            _save(model, optimizer, ctx, job, tmp, model_dir)
+        stats = launch.all_gather(ctx, {**launch.peak_memory(ctx), "diff": diff})
         dist.barrier()
         if ctx.rank == 0:
-            commit(tmp, dst, job.overwrite)
+            with _writing(dst):
+                # written last, over every rank's files: `ckpt verify DST` checks them against it
+                manifest.write(tmp, source=str(model_dir), source_format="hf", format=job.format)
+                commit(tmp, dst, job.overwrite)
         dist.barrier()  # every rank returns once DST is in place
     except BaseException:
         if ctx.rank == 0:
@@ -562,37 +580,17 @@ def _rank_main(ctx: launch.RankContext, job: ShardJob) -> dict[str, Any]:
         raise
     report = {"dst": str(dst), "ranks": ctx.world_size, "format": job.format, "device": job.device,
               "params": sum(p.numel() for p in model.parameters()),
-              "bytes": sum(_numel(s.shape) * s.dtype.itemsize for s in sources.values()),
-              "peak_rss_bytes": [s["rss"] for s in stats]}
+              "bytes": sum(math.prod(s.shape) * s.dtype.itemsize for s in sources.values()),
+              "peak_rss_bytes": [s["rss_bytes"] for s in stats]}
     if job.device == "cuda":
-        report["peak_device_bytes"] = [s["device"] for s in stats]
+        report["peak_device_bytes"] = [s["device_bytes"] for s in stats]
     if job.check:
         report["max_abs_diff"] = stats[0]["diff"]
     return report
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _shared_tmp_dir(ctx: launch.RankContext, job: ShardJob, dst: Path) -> Path:
-    if job.tmp:
-        return Path(job.tmp)
-    import torch.distributed as dist
-
-    box: list[Any] = [None]
-    if ctx.rank == 0:
-        try:
-            box[0] = str(make_tmp_dir(dst))
-        except DestinationError as e:
-            box[0] = e
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], DestinationError):
-        raise box[0]
-    return Path(box[0])
+    return Path(job.tmp) if job.tmp else Path(launch.on_rank0(ctx, lambda: str(make_tmp_dir(dst))))
 
 
 def _save(model, optimizer, ctx: launch.RankContext, job: ShardJob, tmp: Path, model_dir: Path) -> None:
@@ -622,14 +620,3 @@ def _save(model, optimizer, ctx: launch.RankContext, job: ShardJob, tmp: Path, m
             if (model_dir / name).is_file():
                 _copy_synced(model_dir / name, assets / name)
         _fsync_dir(assets)
-
-
-def _gather_stats(ctx: launch.RankContext, diff: float | None) -> list[dict[str, Any]]:
-    import torch.distributed as dist
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    mine = {"rss": rss if sys.platform == "darwin" else rss * 1024, "diff": diff,
-            "device": torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else None}
-    stats: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(stats, mine)
-    return stats

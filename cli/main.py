@@ -69,7 +69,9 @@ def inspect_cmd(path: str, as_json: bool, tensors: bool, progress: bool) -> None
 
 
 def _report(report: dict, progress: bool) -> None:
-    if progress:
+    from ckpt_tools.scaleout import torchrun_rank
+
+    if progress and torchrun_rank() == 0:
         from ckpt_tools.inspect import human_bytes
 
         n, size = report.get("num_tensors"), report.get("total_bytes")
