@@ -128,7 +128,7 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
         # one global copy: values equal on every rank; rank-local ones follow the policy
         with Reader(ckpt) as reader:
             (merged,) = per_rank_extras(rank_objs, reader.object, src_world=ckpt.world_size, dst_world=1,
-                                        policy=rank_local, warn=None if progress else (lambda m: None))
+                                        policy=rank_local)
     else:
         merged = {}
     if to == "torch":
@@ -143,7 +143,7 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
         extra_objs = [o for o in objects if o.group == "extra"]
         with Reader(ckpt) as reader:
             extras = per_rank_extras(extra_objs, reader.object, src_world=ckpt.world_size, dst_world=ws,
-                                     policy=rank_local, warn=None if progress else (lambda m: None))
+                                     policy=rank_local)
         jobs = layout_sharded(ckpt, targets, ws, extras)
         assets = hfassets.find_assets(src_path, base)
 

@@ -25,11 +25,11 @@ from .safeload import load_torch, load_torch_bytes, load_torch_meta
 class Reader:
     """Reads chunks and objects of one checkpoint. Use as a context manager.
 
-    ``torch.save``'d files are loaded memory-mapped and kept in a small LRU cache, so a plan
-    that walks a per-rank file tensor by tensor unpickles it once.
+    ``torch.save``'d files are loaded memory-mapped (their tensors cost page cache, not
+    memory) and kept, so a plan that walks W rank files tensor by tensor unpickles each once.
     """
 
-    def __init__(self, ckpt: Checkpoint, *, cache_files: int = 4):
+    def __init__(self, ckpt: Checkpoint, *, cache_files: int | None = None):
         self.ckpt = ckpt
         self._maps: dict[str, mmap.mmap] = {}
         self._loaded: OrderedDict[str, Any] = OrderedDict()
@@ -86,7 +86,7 @@ class Reader:
         if obj is None:
             obj = load_torch(self.ckpt.base_dir() / file)
             self._loaded[file] = obj
-            while len(self._loaded) > self._cache_files:
+            while self._cache_files is not None and len(self._loaded) > self._cache_files:
                 self._loaded.popitem(last=False)
         else:
             self._loaded.move_to_end(file)

@@ -1,0 +1,44 @@
+"""Shared test setup: import paths, the fixtures folder, a tiny Llama factory.
+
+``tests/`` and ``fixtures/`` go on ``sys.path`` so that any test can ``from dist import run_ranks``
+and ``from make_fixtures import tiny_llama_config, build_tokenizer`` (spawned ranks inherit it).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+FIXTURES_DIR = TESTS_DIR.parent / "fixtures"
+
+for _p in (str(TESTS_DIR), str(FIXTURES_DIR)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    """The committed fixture checkpoints (see fixtures/README.md); never write into it."""
+    return FIXTURES_DIR
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """Factory for the fixtures' tiny ``LlamaForCausalLM`` (vocab 101, hidden 32, 2 layers).
+
+    ``tiny_llama(tied=False, seed=0, dtype=torch.float32)``; the same seed gives the same weights.
+    """
+    import torch
+
+    def make(*, tied: bool = False, seed: int = 0, dtype=None):
+        from make_fixtures import tiny_llama_config
+        from transformers import LlamaForCausalLM
+
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(tiny_llama_config(tied=tied))
+        return model.to(dtype or torch.float32)
+
+    return make
