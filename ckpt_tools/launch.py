@@ -57,7 +57,6 @@ class RankContext:
     world_size: int
     local_rank: int
     device: torch.device
-    spawned: bool  # True when this module started the rank (and owns its process group)
 
 
 def backend_for(device: str) -> str:
@@ -125,7 +124,7 @@ def _join(fn, args, ranks, device, rank, world, local_rank, *, own_group: bool) 
         dist.init_process_group(backend_for(device), init_method="env://",
                                 device_id=dev if device == "cuda" else None)
     try:
-        return fn(RankContext(rank, world, local_rank, dev, spawned=False), *args)
+        return fn(RankContext(rank, world, local_rank, dev), *args)
     finally:
         if own_group:
             dist.destroy_process_group()
@@ -178,21 +177,28 @@ def _child(rank: int, world: int, device: str, init_method: str, result_dir: str
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    payload: tuple
     try:
         dev = _set_device(device, rank)
         dist.init_process_group(backend_for(device), init_method=init_method, rank=rank,
                                 world_size=world, device_id=dev if device == "cuda" else None,
                                 timeout=datetime.timedelta(minutes=30))
-        try:
-            payload = ("ok", fn(RankContext(rank, world, rank, dev, spawned=True), *args))
-        finally:
-            try:
-                dist.destroy_process_group()
-            except Exception:  # never let teardown hide the real outcome
-                pass
+        payload: tuple = ("ok", fn(RankContext(rank, world, rank, dev), *args))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
         payload = ("error", e, traceback.format_exc())
+    # Reported before teardown: destroying the group is what breaks the peers' collectives, and
+    # their errors must not look earlier than this rank's own.
+    _report(result_dir, rank, payload)
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    # A normal exit, not os._exit: it releases what the rank registered (tqdm's lock semaphore)
+    # instead of leaving the parent's resource tracker to warn about it.
+    sys.exit(0 if payload[0] == "ok" else 1)
+
+
+def _report(result_dir: str, rank: int, payload: tuple) -> None:
     out = Path(result_dir) / f"rank_{rank}.pkl"
     try:
         data = pickle.dumps((payload, time.time()))
@@ -200,9 +206,6 @@ def _child(rank: int, world: int, device: str, init_method: str, result_dir: str
         data = pickle.dumps((("error", None, traceback.format_exc()), time.time()))
     out.with_suffix(".tmp").write_bytes(data)
     os.replace(out.with_suffix(".tmp"), out)
-    # A normal exit, not os._exit: it releases what the rank registered (tqdm's lock semaphore)
-    # instead of leaving the parent's resource tracker to warn about it.
-    sys.exit(0 if payload[0] == "ok" else 1)
 
 
 def _spawn(fn, args, ranks: int, device: str, threads_per_rank: int | None) -> Any:

@@ -11,6 +11,7 @@ import contextlib
 import io
 import logging
 import pickle
+import re
 import warnings
 import zipfile
 from pathlib import Path
@@ -59,10 +60,7 @@ def load_torch(path: Path | str, *, mmap: bool = True) -> Any:
         with _quiet_device_mesh(), torch.serialization.safe_globals(_NUMPY_SAFE):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and _is_zip(path))
     except pickle.UnpicklingError as e:
-        raise UnsafeInput(
-            f"{path}: refused to unpickle it: it needs code that weights_only loading does not "
-            f"allow ({_first_line(e)}); if you trust the file, re-save it as plain tensors"
-        ) from e
+        raise _refusal(str(path), e) from e
     except (RuntimeError, EOFError, ValueError, OSError, zipfile.BadZipFile) as e:
         raise BadInput(f"{path}: not a readable torch.save file, corrupt or truncated ({_first_line(e)})") from e
 
@@ -73,9 +71,26 @@ def load_torch_bytes(data: bytes | memoryview, *, where: str) -> Any:
         with _quiet_device_mesh(), torch.serialization.safe_globals(_NUMPY_SAFE):
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise UnsafeInput(f"{where}: refused to unpickle an item that needs code ({_first_line(e)})") from e
+        raise _refusal(where, e) from e
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as e:
         raise BadInput(f"{where}: corrupt or truncated item ({_first_line(e)})") from e
+
+
+def _refusal(where: str, e: pickle.UnpicklingError) -> BadInput:
+    """UnsafeInput naming what the pickle asked for; a pickle that names no global is corrupt."""
+    text = str(e)
+    m = re.search(r"GLOBAL (\S+)", text) or re.search(r"Unsupported (?:global|class):? (\S+)", text)
+    if m is None:
+        detail = text.split("WeightsUnpickler error:", 1)
+        if len(detail) == 2:
+            # a pickle the safe loader cannot follow (e.g. a raw pickle.dump): refuse, never run it
+            why = next((ln.strip() for ln in detail[1].splitlines() if ln.strip()), "unknown")
+            return UnsafeInput(f"{where}: refused: not a torch.save file that can be loaded without running "
+                               f"code ({why}); re-save it with torch.save")
+        return BadInput(f"{where}: not a readable torch.save file, corrupt or truncated ({_first_line(e)})")
+    name = m.group(1).rstrip(".,")
+    return UnsafeInput(f"{where}: refused: it asks to run {name}, which a checkpoint never needs; "
+                       "the file may be malicious (nothing from it was run)")
 
 
 def load_torch_meta(f: Any, *, where: str) -> Any:
@@ -85,7 +100,7 @@ def load_torch_meta(f: Any, *, where: str) -> Any:
         with _quiet_device_mesh():
             return torch.load(f, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise UnsafeInput(f"{where}: refused to unpickle an item that needs code ({_first_line(e)})") from e
+        raise _refusal(where, e) from e
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as e:
         raise BadInput(f"{where}: corrupt or truncated item ({_first_line(e)})") from e
 

@@ -40,6 +40,15 @@ class _Findings:
     nonfinite: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     checked: int = 0
+    # checkpoints whose manifest already shows damage: whatever reading them raises next,
+    # "unsafe" included (no code runs either way), is a consequence of it, so a finding
+    damaged: set[Path] = field(default_factory=set)
+
+    def tolerate(self, e: BadInput, *ckpts: Checkpoint) -> None:
+        """Record ``e`` as a finding, or re-raise an UnsafeInput from an undamaged checkpoint."""
+        if isinstance(e, UnsafeInput) and not any(c.root in self.damaged for c in ckpts):
+            raise e
+        self.problems.append(str(e))
 
     def differ(self, t: TensorInfo, reason: str, name: str | None = None) -> None:
         self.differences.append({"group": t.group, "name": name or t.name, "reason": reason})
@@ -114,6 +123,8 @@ def _open(path: Path, found: _Findings, progress: bool) -> Checkpoint | None:
     """Check ``path``'s manifest, then describe it. A checkpoint that cannot be described is
     a finding (None) when its manifest already shows damage, else its BadInput propagates."""
     damaged = _check_manifest(path, found, progress)
+    if damaged:
+        found.damaged.add(path)
     try:
         return describe(path, check=True)
     except BadInput as e:
@@ -186,10 +197,8 @@ def _check_one(ckpt: Checkpoint, found: _Findings, *, nan_check: bool, progress:
                     values = reader.chunk(t, c)
                     if nan_check and not _finite(values):
                         found.nonfinite.append(t.name)
-                except UnsafeInput:
-                    raise
                 except BadInput as e:
-                    found.problems.append(str(e))
+                    found.tolerate(e, ckpt)
                     found.differ(t, f"unreadable: {e}")
                     break
                 finally:
@@ -197,10 +206,8 @@ def _check_one(ckpt: Checkpoint, found: _Findings, *, nan_check: bool, progress:
         for o in ckpt.objects:
             try:
                 reader.object(o)
-            except UnsafeInput:
-                raise
             except BadInput as e:
-                found.problems.append(str(e))
+                found.tolerate(e, ckpt)
 
 
 def _reader(ckpt: Checkpoint) -> Reader:
@@ -303,10 +310,8 @@ def _compare(ca: Checkpoint, cb: Checkpoint, found: _Findings, *, atol: float, r
             try:
                 _compare_tensor(name, ta, tb, sa, sb, found, atol=atol, rtol=rtol, tolerant=tolerant,
                                 nan_check=nan_check)
-            except UnsafeInput:
-                raise
             except BadInput as e:
-                found.problems.append(str(e))
+                found.tolerate(e, ca, cb)
                 found.differ(ta, f"unreadable: {e}", name)
             bar.update(ta.nbytes)
     return only_a, only_b

@@ -54,12 +54,29 @@ def describe(path: Path) -> Checkpoint:
     details: dict[str, Any] = {"layout": layout}
     if any(t.group == "optimizer" for t in tensors):
         details["optimizer_keyed"] = "fqn"
-    # Parameter order for int-keyed output: the order the optimizer's param_groups name them,
-    # else the model's tensor order.
-    order = [t.param for t in tensors if t.group == "optimizer" and t.param]
-    param_order = tuple(dict.fromkeys(order)) or tuple(t.name for t in tensors if t.group == "model")
+    param_order = _param_order(path, tensors, objects)
     return Checkpoint("dcp", path, max(ranks) + 1 if ranks else 1, tuple(tensors), tuple(objects),
                       tuple(entries), details=details, param_order=param_order)
+
+
+def _param_order(path: Path, tensors: list[TensorInfo], objects: list[ObjectInfo]) -> tuple[str, ...]:
+    """Parameter order for int-keyed output: as the optimizer's ``param_groups`` list them
+    (parameters without state included); else the order of optimizer state, else the model's."""
+    from ..safeload import load_torch_bytes
+
+    groups = sorted((o for o in objects if len(o.path) == 4 and tuple(o.path[::3]) == ("optimizer", "params")
+                     and o.path[1] == "param_groups"), key=lambda o: int(o.path[2]))
+    order: list[str] = []
+    for o in groups:
+        with open(path / o.location.file, "rb") as f:
+            f.seek(o.location.offset)
+            params = load_torch_bytes(f.read(o.location.length), where=f"{path / o.location.file} ({o.name})")
+        if isinstance(params, list) and all(isinstance(p, str) for p in params):
+            order += params
+    if order:
+        return tuple(order)
+    order = [t.param for t in tensors if t.group == "optimizer" and t.param]
+    return tuple(dict.fromkeys(order)) or tuple(t.name for t in tensors if t.group == "model")
 
 
 def _describe_one(path: Path, prefix: str):
@@ -84,7 +101,7 @@ def _describe_one(path: Path, prefix: str):
         return Location(file, kind, int(info.offset), int(info.length))
 
     for fqn, md in meta.state_dict_metadata.items():
-        group, name, param, state = _classify(fqn, paths.get(fqn))
+        group, name, param, state = _classify(fqn, paths.get(fqn), isinstance(md, TensorStorageMetadata))
         if isinstance(md, TensorStorageMetadata):
             shape = tuple(md.size)
             chunks = tuple(
@@ -99,39 +116,52 @@ def _describe_one(path: Path, prefix: str):
             raise BadInput(f"{path / METADATA}: item {fqn!r} has unknown metadata {type(md).__name__}")
     entries = []
     ranks = set()
+    sizes = {}
     for f in sorted(files):
         full = path / f
         if not full.is_file():
             raise BadInput(f"{path / METADATA}: names data file {f!r}, which is missing")
+        sizes[prefix + f] = full.stat().st_size
         entries.append(FileEntry(prefix + f, full.stat().st_size))
         m = RANK_FILE.match(f)
         if m:
             ranks.add(int(m.group(1)))
     entries.append(FileEntry(prefix + METADATA, (path / METADATA).stat().st_size))
+    for loc, what in [(c.location, t.name) for t in tensors for c in t.chunks] + [(o.location, o.name) for o in objects]:
+        if loc.offset + loc.length > sizes[loc.file]:
+            raise BadInput(f"{path / loc.file.removeprefix(prefix)}: item {what!r} ends at byte {loc.offset + loc.length}, "
+                           f"but the file has {sizes[loc.file]}; it is truncated")
     return tensors, objects, entries, ranks
 
 
-def _classify(fqn: str, obj_path: tuple | None) -> tuple[str, str, str | None, str | None]:
-    """Group and name of a flattened DCP key, using the saved nesting path where DCP kept it."""
-    parts = [str(p) for p in obj_path] if obj_path else None
-    if parts and parts[0] == "optimizer" and len(parts) >= 4 and parts[1] == "state":
-        return "optimizer", f"state.{parts[2]}.{'.'.join(parts[3:])}", parts[2], ".".join(parts[3:])
-    if parts and parts[0] == "optimizer":
+def _classify(fqn: str, obj_path: tuple | None, is_tensor: bool) -> tuple[str, str, str | None, str | None]:
+    """Group, name, parameter and state key of a flattened DCP key, from the nesting path
+    ``dcp.save`` kept in ``planner_data`` (FQNs hold dots, so keys are never split on them)."""
+    if not obj_path:
+        # no planner data: only the "optimizer." prefix is unambiguous
+        if fqn.startswith("optimizer.state."):
+            param, _, state = fqn.removeprefix("optimizer.state.").rpartition(".")
+            return "optimizer", f"state.{param}.{state}", param, state
+        if fqn.startswith("optimizer."):
+            return "optimizer", fqn.removeprefix("optimizer."), None, None
+        return ("model" if is_tensor else "extra"), fqn, None, None
+    parts = [str(p) for p in obj_path]
+    head = parts[0]
+    if head == "optimizer":
+        if len(parts) >= 4 and parts[1] == "state":
+            return "optimizer", f"state.{parts[2]}.{'.'.join(parts[3:])}", parts[2], ".".join(parts[3:])
+        if len(parts) == 2 and parts[1].startswith("state."):
+            # torchtitan's flatten_optimizer_state_dict: ("optimizer", "state.<fqn>.<key>")
+            param, _, state = parts[1].removeprefix("state.").rpartition(".")
+            return "optimizer", parts[1], param, state
         return "optimizer", ".".join(parts[1:]), None, None
-    if parts and parts[0] == "model" and len(parts) >= 2:
+    if head == "model" and len(parts) >= 2:
         return "model", ".".join(parts[1:]), None, None
-    if parts and len(parts) == 1 and not fqn.startswith(("optimizer.", "model.")):
-        # torchtitan flattens the model into top-level keys next to its other state
-        return "extra" if "." not in fqn else "model", fqn, None, None
-    if fqn.startswith("optimizer.state."):
-        rest = fqn.removeprefix("optimizer.state.")
-        param, _, state = rest.rpartition(".")
-        return "optimizer", f"state.{rest}", param, state
-    if fqn.startswith("optimizer."):
-        return "optimizer", fqn.removeprefix("optimizer."), None, None
-    if parts:
-        return "extra", fqn, None, None
-    return "model", fqn, None, None
+    if len(parts) == 1:
+        # a top-level key: a tensor is model state saved flat (dcp.save(model.state_dict()),
+        # torchtitan); anything else is the job's own state (train_state, dataloader, ...)
+        return ("model" if is_tensor else "extra"), fqn, None, None
+    return "extra", fqn, None, None
 
 
 # -- writing ------------------------------------------------------------------------------

@@ -39,6 +39,36 @@ def is_tensor(v: Any) -> bool:
     return isinstance(v, torch.Tensor)
 
 
+_BUFFER_SUFFIXES = (".running_mean", ".running_var", ".num_batches_tracked")
+
+
+def param_order_for(model_sd: dict, osd: dict) -> tuple[str, ...]:
+    """Names for an int-keyed optimizer's ids, checked against the state's shapes.
+
+    The candidates are :func:`param_order_from_model`'s; when an id's state holds a tensor
+    whose shape differs from its candidate's (a floating buffer counted as a parameter), the
+    candidate is skipped. If the ids cannot all be matched, no names are given (ids stay
+    numbers) rather than wrong ones.
+    """
+    from torch.distributed.tensor import DTensor
+
+    base = param_order_from_model(model_sd)
+    ids = sorted({p for g in osd.get("param_groups", []) for p in g.get("params", []) if isinstance(p, int)}
+                 | {k for k in osd.get("state", {}) if isinstance(k, int)})
+    order: list[str] = []
+    j = 0
+    for pid in ids:
+        states = osd["state"].get(pid, {})
+        shape = next((tuple(v.shape) for v in states.values() if isinstance(v, (torch.Tensor, DTensor)) and v.dim()), None)
+        while j < len(base) and shape is not None and tuple(model_sd[base[j]].shape) != shape:
+            j += 1
+        if j >= len(base):
+            return ()
+        order.append(base[j])
+        j += 1
+    return tuple(order)
+
+
 def param_order_from_model(model_sd: dict) -> tuple[str, ...]:
     """The parameters of a saved ``model.state_dict()`` in ``model.parameters()`` order: its
     DTensor entries (FSDP2 parameters are DTensors, buffers are not), tied ones once. For a
@@ -49,7 +79,7 @@ def param_order_from_model(model_sd: dict) -> tuple[str, ...]:
     if any(isinstance(v, DTensor) for _, v in values):
         values = [(k, v) for k, v in values if isinstance(v, DTensor)]
     else:
-        values = [(k, v) for k, v in values if v.is_floating_point()]
+        values = [(k, v) for k, v in values if v.is_floating_point() and not k.endswith(_BUFFER_SUFFIXES)]
     seen: set[int] = set()
     order = []
     for k, v in values:

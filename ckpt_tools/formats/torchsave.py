@@ -76,6 +76,8 @@ def describe(path: Path) -> Checkpoint:
             continue
         param_order = optim.param_order_from_model(model)
         for top, value in obj.items():
+            if top == "optimizer" and optim.is_optimizer_state(value) and optim.is_int_keyed(value):
+                param_order = optim.param_order_for(model, value)
             if top == model_key:
                 continue
             if top == "optimizer" and optim.is_optimizer_state(value):
