@@ -15,6 +15,7 @@ import math
 import sys
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -50,9 +51,45 @@ def narrow(t: torch.Tensor, start: Sequence[int], sizes: Sequence[int]) -> torch
     return t
 
 
-def materialize(reader: Reader, piece: Piece) -> torch.Tensor:
-    """The values of ``piece`` in its target dtype."""
+@dataclass(frozen=True)
+class Span:
+    """A piece whose bytes are, in order, byte ranges ``(file, offset, length)`` of source
+    files, to be copied as they are (``os.copy_file_range``: the kernel copies, nothing passes
+    through this process)."""
+
+    parts: tuple[tuple[Path, int, int], ...]
+
+
+def spans_of(reader: Reader, piece: Piece) -> Span | None:
+    """The byte ranges that make ``piece``, when no cast is asked and every copy takes whole
+    rows of a chunk stored contiguously (Shard(0) pieces of safetensors and DCP items)."""
     target = piece.target
+    if target.dtype != target.source.dtype:
+        return None
+    row = math.prod(piece.sizes[1:]) * target.dtype.itemsize
+    parts = []
+    for c in sorted(piece.copies, key=lambda c: c.dst_start):
+        if c.sizes[1:] != piece.sizes[1:] or c.chunk.sizes[1:] != piece.sizes[1:]:
+            return None
+        span = reader.span(target.source, c.chunk)
+        if span is None:
+            return None
+        path, offset, _ = span
+        start = c.src_start[0] * row if c.sizes else 0
+        parts.append((path, offset + start, (c.sizes[0] * row) if c.sizes else row))
+    if sum(n for _, _, n in parts) != piece.nbytes:
+        return None
+    return Span(tuple(parts))
+
+
+def materialize(reader: Reader, piece: Piece, *, spans: bool = False) -> torch.Tensor | Span:
+    """The values of ``piece`` in its target dtype (or, with ``spans``, where its bytes lie
+    when they can be copied straight from the source files)."""
+    target = piece.target
+    if spans:
+        found = spans_of(reader, piece)
+        if found is not None:
+            return found
     if len(piece.copies) == 1:
         c = piece.copies[0]
         if c.sizes == c.chunk.sizes == piece.sizes:
@@ -66,7 +103,7 @@ def materialize(reader: Reader, piece: Piece) -> torch.Tensor:
 
 
 def stream(reader: Reader, pieces: Sequence[Piece], bar: tqdm | None = None,
-           budget: int = PREFETCH_BYTES) -> Iterator[tuple[Piece, torch.Tensor]]:
+           budget: int = PREFETCH_BYTES, spans: bool = False) -> Iterator[tuple[Piece, torch.Tensor | Span]]:
     """Yield ``(piece, values)`` in order, preparing the next ones in a background thread."""
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-read") as pool:
         pending: deque = deque()
@@ -79,7 +116,7 @@ def stream(reader: Reader, pieces: Sequence[Piece], bar: tqdm | None = None,
                 p = next(it, None)
                 if p is None:
                     return
-                pending.append((p, pool.submit(materialize, reader, p)))
+                pending.append((p, pool.submit(materialize, reader, p, spans=spans)))
                 inflight += p.nbytes
 
         fill()
@@ -107,7 +144,8 @@ def run_jobs(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path
         for job in jobs:
             path = out if writer.single_file else out / job.path
             path.parent.mkdir(parents=True, exist_ok=True)
-            written[job.path] = writer.write(path, job, stream(reader, job.pieces, bar), reader.object)
+            pieces = stream(reader, job.pieces, bar, spans=getattr(writer, "accepts_spans", False))
+            written[job.path] = writer.write(path, job, pieces, reader.object)
     return written
 
 

@@ -211,6 +211,9 @@ def _report(result_dir: str, rank: int, payload: tuple) -> None:
 def _spawn(fn, args, ranks: int, device: str, threads_per_rank: int | None) -> Any:
     import torch.multiprocessing as mp
 
+    if device == "cuda" and ranks > torch.cuda.device_count():
+        raise UsageError(f"--ranks {ranks} but only {torch.cuda.device_count()} CUDA devices are visible; "
+                         "one rank per GPU (use torchrun for several hosts)")
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // ranks)
     work = Path(tempfile.mkdtemp(prefix="ckpt-launch-"))
     try:

@@ -125,6 +125,24 @@ class Reader:
                            f"{value.dtype}, its metadata says {chunk.sizes} {tensor.dtype}")
         return value
 
+    def span(self, tensor: TensorInfo, chunk: Chunk) -> tuple[Path, int, int] | None:
+        """``(file, offset, length)`` when the chunk's values are exactly one contiguous,
+        row-major byte range of a file (safetensors, simple DCP items); else None."""
+        loc = chunk.location
+        nbytes = chunk.numel * tensor.dtype.itemsize
+        path = self.ckpt.base_dir() / loc.file
+        if loc.kind == "raw" and loc.length == nbytes:
+            return path, loc.offset, loc.length
+        if loc.kind == "torch_item":
+            m = self._map(loc.file)
+            meta = load_torch_meta(_MapSlice(m, loc.offset, loc.length), where=f"{path} ({tensor.name})")
+            start, size = _storage_record(m, loc.offset, loc.length)
+            if (start is not None and isinstance(meta, torch.Tensor) and meta.is_contiguous()
+                    and meta.storage_offset() == 0 and tuple(meta.shape) == chunk.sizes
+                    and meta.dtype == tensor.dtype and size >= nbytes):
+                return path, start, nbytes
+        return None
+
     def _torch_item(self, loc: Location, name: str) -> torch.Tensor:
         """A ``torch.save``'d tensor inside a larger file (a DCP item), as a view of the mapped
         file: the pickle is read for shape, stride and offset (on the meta device, no data),
@@ -215,9 +233,7 @@ def _storage_record(m: mmap.mmap, start: int, length: int) -> tuple[int | None, 
 
 def _local(value: Any) -> Any:
     """A DTensor or ShardedTensor's local data; anything else as it is."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
+    if type(value).__name__ == "DTensor":
         return value._local_tensor
     if type(value).__name__ == "ShardedTensor":
         return value.local_shards()[0].tensor

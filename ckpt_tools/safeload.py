@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed.tensor  # noqa: F401  (registers DTensor for weights_only loading)
 
 from .errors import BadInput, UnsafeInput
 
@@ -56,6 +55,8 @@ def load_torch(path: Path | str, *, mmap: bool = True) -> Any:
             f"{path} is a TorchScript archive, which carries code; "
             "save the state dict with torch.save(model.state_dict()) instead"
         )
+    import torch.distributed.tensor  # noqa: F401  (registers DTensor for weights_only loading)
+
     try:
         with _quiet_device_mesh(), torch.serialization.safe_globals(_NUMPY_SAFE):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and _is_zip(path))
@@ -127,17 +128,10 @@ def is_torchscript(path: Path) -> bool:
 
 
 class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP ``.metadata``: DCP's metadata dataclasses and plain data, nothing else."""
+    """Unpickles DCP ``.metadata``: DCP's metadata classes (mapped onto the plain stand-ins of
+    :mod:`ckpt_tools.dcpmeta`) and plain data, nothing else."""
 
     _ALLOWED = {
-        ("torch.distributed.checkpoint.metadata", n)
-        for n in (
-            "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata",
-            "BytesStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING", "StorageMeta",
-        )
-    } | {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
         ("torch", "Size"),
         # how torch.layout pickles: a lookup by name in a fixed table
         ("torch.serialization", "_get_layout"),
@@ -145,12 +139,17 @@ class MetadataUnpickler(pickle.Unpickler):
         # StorageMeta.checkpoint_id is the path dcp.save was given
         ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
         ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+        ("pathlib._local", "PosixPath"), ("pathlib._local", "PurePosixPath"),
         ("builtins", "set"),
         ("builtins", "frozenset"),
         ("builtins", "slice"),
     }
 
     def find_class(self, module: str, name: str) -> Any:
+        from .dcpmeta import CLASSES
+
+        if (module, name) in CLASSES:
+            return CLASSES[(module, name)]
         if (module, name) in self._ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
@@ -160,7 +159,7 @@ class MetadataUnpickler(pickle.Unpickler):
 
 def load_dcp_metadata(path: Path) -> Any:
     """Read a DCP ``.metadata`` file through :class:`MetadataUnpickler`."""
-    from torch.distributed.checkpoint.metadata import Metadata
+    from .dcpmeta import Metadata
 
     try:
         with open(path, "rb") as f:

@@ -48,8 +48,6 @@ from .hfassets import ASSET_PATTERNS
 FORMATS = ("sharded", "dcp")
 MIXED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZERS = ("adamw",)
-# What verl keeps in huggingface/ next to its rank files: enough to rebuild and export the model.
-HF_ASSETS = ASSET_PATTERNS
 CHECK_INPUT_SHAPE = (2, 16)
 # Old checkpoints still carry buffers transformers now computes; from_pretrained ignores them too.
 _IGNORED_SOURCE_KEYS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -115,8 +113,13 @@ def shard(model: str, dst: str | Path, *, ranks: int, format: str = "sharded", d
 
     Example: ``shard("Qwen/Qwen2.5-0.5B", "ckpt/actor", ranks=8, with_optimizer="adamw")``
 
-    Limits: safetensors sources only; the optimizer state is fresh (zero moments, step 0, AdamW's
-    default hyper-parameters, which ``load_state_dict`` hands to the loading optimizer).
+    Memory: each rank holds 1/N of the weights (3/N with the optimizer) plus a constant; only
+    ``check`` loads a full reference copy, on rank 0.
+
+    Limits: safetensors sources, architectures transformers ships (no remote code); parameters
+    keep the files' dtypes (no fp32 master copy); the optimizer state is fresh (zero moments,
+    step 0, AdamW's default hyper-parameters, which ``load_state_dict`` hands to the loading
+    optimizer); under torchrun on several hosts DST must be on a file system all ranks see.
     """
     _check_options(ranks, format, mixed_precision, with_optimizer)
     launch.check_device(device)
@@ -156,10 +159,10 @@ def fetch_model(model: str) -> Path:
     """The local directory of ``model``; from the hub, only config, tokenizer and safetensors."""
     from .hub import resolve_model_dir
 
-    base = resolve_model_dir(model, allow_patterns=[*HF_ASSETS, hf.INDEX_NAME, hf.SINGLE_NAME])
+    base = resolve_model_dir(model, allow_patterns=[*ASSET_PATTERNS, hf.INDEX_NAME, hf.SINGLE_NAME])
     index = base / hf.INDEX_NAME
     if index.is_file():  # now the shards the index names, and nothing else
-        base = resolve_model_dir(model, allow_patterns=[*HF_ASSETS, hf.INDEX_NAME,
+        base = resolve_model_dir(model, allow_patterns=[*ASSET_PATTERNS, hf.INDEX_NAME,
                                                         *sorted(set(hf.read_index(index).values()))])
     if not (base / "config.json").is_file():
         raise BadInput(f"{model}: no config.json; `ckpt shard` needs a Hugging Face model directory")
@@ -473,10 +476,11 @@ def _init_non_persistent_buffers(model: nn.Module, loaded: set[str]) -> None:
                         "this transformers version cannot compute them; upgrade transformers to 5.x")
     named = dict(model.named_parameters()) | dict(model.named_buffers())
     marked = [named[n] for n in loaded]
-    sentinel = {}
-    for name, buf in todo.items():  # poison, to notice a buffer _init_weights does not know
-        buf.fill_(float("nan") if buf.is_floating_point() else -(2**31) if buf.dtype != torch.bool else False)
-        sentinel[name] = buf
+    # Poisoned first, to notice a buffer that _init_weights does not know.
+    poison = {n: float("nan") if b.is_floating_point() else torch.iinfo(b.dtype).min
+              for n, b in todo.items() if b.dtype != torch.bool}
+    for name, value in poison.items():
+        todo[name].fill_(value)
     for t in marked:
         t._is_hf_initialized = True
     # initialize_weights skips modules flagged by an earlier run; every module must be visited.
@@ -487,9 +491,9 @@ def _init_non_persistent_buffers(model: nn.Module, loaded: set[str]) -> None:
     finally:
         for t in (*marked, *model.modules()):
             t.__dict__.pop("_is_hf_initialized", None)
-    for name, buf in sentinel.items():
-        poisoned = buf.isnan() if buf.is_floating_point() else (buf == -(2**31)) if buf.dtype != torch.bool else None
-        if poisoned is not None and poisoned.any():
+    for name, value in poison.items():
+        buf = todo[name]
+        if (buf.isnan() if buf.is_floating_point() else buf == value).any():
             raise CkptError(f"{type(model).__name__}: buffer {name!r} is not in the files and its "
                             "_init_weights does not compute it; this architecture is not supported yet")
 
@@ -616,7 +620,7 @@ def _save(model, optimizer, ctx: launch.RankContext, job: ShardJob, tmp: Path, m
             os.fsync(f.fileno())
         assets = tmp / "huggingface"
         assets.mkdir()
-        for name in HF_ASSETS:
+        for name in ASSET_PATTERNS:  # what verl keeps next to its rank files, to rebuild and export
             if (model_dir / name).is_file():
                 _copy_synced(model_dir / name, assets / name)
         _fsync_dir(assets)

@@ -189,7 +189,7 @@ def _bar(total: int, desc: str, enabled: bool) -> tqdm:
 
 def _check_one(ckpt: Checkpoint, found: _Findings, *, nan_check: bool, progress: bool) -> None:
     total = sum(c.numel * dtype_size(t.dtype) for t in ckpt.tensors for c in t.chunks)
-    with _reader(ckpt) as reader, _bar(total, f"reading {ckpt.root.name}", progress) as bar:
+    with Reader(ckpt) as reader, _bar(total, f"reading {ckpt.root.name}", progress) as bar:
         for t in ckpt.tensors:
             found.checked += 1
             for c in t.chunks:
@@ -208,12 +208,6 @@ def _check_one(ckpt: Checkpoint, found: _Findings, *, nan_check: bool, progress:
                 reader.object(o)
             except BadInput as e:
                 found.tolerate(e, ckpt)
-
-
-def _reader(ckpt: Checkpoint) -> Reader:
-    # tensor by tensor walks every rank file in turn: keep them all loaded (they are
-    # memory-mapped, so this costs address space, not memory) instead of reloading each
-    return Reader(ckpt, cache_files=max(4, len(ckpt.files)))
 
 
 def _finite(x: torch.Tensor) -> bool:
@@ -303,7 +297,7 @@ def _compare(ca: Checkpoint, cb: Checkpoint, found: _Findings, *, atol: float, r
     pairs, only_a, only_b = _pairs(ca, cb, found)
     tolerant = atol > 0 or rtol > 0
     total = sum(ta.nbytes for _, ta, _ in pairs)
-    with _reader(ca) as ra, _reader(cb) as rb, _bar(total, "comparing", progress) as bar:
+    with Reader(ca) as ra, Reader(cb) as rb, _bar(total, "comparing", progress) as bar:
         sa, sb = _Side(ra), _Side(rb)
         for name, ta, tb in pairs:
             found.checked += 1

@@ -80,7 +80,7 @@ def _param_order(path: Path, tensors: list[TensorInfo], objects: list[ObjectInfo
 
 
 def _describe_one(path: Path, prefix: str):
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+    from ..dcpmeta import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
     meta = load_dcp_metadata(path / METADATA)
     storage = meta.storage_data or {}
@@ -89,7 +89,7 @@ def _describe_one(path: Path, prefix: str):
 
     def location(fqn: str, offset=None, kind: str = "torch_item") -> Location:
         try:
-            info = storage[MetadataIndex(fqn, offset)]
+            info = storage[MetadataIndex(fqn=fqn, offset=offset)]
         except KeyError:
             raise BadInput(f"{path / METADATA}: no storage entry for {fqn!r} at {offset}; the metadata is incomplete") from None
         file = prefix + info.relative_path

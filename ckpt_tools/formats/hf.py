@@ -177,11 +177,36 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy())
 
 
+def _write_all(f, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = f.write(view)
+        view = view[n:]
+
+
+def _copy_range(src_fd: int, dst_fd: int, offset: int, length: int) -> None:
+    """Copy ``length`` bytes at ``offset`` of ``src_fd`` to ``dst_fd``'s position, in the kernel."""
+    while length:
+        try:
+            n = os.copy_file_range(src_fd, dst_fd, length, offset)
+        except OSError:
+            n = 0
+        if n == 0:  # not supported here (or across filesystems): read and write instead
+            block = os.pread(src_fd, min(length, 64 << 20), offset)
+            if not block:
+                raise BadInput(f"source ended {length} bytes early; truncated")
+            n = os.write(dst_fd, block)
+        offset += n
+        length -= n
+
+
 class Writer:
     """safetensors: one file, or shards of ``max_shard_size`` with HF's names and index.
 
     The header is computed from the plan, so each file is written front to back in one pass.
     """
+
+    accepts_spans = True
 
     def __init__(self, *, single_file: bool = False, max_shard_size: int | str = "5GB") -> None:
         self.single_file = single_file
@@ -211,11 +236,23 @@ class Writer:
             pos += p.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # keep data 8-byte aligned, as safetensors does
-        with open(path, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for _, values in pieces:
-                f.write(tensor_bytes(values))
+        from ..engine import Span
+
+        sources: dict[Path, int] = {}
+        try:
+            with open(path, "wb", buffering=0) as f:
+                _write_all(f, struct.pack("<Q", len(raw)) + raw)
+                for _, values in pieces:
+                    if isinstance(values, Span):
+                        for src, offset, length in values.parts:
+                            if src not in sources:
+                                sources[src] = os.open(src, os.O_RDONLY)
+                            _copy_range(sources[src], f.fileno(), offset, length)
+                    else:
+                        _write_all(f, tensor_bytes(values))
+        finally:
+            for fd in sources.values():
+                os.close(fd)
 
     def finish(self, out: Path, jobs: list, written: dict) -> None:
         if self.single_file or len(jobs) == 1 and jobs[0].path == SINGLE_NAME:
