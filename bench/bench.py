@@ -171,9 +171,16 @@ def bench_reshard(work: Path, gb: float) -> list[dict]:
     src = work / "ws8"
     make_sharded_with_adam(src, gb, 8)
     print(f"source: {src} ({du(src) / 2**30:.2f} GiB, 8 ranks, fp32 model + AdamW)", file=sys.stderr)
-    return [timed("cp -r + sync", ["cp", "-r", str(src), str(work / "cp")], work / "cp"),
+    rows = [timed("cp -r + sync", ["cp", "-r", str(src), str(work / "cp")], work / "cp"),
             timed("ckpt reshard 8→4", [sys.executable, "-m", "ckpt_tools", "reshard", str(src), str(work / "ws4"),
-                                        "--to", "4", "--from", "8", "--quiet"], work / "ws4")]
+                                        "--to", "4", "--from", "8", "--quiet"], work / "ws4"),
+            timed("ckpt reshard 8→4 --workers 2", [sys.executable, "-m", "ckpt_tools", "reshard", str(src),
+                                                    str(work / "ws4w"), "--to", "4", "--workers", "2", "--quiet"],
+                  work / "ws4w")]
+    same = sorted(p.name for p in (work / "ws4").iterdir()) == sorted(p.name for p in (work / "ws4w").iterdir()) and all(
+        p.is_dir() or p.read_bytes() == (work / "ws4w" / p.name).read_bytes() for p in (work / "ws4").iterdir())
+    print(f"--workers 2 output byte-identical to one process's: {same}", file=sys.stderr)
+    return rows
 
 
 def main() -> None:

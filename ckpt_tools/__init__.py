@@ -14,6 +14,9 @@ from .errors import BadInput, CkptError, DestinationError, UsageError, VerifyFai
 from .convert import convert, export, reshard  # noqa: E402
 from .estimate import estimate  # noqa: E402
 from .inspect import inspect  # noqa: E402
+from .shard import shard  # noqa: E402
+from .verify import verify  # noqa: E402
 
-__all__ = ["__version__", "inspect", "convert", "export", "reshard", "estimate",
+
+__all__ = ["__version__", "inspect", "convert", "export", "reshard", "shard", "verify", "estimate",
            "CkptError", "BadInput", "DestinationError", "UsageError", "VerifyFailed"]

@@ -11,6 +11,7 @@ import errno
 import os
 import shutil
 import signal
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,10 +21,11 @@ from .errors import DestinationError, UsageError
 TMP_MARK = ".ckpt-tmp-"
 
 
-def check_destination(src: Path, dst: Path, *, overwrite: bool) -> None:
+def check_destination(src: Path | None, dst: Path, *, overwrite: bool) -> None:
     """Refuse a DST that exists (without overwrite), equals SRC or lies inside it."""
-    s, d = src.resolve(), dst.resolve()
-    if d == s or d.is_relative_to(s) or (s.is_dir() and s.is_relative_to(d)):
+    d = dst.resolve()
+    s = src.resolve() if src is not None else None
+    if s is not None and (d == s or d.is_relative_to(s) or s.is_relative_to(d)):
         raise DestinationError(f"{dst}: the destination must not be the source, lie inside it, or contain it; "
                                "choose another DST")
     if dst.exists() and not overwrite:
@@ -42,10 +44,8 @@ def staged(dst: Path, *, overwrite: bool, is_dir: bool = True) -> Iterator[Path]
         dst.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DestinationError(f"{dst.parent}: cannot create it ({e.strerror})") from e
-    tmp = dst.parent / f".{dst.name}{TMP_MARK}{uuid.uuid4().hex[:8]}"
+    tmp = make_staging(dst) if is_dir else dst.parent / f".{dst.name}{TMP_MARK}{uuid.uuid4().hex[:8]}"
     try:
-        if is_dir:
-            tmp.mkdir()
         with _sigterm_as_interrupt():
             yield tmp
             fsync_tree(tmp)
@@ -62,18 +62,37 @@ def staged(dst: Path, *, overwrite: bool, is_dir: bool = True) -> Iterator[Path]
         raise
 
 
+def make_staging(dst: Path) -> Path:
+    """A hidden sibling directory of ``dst`` on the same file system (so the final rename is
+    atomic), with the permissions a plain mkdir would give."""
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}{TMP_MARK}", dir=dst.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would make DST private
+    except OSError as e:
+        raise DestinationError(f"{dst.parent}: cannot write there ({e.strerror})") from e
+    return tmp
+
+
 def commit_into(tmp: Path, dst: Path, *, overwrite: bool) -> None:
+    """Rename the finished ``tmp`` to ``dst``; an old ``dst`` is moved aside first and deleted
+    only once the new one is in place, so a crash leaves either the old or the new one."""
     if dst.exists() or dst.is_symlink():
         if not overwrite:
             raise DestinationError(f"{dst} appeared while writing; pass --overwrite to replace it")
         old = dst.parent / f".{dst.name}{TMP_MARK}old-{uuid.uuid4().hex[:8]}"
         os.rename(dst, old)
-        os.rename(tmp, dst)
-        _fsync_dir(dst.parent)
+        try:
+            os.rename(tmp, dst)
+        except OSError as e:
+            os.rename(old, dst)
+            raise DestinationError(f"{dst}: could not move the new checkpoint into place ({e.strerror})") from e
+        fsync_dir(dst.parent)
         remove_path(old)
     else:
         os.rename(tmp, dst)
-        _fsync_dir(dst.parent)
+        fsync_dir(dst.parent)
 
 
 def remove_path(path: Path) -> None:
@@ -91,7 +110,7 @@ def fsync_tree(path: Path) -> None:
     for root, _, files in os.walk(path):
         for f in files:
             _fsync_file(Path(root) / f)
-        _fsync_dir(Path(root))
+        fsync_dir(Path(root))
 
 
 def _fsync_file(path: Path) -> None:
@@ -102,7 +121,7 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:

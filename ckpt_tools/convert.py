@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from . import hfassets
+from .atomic import check_destination
 from .describe import Checkpoint, ObjectInfo, TensorInfo
 from .engine import execute
 from .errors import BadInput, UsageError
@@ -107,6 +108,7 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
     src_path, dst = Path(src), Path(dst)
     if torchrun_rank() != 0:
         progress = False  # one voice per torchrun launch
+    check_destination(src_path, dst, overwrite=overwrite)  # before any work, or any warning about it
     ckpt = _ckpt or describe(src_path)
     cast = DTYPES.get(dtype) if dtype else None
     keep = [t for t in ckpt.tensors if t.group == "model" or not (model_only or to == "hf")]

@@ -90,6 +90,9 @@ def _refusal(where: str, e: pickle.UnpicklingError) -> BadInput:
                                f"code ({why}); re-save it with torch.save")
         return BadInput(f"{where}: not a readable torch.save file, corrupt or truncated ({_first_line(e)})")
     name = m.group(1).rstrip(".,")
+    if "sharded_tensor" in name or "_shard." in name:
+        return BadInput(f"{where}: holds FSDP1 ShardedTensors ({name}), which ckpt does not read yet; "
+                        "load it in its FSDP1 job and save with FSDP2 (model.state_dict()) or dcp.save")
     return UnsafeInput(f"{where}: refused: it asks to run {name}, which a checkpoint never needs; "
                        "the file may be malicious (nothing from it was run)")
 
@@ -127,6 +130,10 @@ def is_torchscript(path: Path) -> bool:
         return False
 
 
+class Forbidden(pickle.UnpicklingError):
+    """A pickle asked for a global outside the allow-list."""
+
+
 class MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP ``.metadata``: DCP's metadata classes (mapped onto the plain stand-ins of
     :mod:`ckpt_tools.dcpmeta`) and plain data, nothing else."""
@@ -154,7 +161,7 @@ class MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"global {module}.{name} is not a DCP metadata class")
+        raise Forbidden(f"global {module}.{name} is not a DCP metadata class")
 
 
 def load_dcp_metadata(path: Path) -> Any:
@@ -162,11 +169,12 @@ def load_dcp_metadata(path: Path) -> Any:
     from .dcpmeta import Metadata
 
     try:
-        with open(path, "rb") as f:
-            meta = MetadataUnpickler(f).load()
-    except pickle.UnpicklingError as e:
+        # from memory: a corrupt length prefix then reads as truncated, never as a huge read
+        meta = MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+    except Forbidden as e:
         raise UnsafeInput(f"{path}: refused: {_first_line(e)}; a DCP .metadata holds only DCP's own classes") from e
-    except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, OSError) as e:
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, OSError,
+            OverflowError, MemoryError, RecursionError) as e:
         raise BadInput(f"{path}: corrupt or truncated DCP metadata ({_first_line(e)})") from e
     if not isinstance(meta, Metadata):
         raise BadInput(f"{path}: holds a {type(meta).__name__}, not DCP Metadata")

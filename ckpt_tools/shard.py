@@ -26,8 +26,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
-import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import launch, manifest
-from .atomic import TMP_MARK, fsync_tree
-from .atomic import check_destination as check_not_source
+from . import atomic, launch, manifest
 from .describe import chunk_rows
 from .errors import BadInput, CkptError, DestinationError, UsageError
 from .formats import hf
@@ -126,11 +122,11 @@ def shard(model: str, dst: str | Path, *, ranks: int, format: str = "sharded", d
     dst = Path(dst).expanduser().absolute()
     check_destination(dst, overwrite)
     model_dir = fetch_model(model)
-    check_not_source(model_dir, dst, overwrite=overwrite)
+    atomic.check_destination(model_dir, dst, overwrite=overwrite)
     sources = read_sources(model_dir)
     # On meta, cheap: a config that does not fit the weights fails here, before any rank starts.
     build_meta_model(_load_config(model_dir), sources)
-    tmp = make_tmp_dir(dst) if launch.will_spawn() else None
+    tmp = atomic.make_staging(dst) if launch.will_spawn() else None
     job = ShardJob(str(model_dir), str(dst), str(tmp) if tmp else None, ranks, format, device,
                    mixed_precision, cpu_offload, with_optimizer, overwrite, check, progress,
                    tuple(sources.values()))
@@ -188,57 +184,18 @@ def read_sources(model_dir: Path) -> dict[str, SourceTensor]:
 
 
 def check_destination(dst: Path, overwrite: bool) -> None:
-    """Before any download or rank: an existing DST needs ``overwrite``; its folder must be writable."""
-    if dst.exists() and not overwrite:
-        raise DestinationError(f"{dst}: already exists; pass --overwrite to replace it "
-                               "(the old one is kept until the new one is complete)")
+    """Before any download or rank: an existing DST needs ``overwrite``; its folder must exist."""
+    atomic.check_destination(None, dst, overwrite=overwrite)
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DestinationError(f"{dst.parent}: cannot create the destination's folder ({e.strerror})") from e
-    if not os.access(dst.parent, os.W_OK):
-        raise DestinationError(f"{dst.parent}: not writable; choose another destination")
-
-
-def make_tmp_dir(dst: Path) -> Path:
-    """A hidden sibling of ``dst`` on the same file system, so the final rename is atomic."""
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}{TMP_MARK}", dir=dst.parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would make DST private
-    except OSError as e:
-        raise DestinationError(f"{dst.parent}: cannot write there ({e.strerror})") from e
-    return tmp
 
 
 def commit(tmp: Path, dst: Path, overwrite: bool) -> None:
-    """Rename the finished ``tmp`` to ``dst``; an old ``dst`` is moved aside first and deleted
-    only once the new one is in place, so a crash leaves either the old or the new one."""
-    fsync_tree(tmp)
-    if dst.exists() or dst.is_symlink():
-        if not overwrite:
-            raise DestinationError(f"{dst}: appeared while sharding; pass --overwrite to replace it")
-        old = dst.parent / f".{dst.name}{TMP_MARK}old-{uuid.uuid4().hex[:8]}"
-        os.rename(dst, old)
-        try:
-            os.rename(tmp, dst)
-        except OSError as e:
-            os.rename(old, dst)
-            raise DestinationError(f"{dst}: could not move the new checkpoint into place ({e.strerror})") from e
-        _fsync_dir(dst.parent)
-        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
-    else:
-        os.rename(tmp, dst)
-    _fsync_dir(dst.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """fsync the finished ``tmp`` and rename it to ``dst`` (the old DST survives until then)."""
+    atomic.fsync_tree(tmp)
+    atomic.commit_into(tmp, dst, overwrite=overwrite)
 
 
 @contextlib.contextmanager
@@ -594,7 +551,7 @@ def _rank_main(ctx: launch.RankContext, job: ShardJob) -> dict[str, Any]:
 
 
 def _shared_tmp_dir(ctx: launch.RankContext, job: ShardJob, dst: Path) -> Path:
-    return Path(job.tmp) if job.tmp else Path(launch.on_rank0(ctx, lambda: str(make_tmp_dir(dst))))
+    return Path(job.tmp) if job.tmp else Path(launch.on_rank0(ctx, lambda: str(atomic.make_staging(dst))))
 
 
 def _save(model, optimizer, ctx: launch.RankContext, job: ShardJob, tmp: Path, model_dir: Path) -> None:
@@ -623,4 +580,4 @@ def _save(model, optimizer, ctx: launch.RankContext, job: ShardJob, tmp: Path, m
         for name in ASSET_PATTERNS:  # what verl keeps next to its rank files, to rebuild and export
             if (model_dir / name).is_file():
                 _copy_synced(model_dir / name, assets / name)
-        _fsync_dir(assets)
+        atomic.fsync_dir(assets)

@@ -8,8 +8,9 @@ produced on demand. The file is byte-for-byte what ``torch.save`` writes for the
 
 from __future__ import annotations
 
+import contextlib
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,43 @@ class _Writer:
         return getattr(self._inner, name)
 
 
+class RecordingFile:
+    """A binary file whose ``write`` remembers the first exception it raised.
+
+    torch's zip writer calls ``write`` from C++ and turns any failure into a RuntimeError
+    ("unexpected pos ..."); the recorded exception says what really happened (a full disk,
+    an interrupt), so it can be raised instead."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.error: BaseException | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._f.write(data)
+        except BaseException as e:
+            if self.error is None:
+                self.error = e
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+@contextlib.contextmanager
+def recorded_writes(f: Any) -> Iterator[RecordingFile]:
+    """Yield ``f`` wrapped; a RuntimeError from torch becomes the write error behind it."""
+    rec = RecordingFile(f)
+    try:
+        yield rec
+    except RuntimeError as e:
+        if rec.error is not None:
+            raise rec.error from e
+        raise
+
+
 def save(obj: Any, path: Path, lazy: LazyStorages) -> None:
     """``torch.save(obj, path)``, with placeholder tensors filled from ``lazy``."""
-    with _open_zipfile_writer(str(path)) as zf:
-        _save(obj, _Writer(zf, lazy), pickle, DEFAULT_PROTOCOL, False)
+    with open(path, "wb") as f, recorded_writes(f) as rec:
+        with _open_zipfile_writer(rec) as zf:
+            _save(obj, _Writer(zf, lazy), pickle, DEFAULT_PROTOCOL, False)

@@ -166,25 +166,20 @@ def shard_cmd(model, dst, ranks, fmt, device, mixed_precision, cpu_offload, with
 @click.argument("a", type=click.Path())
 @click.argument("b", type=click.Path(), required=False)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
-@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance (after a dtype cast).")
-@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance (after a dtype cast).")
+@click.option("--atol", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Absolute tolerance: values compared in float64, dtypes may then differ.")
+@click.option("--rtol", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Relative tolerance (|a - b| <= atol + rtol * |b|).")
 @click.option("--nan-check", is_flag=True, help="Also flag tensors holding NaN or Inf.")
 @command
 def verify_cmd(a, b, as_json, atol, rtol, nan_check, progress):
-    """Check A's integrity, or that A and B hold the same tensors (any formats); exit 1 on a difference."""
-    from ckpt_tools.verify import verify
+    """Check checkpoint A (manifest checksums, shard coverage, every tensor readable), or
+    compare A with B (any formats and world sizes) bit for bit, or within --atol/--rtol.
+    Exits 1 when anything differs or is damaged."""
+    from ckpt_tools.verify import format_report, verify
 
     report = verify(a, b, atol=atol, rtol=rtol, nan_check=nan_check, progress=progress)
-    if as_json:
-        emit_json(report)
-    else:
-        what = f"{a} vs {b}" if b else a
-        click.echo(f"{'OK' if report['ok'] else 'DIFFERENT' if b else 'DAMAGED'}: {what}: "
-                   f"{report['checked']} tensors checked")
-        for name in report.get("mismatches", [])[:50]:
-            click.echo(f"  differs: {name}")
-        for problem in report.get("problems", [])[:50]:
-            click.echo(f"  problem: {problem}")
+    emit_json(report) if as_json else click.echo(format_report(report))
     if not report["ok"]:
         sys.exit(1)
 

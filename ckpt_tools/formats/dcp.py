@@ -100,20 +100,27 @@ def _describe_one(path: Path, prefix: str):
         files.add(info.relative_path)
         return Location(file, kind, int(info.offset), int(info.length))
 
-    for fqn, md in meta.state_dict_metadata.items():
-        group, name, param, state = _classify(fqn, paths.get(fqn), isinstance(md, TensorStorageMetadata))
-        if isinstance(md, TensorStorageMetadata):
-            shape = tuple(md.size)
-            chunks = tuple(
-                Chunk(tuple(c.offsets), tuple(c.sizes), location(fqn, c.offsets), None)
-                for c in md.chunks
-            )
-            tensors.append(TensorInfo(group, name, shape, md.properties.dtype, chunks, param, state))
-        elif isinstance(md, BytesStorageMetadata):
-            path_ = tuple(paths.get(fqn) or fqn.split("."))
-            objects.append(ObjectInfo(group, name, location(fqn, None, "bytes_item"), path=path_))
-        else:
-            raise BadInput(f"{path / METADATA}: item {fqn!r} has unknown metadata {type(md).__name__}")
+    try:
+        items = list(meta.state_dict_metadata.items())
+    except (AttributeError, TypeError) as e:
+        raise BadInput(f"{path / METADATA}: malformed DCP metadata ({e})") from e
+    try:
+        for fqn, md in items:
+            group, name, param, state = _classify(fqn, paths.get(fqn), isinstance(md, TensorStorageMetadata))
+            if isinstance(md, TensorStorageMetadata):
+                shape = tuple(md.size)
+                chunks = tuple(
+                    Chunk(tuple(c.offsets), tuple(c.sizes), location(fqn, c.offsets), None)
+                    for c in md.chunks
+                )
+                tensors.append(TensorInfo(group, name, shape, md.properties.dtype, chunks, param, state))
+            elif isinstance(md, BytesStorageMetadata):
+                path_ = tuple(paths.get(fqn) or fqn.split("."))
+                objects.append(ObjectInfo(group, name, location(fqn, None, "bytes_item"), path=path_))
+            else:
+                raise BadInput(f"{path / METADATA}: item {fqn!r} has unknown metadata {type(md).__name__}")
+    except (AttributeError, TypeError, ValueError) as e:
+        raise BadInput(f"{path / METADATA}: malformed DCP metadata ({type(e).__name__}: {e})") from e
     entries = []
     ranks = set()
     sizes = {}
@@ -131,6 +138,25 @@ def _describe_one(path: Path, prefix: str):
         if loc.offset + loc.length > sizes[loc.file]:
             raise BadInput(f"{path / loc.file.removeprefix(prefix)}: item {what!r} ends at byte {loc.offset + loc.length}, "
                            f"but the file has {sizes[loc.file]}; it is truncated")
+    for t in tensors:
+        for c in t.chunks:
+            # refuse declared sizes the stored bytes cannot hold, before anything is allocated
+            if c.location.length < c.numel * t.dtype.itemsize:
+                raise BadInput(f"{path / METADATA}: tensor {t.name!r} declares a chunk of {c.sizes} "
+                               f"({c.numel * t.dtype.itemsize} bytes) stored in {c.location.length} bytes")
+    # non-tensor items are small: load each now (weights_only), so one carrying code is refused
+    # by every command, not only by those that read it
+    from ..safeload import load_torch_bytes
+
+    handles: dict[str, Any] = {}
+    try:
+        for o in objects:
+            f = handles.get(o.location.file) or handles.setdefault(o.location.file, open(path / o.location.file.removeprefix(prefix), "rb"))
+            f.seek(o.location.offset)
+            load_torch_bytes(f.read(o.location.length), where=f"{path / o.location.file.removeprefix(prefix)} ({o.name})")
+    finally:
+        for f in handles.values():
+            f.close()
     return tensors, objects, entries, ranks
 
 
@@ -191,8 +217,10 @@ class Writer:
         from ..engine import compact
         from ..state import gather, param_groups_keyed
 
+        from ..torchzip import recorded_writes
+
         records = []
-        with open(path, "wb") as f:
+        with open(path, "wb") as raw, recorded_writes(raw) as f:
             for i, (_, values) in enumerate(pieces):
                 start = f.tell()
                 torch.save(compact(values), f)

@@ -54,8 +54,8 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
         raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
-        raise BadInput(f"{path}: safetensors header is not valid UTF-8 JSON ({e})") from e
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError) as e:
+        raise BadInput(f"{path}: safetensors header is not valid UTF-8 JSON ({type(e).__name__})") from e
     if not isinstance(header, dict):
         raise BadInput(f"{path}: safetensors header is not a JSON object")
     header.pop("__metadata__", None)
@@ -67,8 +67,8 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
             dtype = DTYPES[entry["dtype"]]
             shape = [int(d) for d in entry["shape"]]
             begin, end = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise BadInput(f"{path}: tensor {name!r}: malformed header entry {entry!r}") from e
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise BadInput(f"{path}: tensor {name!r}: malformed header entry {str(entry)[:200]}") from e
         if any(d < 0 for d in shape) or not 0 <= begin <= end <= data_len:
             raise BadInput(f"{path}: tensor {name!r}: offsets {begin}..{end} outside the {data_len} data bytes")
         numel = 1
@@ -118,8 +118,8 @@ def shard_files(path: Path) -> tuple[Path, list[str], dict[str, str] | None]:
 def read_index(index: Path) -> dict[str, str]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise BadInput(f"{index}: not a valid safetensors index ({e})") from e
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise BadInput(f"{index}: not a valid safetensors index ({type(e).__name__}: {str(e)[:200]})") from e
     if not isinstance(weight_map, dict):
         raise BadInput(f"{index}: weight_map is not an object")
     for name, file in weight_map.items():
