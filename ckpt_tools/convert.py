@@ -149,10 +149,12 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
         jobs = layout_sharded(ckpt, targets, ws, extras)
         assets = hfassets.find_assets(src_path, base)
 
-        def after(tmp: Path) -> None:
+        def copy_huggingface(tmp: Path) -> None:
             if assets is not None:
                 (tmp / "huggingface").mkdir()
                 hfassets.copy_assets(assets, tmp / "huggingface", dtype=None)
+
+        after = copy_huggingface
 
     execute(ckpt, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=f"{to} → {dst.name}", fmt=to,
             workers=workers, after=after)

@@ -46,6 +46,23 @@ class LazyStorages:
         return real
 
 
+def from_stream(pieces: Iterator[tuple[Any, torch.Tensor]]) -> Callable[[Any], Callable[[], torch.Tensor]]:
+    """Providers over the engine's stream of ``(piece, values)``: ``provider(piece)()`` returns
+    that piece's values, pulling the stream forward (and holding any piece asked for later)."""
+    feed = iter(pieces)
+    ready: dict = {}
+
+    def provider(piece: Any) -> Callable[[], torch.Tensor]:
+        def provide() -> torch.Tensor:
+            while piece not in ready:
+                got, values = next(feed)
+                ready[got] = values
+            return ready.pop(piece)
+        return provide
+
+    return provider
+
+
 class _Writer:
     """Wraps torch's zip writer: records of placeholder storages get the real bytes."""
 

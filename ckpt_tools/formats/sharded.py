@@ -197,19 +197,10 @@ class Writer:
 
     def write(self, path: Path, job, pieces, objects) -> None:
         from ..state import gather, param_groups_keyed
-        from ..torchzip import LazyStorages, save
+        from ..torchzip import LazyStorages, from_stream, save
 
         lazy = LazyStorages()
-        feed = iter(pieces)
-        ready: dict = {}
-
-        def provider(p):
-            def provide():
-                while p not in ready:
-                    got, values = next(feed)
-                    ready[got] = values
-                return ready.pop(p)
-            return provide
+        provider = from_stream(pieces)
 
         mesh = _mesh(self.world_size, job.rank)
         if job.kind == "extra":
