@@ -25,10 +25,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 
 
-def llama_shapes(gb: float, dtype_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
-    """Llama-7B-shaped tensors (hidden 4096, intermediate 11008, vocab 32000), with as many
+def llama_shapes(gb: float, dtype_bytes: int, hidden: int = 4096) -> list[tuple[str, tuple[int, ...]]]:
+    """Llama-shaped tensors (7B: hidden 4096, intermediate 11008, vocab 32000), with as many
     layers as fit in ``gb`` (at least 1)."""
-    h, i, v = 4096, 11008, 32000
+    h, i, v = hidden, hidden * 11008 // 4096, 32000
     layer = [("self_attn.q_proj.weight", (h, h)), ("self_attn.k_proj.weight", (h, h)),
              ("self_attn.v_proj.weight", (h, h)), ("self_attn.o_proj.weight", (h, h)),
              ("mlp.gate_proj.weight", (i, h)), ("mlp.up_proj.weight", (i, h)), ("mlp.down_proj.weight", (h, i)),
@@ -42,12 +42,12 @@ def llama_shapes(gb: float, dtype_bytes: int) -> list[tuple[str, tuple[int, ...]
     return out + [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
 
 
-def make_hf(dst: Path, gb: float, dtype: torch.dtype) -> None:
+def make_hf(dst: Path, gb: float, dtype: torch.dtype, hidden: int = 4096) -> None:
     from safetensors.torch import save_file
 
     dst.mkdir(parents=True)
     g = torch.Generator().manual_seed(0)
-    shapes = llama_shapes(gb, torch.empty((), dtype=dtype).element_size())
+    shapes = llama_shapes(gb, torch.empty((), dtype=dtype).element_size(), hidden)
     weight_map, part, size, idx = {}, {}, 0, 0
 
     def flush():
@@ -75,7 +75,7 @@ def make_sharded_with_adam(dst: Path, gb: float, world: int) -> None:
     from ckpt_tools.formats import describe
 
     tmp = dst.parent / "hf_src"
-    make_hf(tmp, gb / 3, torch.float32)
+    make_hf(tmp, gb / 3, torch.float32, hidden=2048)  # 1B-shaped, so 2 GiB holds several layers
     ckpt = describe(tmp)
     tensors = list(ckpt.tensors)
     # the optimizer moments reuse the weights' bytes: same shapes and sizes as real ones
@@ -116,7 +116,18 @@ class Peak:
         self._t.join()
 
 
+REPEAT = 3
+
+
 def timed(name: str, argv: list[str], out: Path) -> dict:
+    """Run ``argv`` REPEAT times (removing ``out`` before each); report the median run."""
+    runs = sorted((_timed_once(name, argv, out) for _ in range(REPEAT)), key=lambda r: r["seconds"])
+    best = dict(runs[len(runs) // 2])
+    best["all_seconds"] = [r["seconds"] for r in runs]
+    return best
+
+
+def _timed_once(name: str, argv: list[str], out: Path) -> dict:
     if out.exists():
         shutil.rmtree(out) if out.is_dir() else out.unlink()
     subprocess.run(["sync"], check=False)
@@ -188,13 +199,17 @@ def main() -> None:
     ap.add_argument("which", choices=["export", "reshard"])
     ap.add_argument("--gb", type=float, default=None, help="source size in GiB (export 1.5, reshard 2.0)")
     ap.add_argument("--out", type=Path, default=None, help="work directory (default: a temp dir, removed)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per tool; the median is reported")
     args = ap.parse_args()
+    global REPEAT
+    REPEAT = max(1, args.repeat)
     work = Path(args.out or tempfile.mkdtemp(prefix="ckpt-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
         gb = args.gb or (1.5 if args.which == "export" else 2.0)
         rows = bench_export(work, gb) if args.which == "export" else bench_reshard(work, gb)
-        print(f"\n{args.which}, {gb} GiB, {os.cpu_count()} cores, torch {torch.__version__}\n")
+        print(f"\n{args.which}, {gb} GiB, {os.cpu_count()} cores, torch {torch.__version__}, "
+              f"median of {REPEAT} runs\n")
         print(table(rows, rows[0]["seconds"]))
         print(json.dumps(rows))
     finally:
