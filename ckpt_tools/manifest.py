@@ -18,14 +18,19 @@ CHUNK = 8 * 1024 * 1024
 
 def file_digest(path: Path) -> str:
     """xxh3-64 of a file, hashed straight from its mapped pages (no copy into this process)."""
+    return range_digest(path, 0)
+
+
+def range_digest(path: Path, start: int) -> str:
+    """xxh3-64 of ``path`` from byte ``start`` to its end."""
     h = xxhash.xxh3_64()
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        if size:
+        if size > start:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
                 view = memoryview(m)
-                for start in range(0, size, CHUNK):
-                    h.update(view[start:start + CHUNK])
+                for pos in range(start, size, CHUNK):
+                    h.update(view[pos:min(pos + CHUNK, size)])
                 view.release()
     return h.hexdigest()
 

@@ -140,8 +140,7 @@ def _check_manifest(path: Path, found: _Findings, progress: bool) -> bool:
     """Compare every file the manifest lists with its recorded size and checksum; True when
     something is missing or damaged."""
     if not path.is_dir():
-        found.notes.append(f"{path}: a single file has no manifest; its bytes are checked only by reading it")
-        return False
+        return _check_single_file(path, found) if path.is_file() else False
     try:
         m = manifest.read(path)
     except (OSError, ValueError) as e:
@@ -178,6 +177,50 @@ def _check_manifest(path: Path, found: _Findings, progress: bool) -> bool:
                                       "the file is damaged")
             bar.update(full.stat().st_size)
     return len(found.problems) > before
+
+
+def _check_single_file(path: Path, found: _Findings) -> bool:
+    """A lone file's own checks: a torch.save zip's per-record CRC32s; the data checksum the
+    tool puts in a safetensors header it wrote. True when the file is damaged."""
+    import json
+    import struct
+    import zipfile
+
+    from .formats import hf
+
+    with open(path, "rb") as f:
+        magic = f.read(8)
+    if magic[:4] == b"PK\x03\x04":
+        try:
+            with zipfile.ZipFile(path) as z:
+                bad = z.testzip()
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+            found.problems.append(f"{path}: damaged zip structure ({e})")
+            return True
+        if bad is not None:
+            found.problems.append(f"{path}: record {bad!r} fails its CRC32 check; the file is damaged")
+            return True
+        found.notes.append(f"{path}: every record's CRC32 checked")
+        return False
+    if path.suffix == ".safetensors" and len(magic) == 8:
+        (n,) = struct.unpack("<Q", magic)
+        try:
+            with open(path, "rb") as f:
+                f.seek(8)
+                meta = json.loads(f.read(min(n, hf.MAX_HEADER_BYTES))).get("__metadata__") or {}
+        except (ValueError, AttributeError, RecursionError):
+            return False  # describing it reports the header
+        want = meta.get(hf.CHECKSUM_KEY) if isinstance(meta, dict) else None
+        if isinstance(want, str):
+            got = manifest.range_digest(path, 8 + n)
+            if got != want:
+                found.problems.append(f"{path}: data checksum mismatch (xxh3_64 {got}, its header says {want}); "
+                                      "the file is damaged")
+                return True
+            found.notes.append(f"{path}: data checksum from its header checked")
+            return False
+    found.notes.append(f"{path}: a single file with no checksum of its own; its bytes are checked only by reading it")
+    return False
 
 
 def _bar(total: int, desc: str, enabled: bool) -> tqdm:

@@ -27,6 +27,7 @@ OUTPUTS = {
     "dcp": ("dcp", {"to": "dcp"}),
     "hf": ("hf", {"to": "hf"}),
     "torch": ("full.pt", {"to": "torch"}),
+    "hf-file": ("model.safetensors", {"to": "hf"}),
 }
 # every file that holds tensors or describes where they are, per output
 DATA_FILES = {
@@ -34,6 +35,7 @@ DATA_FILES = {
     "dcp": [".metadata", "__0_0.distcp", "__1_0.distcp"],
     "hf": ["model.safetensors"],
     "torch": [""],  # the output is the file itself
+    "hf-file": [""],
 }
 
 
@@ -89,15 +91,15 @@ def test_flipped_byte_is_caught(fmt: str, file: str, converted: dict[str, Path],
         alone = verify(out, progress=False)
         assert not alone["ok"]
         assert any("checksum mismatch" in p and str(target) in p for p in alone["problems"]), alone["problems"]
-    else:  # no manifest: a byte inside tensor data reads fine on its own ...
+    else:  # a lone file carries its own checks: zip CRC32s (torch), a header checksum (safetensors)
         try:
             alone = verify(out, progress=False)
         except BadInput:
-            pass
+            pass  # the flip broke the structure itself: refused as corrupt
         else:
-            assert alone["ok"] or alone["problems"]
+            assert not alone["ok"] and alone["problems"], alone
 
-    against = verify(src, out, progress=False)  # ... but never matches the source
+    against = verify(src, out, progress=False)  # and it never matches the source
     assert not against["ok"]
     assert against["problems"] or against["mismatches"]
     json.dumps(against)
@@ -159,7 +161,7 @@ def test_unreadable_input_without_manifest_raises(tmp_path: Path) -> None:
 def test_converted_checkpoint_verifies_alone(fmt: str, converted: dict[str, Path]) -> None:
     report = verify(converted[fmt], nan_check=True, progress=False)
     assert report["ok"], format_report(report)
-    assert report["checked"] == (NUM_MODEL if fmt == "hf" else NUM_TENSORS)
+    assert report["checked"] == (NUM_MODEL if fmt.startswith("hf") else NUM_TENSORS)
     assert report["mismatches"] == [] and report["problems"] == []
 
 
@@ -167,7 +169,7 @@ def test_converted_checkpoint_verifies_alone(fmt: str, converted: dict[str, Path
 def test_converted_equals_source(fmt: str, converted: dict[str, Path], src: Path) -> None:
     report = verify(src, converted[fmt], progress=False)
     assert report["ok"], format_report(report)
-    assert report["checked"] == (NUM_MODEL if fmt == "hf" else NUM_TENSORS)
+    assert report["checked"] == (NUM_MODEL if fmt.startswith("hf") else NUM_TENSORS)
     # and the other way round
     assert verify(converted[fmt], src, progress=False)["ok"]
 

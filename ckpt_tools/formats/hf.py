@@ -16,6 +16,7 @@ from ..errors import BadInput
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+CHECKSUM_KEY = "ckpt_data_xxh3_64"  # in __metadata__ of a single file the tool wrote
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -228,7 +229,9 @@ class Writer:
                 for name, names in split.filename_to_tensors.items()]
 
     def write(self, path: Path, job, pieces, objects) -> None:
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        # a lone file has no manifest beside it: its data checksum goes in the header, filled in
+        # once the data is written (the placeholder keeps the header's length fixed)
+        header: dict[str, Any] = {"__metadata__": {"format": "pt", **({CHECKSUM_KEY: "0" * 16} if self.single_file else {})}}
         pos = 0
         for p in job.pieces:
             header[p.target.name] = {"dtype": DTYPE_CODES[p.target.dtype], "shape": list(p.sizes),
@@ -253,6 +256,14 @@ class Writer:
         finally:
             for fd in sources.values():
                 os.close(fd)
+        if self.single_file:
+            from ..manifest import range_digest
+
+            digest = range_digest(path, 8 + len(raw))
+            at = raw.index(b'"' + CHECKSUM_KEY.encode() + b'":"') + len(CHECKSUM_KEY) + 4
+            with open(path, "r+b") as f:
+                f.seek(8 + at)
+                f.write(digest.encode())
 
     def finish(self, out: Path, jobs: list, written: dict) -> None:
         if self.single_file or len(jobs) == 1 and jobs[0].path == SINGLE_NAME:
