@@ -5,7 +5,6 @@ the source was and the tool's version. Consumers of the formats ignore it."""
 from __future__ import annotations
 
 import json
-import mmap
 import os
 from pathlib import Path
 from typing import Any
@@ -17,21 +16,20 @@ CHUNK = 8 * 1024 * 1024
 
 
 def file_digest(path: Path) -> str:
-    """xxh3-64 of a file, hashed straight from its mapped pages (no copy into this process)."""
+    """xxh3-64 of a file."""
     return range_digest(path, 0)
 
 
 def range_digest(path: Path, start: int) -> str:
-    """xxh3-64 of ``path`` from byte ``start`` to its end."""
+    """xxh3-64 of ``path`` from byte ``start`` to its end (read in blocks: mapping the file
+    would count its pages in this process's RSS)."""
     h = xxhash.xxh3_64()
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > start:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                view = memoryview(m)
-                for pos in range(start, size, CHUNK):
-                    h.update(view[pos:min(pos + CHUNK, size)])
-                view.release()
+        f.seek(start)
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
 
 
