@@ -19,6 +19,7 @@ import torch
 
 from .describe import Checkpoint, Chunk, Location, ObjectInfo, TensorInfo
 from .errors import BadInput
+from .fsdp1 import is_sharded_tensor
 from .safeload import load_torch, load_torch_bytes, load_torch_meta
 
 
@@ -235,6 +236,7 @@ def _local(value: Any) -> Any:
     """A DTensor or ShardedTensor's local data; anything else as it is."""
     if type(value).__name__ == "DTensor":
         return value._local_tensor
-    if type(value).__name__ == "ShardedTensor":
-        return value.local_shards()[0].tensor
+    if is_sharded_tensor(value):
+        shards = value.local_shards()
+        return shards[0].tensor if shards else value
     return value

@@ -57,8 +57,10 @@ def load_torch(path: Path | str, *, mmap: bool = True) -> Any:
         )
     import torch.distributed.tensor  # noqa: F401  (registers DTensor for weights_only loading)
 
+    from .fsdp1 import safe_globals as fsdp1_globals
+
     try:
-        with _quiet_device_mesh(), torch.serialization.safe_globals(_NUMPY_SAFE):
+        with _quiet_device_mesh(), torch.serialization.safe_globals(_NUMPY_SAFE + fsdp1_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and _is_zip(path))
     except pickle.UnpicklingError as e:
         raise _refusal(str(path), e) from e
@@ -90,9 +92,6 @@ def _refusal(where: str, e: pickle.UnpicklingError) -> BadInput:
                                f"code ({why}); re-save it with torch.save")
         return BadInput(f"{where}: not a readable torch.save file, corrupt or truncated ({_first_line(e)})")
     name = m.group(1).rstrip(".,")
-    if "sharded_tensor" in name or "_shard." in name:
-        return BadInput(f"{where}: holds FSDP1 ShardedTensors ({name}), which ckpt does not read yet; "
-                        "load it in its FSDP1 job and save with FSDP2 (model.state_dict()) or dcp.save")
     return UnsafeInput(f"{where}: refused: it asks to run {name}, which a checkpoint never needs; "
                        "the file may be malicious (nothing from it was run)")
 

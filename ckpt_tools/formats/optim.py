@@ -75,17 +75,26 @@ def param_order_from_model(model_sd: dict) -> tuple[str, ...]:
     plain (unsharded) state dict, every floating tensor, tied ones once."""
     from torch.distributed.tensor import DTensor
 
+    from ..fsdp1 import is_sharded_tensor
+
+    def sharded(v) -> bool:
+        return isinstance(v, DTensor) or is_sharded_tensor(v)
+
     values = [(k, v) for k, v in model_sd.items() if isinstance(v, torch.Tensor)]
-    if any(isinstance(v, DTensor) for _, v in values):
-        values = [(k, v) for k, v in values if isinstance(v, DTensor)]
+    if any(sharded(v) for _, v in values):
+        values = [(k, v) for k, v in values if sharded(v)]
     else:
         values = [(k, v) for k, v in values if v.is_floating_point() and not k.endswith(_BUFFER_SUFFIXES)]
     seen: set[int] = set()
     order = []
     for k, v in values:
         # tied parameters are two entries over one storage (not always one object)
-        local = v._local_tensor if isinstance(v, DTensor) else v
-        ident = local.untyped_storage()._cdata
+        if is_sharded_tensor(v):
+            shards = v.local_shards()
+            ident = shards[0].tensor.untyped_storage()._cdata if shards else id(v)
+        else:
+            local = v._local_tensor if isinstance(v, DTensor) else v
+            ident = local.untyped_storage()._cdata
         if ident not in seen:
             seen.add(ident)
             order.append(k)

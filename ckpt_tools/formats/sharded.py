@@ -16,6 +16,7 @@ import torch
 from ..describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo, chunk_rows
 from ..errors import BadInput
 from ..safeload import load_torch
+from ..fsdp1 import is_sharded_tensor
 from . import optim
 
 PATTERN = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
@@ -126,13 +127,14 @@ def describe(path: Path) -> Checkpoint:
                       details, param_order)
 
 
-def _add(pieces: dict, key: tuple[str, str], shape: tuple[int, ...], dtype: torch.dtype, chunk: Chunk,
+def _add(pieces: dict, key: tuple[str, str], shape: tuple[int, ...], dtype: torch.dtype, chunk: Chunk | None,
          file: Path, param: str | None = None, state: str | None = None) -> None:
     entry = pieces.setdefault(key, {"shape": shape, "dtype": dtype, "chunks": [], "param": param, "state": state})
     if entry["shape"] != shape or entry["dtype"] != dtype:
         raise BadInput(f"{file}: tensor {key[1]!r} is {tuple(shape)} {dtype} here but "
                        f"{entry['shape']} {entry['dtype']} on rank 0; the files are not from one save")
-    entry["chunks"].append(chunk)
+    if chunk is not None:
+        entry["chunks"].append(chunk)
 
 
 def _chunk(v: torch.Tensor, rank: int, ws: int, loc: Location, file: Path, name: str):
@@ -165,14 +167,17 @@ def _chunk(v: torch.Tensor, rank: int, ws: int, loc: Location, file: Path, name:
                            f"{v.placements} on world size {ws} gives {tuple(sizes)}")
         kind = "FSDP2 (DTensor)"
         return shape, Chunk(tuple(offsets), tuple(sizes), loc, rank), tuple(mesh.shape), kind
-    if type(v).__name__ == "ShardedTensor":
-        md = v.metadata()
-        shape = tuple(md.size)
+    if is_sharded_tensor(v):
+        shape = tuple(v.metadata().size)
         mine = v.local_shards()
+        if not mine:  # FSDP1 gives trailing ranks no shard of a small tensor
+            return shape, None, (ws,), "FSDP1 (ShardedTensor)"
         if len(mine) != 1:
-            raise BadInput(f"{file}: tensor {name!r}: rank {rank} holds {len(mine)} local shards; expected 1")
+            raise BadInput(f"{file}: tensor {name!r}: rank {rank} holds {len(mine)} local shards; expected 0 or 1")
         sm = mine[0].metadata
-        loc = Location(loc.file, loc.kind, key=loc.key)
+        if tuple(mine[0].tensor.shape) != tuple(sm.shard_sizes):
+            raise BadInput(f"{file}: tensor {name!r}: rank {rank}'s shard holds {tuple(mine[0].tensor.shape)}, "
+                           f"its metadata says {tuple(sm.shard_sizes)}")
         return shape, Chunk(tuple(sm.shard_offsets), tuple(sm.shard_sizes), loc, rank), (ws,), "FSDP1 (ShardedTensor)"
     # A plain tensor (a buffer, or a scalar such as `step`) is a full copy on every rank.
     shape = tuple(v.shape)
