@@ -802,3 +802,20 @@ def test_total_bytes_is_logical_not_on_disk(tmp_path_factory):
     assert case.ckpt.total_bytes == sum(nbytes(v) for v in case.expected.values())
     assert case.ckpt.total_bytes == 25056 * 4 * 3 + 21 * 4  # params, exp_avg, exp_avg_sq + 21 steps
     assert math.prod(case.ckpt.tensor_map()[("model", "lm_head.weight")].shape) == 101 * 32
+
+
+class _GetattrPayload:
+    """Pickles as ``getattr(torch.Size, "__init__")``: the only getattr a checkpoint may use is
+    FSDP1's ShardedTensor.ProcessGroupState, so any other lookup is refused."""
+
+    def __reduce__(self):
+        return (getattr, (torch.Size, "__init__"))
+
+
+def test_getattr_in_a_pickle_reaches_nothing_else(tmp_path):
+    from ckpt_tools.errors import BadInput
+
+    path = tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(2), "x": _GetattrPayload()}, path)
+    with pytest.raises(BadInput, match="getattr"):
+        formats.describe(path)
