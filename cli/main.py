@@ -157,7 +157,8 @@ def shard_cmd(model, dst, ranks, fmt, device, mixed_precision, cpu_offload, with
     report = shard(model, dst, ranks=ranks, format=fmt, device=device, mixed_precision=mixed_precision,
                    cpu_offload=cpu_offload, with_optimizer=with_optimizer, overwrite=overwrite, check=check,
                    progress=progress)
-    click.echo(f"wrote {report.get('dst', dst)} ({fmt}, {ranks} ranks)", err=True)
+    if progress:
+        click.echo(f"wrote {report.get('dst', dst)} ({fmt}, {ranks} ranks)", err=True)
     if check and report.get("max_abs_diff") is not None:
         click.echo(f"check: largest difference from the unsharded model {report['max_abs_diff']:.3g}")
 
