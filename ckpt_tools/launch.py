@@ -17,8 +17,8 @@ entry point with ``if __name__ == "__main__":``.
 from __future__ import annotations
 
 import datetime
+import json
 import os
-import pickle
 import resource
 import shutil
 import sys
@@ -199,13 +199,37 @@ def _child(rank: int, world: int, device: str, init_method: str, result_dir: str
 
 
 def _report(result_dir: str, rank: int, payload: tuple) -> None:
-    out = Path(result_dir) / f"rank_{rank}.pkl"
+    """Write this rank's outcome as JSON (results are plain data; a CkptError travels as its
+    class name, message and exit code, so the parent re-raises the same error)."""
+    out = Path(result_dir) / f"rank_{rank}.json"
+    if payload[0] == "ok":
+        record = {"ok": True, "result": payload[1]}
+    else:
+        e = payload[1]
+        error = ({"type": type(e).__name__, "message": str(e), "exit_code": e.exit_code}
+                 if isinstance(e, CkptError) else None)
+        record = {"ok": False, "error": error, "traceback": payload[2]}
+    record["when"] = time.time()
     try:
-        data = pickle.dumps((payload, time.time()))
-    except Exception:  # an unpicklable result or exception
-        data = pickle.dumps((("error", None, traceback.format_exc()), time.time()))
-    out.with_suffix(".tmp").write_bytes(data)
+        data = json.dumps(record)
+    except (TypeError, ValueError):  # a result that is not plain data
+        data = json.dumps({"ok": False, "error": None, "traceback": traceback.format_exc(), "when": time.time()})
+    out.with_suffix(".tmp").write_text(data)
     os.replace(out.with_suffix(".tmp"), out)
+
+
+def _revive(error: dict | None) -> CkptError | None:
+    """The CkptError a rank reported, as an exception of the same class and exit code."""
+    if not error:
+        return None
+    from . import errors
+
+    cls = getattr(errors, error.get("type", ""), None)
+    if not (isinstance(cls, type) and issubclass(cls, CkptError)):
+        cls = CkptError
+    exc = cls(error.get("message", ""))
+    exc.exit_code = error.get("exit_code", cls.exit_code)
+    return exc
 
 
 def _spawn(fn, args, ranks: int, device: str, threads_per_rank: int | None) -> Any:
@@ -253,7 +277,7 @@ def _collect(work: Path, procs: list, killed: set[int]) -> Any:
     errors = []  # (when, rank, exception or None, traceback text)
     result = None
     for rank, p in enumerate(procs):
-        f = work / f"rank_{rank}.pkl"
+        f = work / f"rank_{rank}.json"
         if not f.exists():
             # A rank that died on its own (signal, out of memory) is likely the cause.
             why = "stopped after another rank failed" if rank in killed else \
@@ -261,12 +285,12 @@ def _collect(work: Path, procs: list, killed: set[int]) -> Any:
             errors.append((float("inf") if rank in killed else float("-inf"), rank, None,
                            f"rank {rank} {why}"))
             continue
-        payload, when = pickle.loads(f.read_bytes())  # written by our own child just now
-        if payload[0] == "ok":
+        record = json.loads(f.read_text())
+        if record["ok"]:
             if rank == 0:
-                result = payload[1]
+                result = record["result"]
         else:
-            errors.append((when, rank, payload[1], payload[2]))
+            errors.append((record["when"], rank, _revive(record["error"]), record["traceback"]))
     if not errors:
         return result
     # The earliest failure is the cause; later ones are peers whose collectives broke.

@@ -22,7 +22,6 @@ import contextlib
 import errno
 import json
 import math
-import os
 import re
 import shutil
 import sys
@@ -212,20 +211,6 @@ def _writing(where: Path):
         if space:
             raise DestinationError(f"{where}: out of space ({e}); nothing was committed, free space and re-run") from e
         raise
-
-
-def _save_torch(obj: Any, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _copy_synced(src: Path, dst: Path) -> None:
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
-        shutil.copyfileobj(fin, fout)
-        fout.flush()
-        os.fsync(fout.fileno())
 
 
 # ---------------------------------------------------------------- the model
@@ -564,20 +549,18 @@ def _save(model, optimizer, ctx: launch.RankContext, job: ShardJob, tmp: Path, m
             state = {"model": msd, "optimizer": osd}
         else:
             state = {"model": get_model_state_dict(model)}
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
+        # not synced here: commit() fsyncs the whole staging directory once, every rank's files included
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=False))
         return
     n, r = ctx.world_size, ctx.rank
-    _save_torch(model.state_dict(), tmp / file_name("model", n, r))
+    # not synced here: commit() fsyncs the whole staging directory once, every rank's files included
+    torch.save(model.state_dict(), tmp / file_name("model", n, r))
     if optimizer is not None:
-        _save_torch(optimizer.state_dict(), tmp / file_name("optim", n, r))
+        torch.save(optimizer.state_dict(), tmp / file_name("optim", n, r))
     if r == 0:
-        with open(tmp / CONFIG_NAME, "w") as f:
-            json.dump({"FSDP_version": 2, "world_size": n}, f, indent=4)
-            f.flush()
-            os.fsync(f.fileno())
+        (tmp / CONFIG_NAME).write_text(json.dumps({"FSDP_version": 2, "world_size": n}, indent=4))
         assets = tmp / "huggingface"
         assets.mkdir()
         for name in ASSET_PATTERNS:  # what verl keeps next to its rank files, to rebuild and export
             if (model_dir / name).is_file():
-                _copy_synced(model_dir / name, assets / name)
-        atomic.fsync_dir(assets)
+                shutil.copyfile(model_dir / name, assets / name)

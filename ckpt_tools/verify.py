@@ -13,17 +13,16 @@ cannot be described at all (and whose damage no manifest explains) raises :class
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from . import manifest
 from .convert import normalize_name
 from .describe import Checkpoint, Chunk, TensorInfo, dtype_name, dtype_size
+from .engine import progress_bar
 from .errors import BadInput, UnsafeInput, UsageError
 from .formats import describe
 from .reader import Reader
@@ -169,7 +168,7 @@ def _check_manifest(path: Path, found: _Findings, progress: bool) -> bool:
                                   f"{entry['size']}; truncated or overwritten")
         else:
             todo.append((full, entry["xxh3_64"]))
-    with _bar(sum(f.stat().st_size for f, _ in todo), f"checksums {path.name}", progress) as bar:
+    with progress_bar(sum(f.stat().st_size for f, _ in todo), f"checksums {path.name}", progress) as bar:
         for full, digest in todo:
             got = manifest.file_digest(full)
             if got != digest:
@@ -223,16 +222,11 @@ def _check_single_file(path: Path, found: _Findings) -> bool:
     return False
 
 
-def _bar(total: int, desc: str, enabled: bool) -> tqdm:
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                disable=not enabled, file=sys.stderr, dynamic_ncols=True, leave=False)
-
-
 # -- one checkpoint -------------------------------------------------------------------------
 
 def _check_one(ckpt: Checkpoint, found: _Findings, *, nan_check: bool, progress: bool) -> None:
     total = sum(c.numel * dtype_size(t.dtype) for t in ckpt.tensors for c in t.chunks)
-    with Reader(ckpt) as reader, _bar(total, f"reading {ckpt.root.name}", progress) as bar:
+    with Reader(ckpt) as reader, progress_bar(total, f"reading {ckpt.root.name}", progress) as bar:
         for t in ckpt.tensors:
             found.checked += 1
             for c in t.chunks:
@@ -340,7 +334,7 @@ def _compare(ca: Checkpoint, cb: Checkpoint, found: _Findings, *, atol: float, r
     pairs, only_a, only_b = _pairs(ca, cb, found)
     tolerant = atol > 0 or rtol > 0
     total = sum(ta.nbytes for _, ta, _ in pairs)
-    with Reader(ca) as ra, Reader(cb) as rb, _bar(total, "comparing", progress) as bar:
+    with Reader(ca) as ra, Reader(cb) as rb, progress_bar(total, "comparing", progress) as bar:
         sa, sb = _Side(ra), _Side(rb)
         for name, ta, tb in pairs:
             found.checked += 1
