@@ -8,11 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from . import hfassets
 from .atomic import check_destination
 from .describe import Checkpoint, ObjectInfo, TensorInfo
+from .dtypes import DType
 from .engine import execute
 from .errors import BadInput, UsageError
 from .formats import FORMATS, dcp, describe, hf, sharded, torchsave
@@ -21,7 +20,7 @@ from .reader import Reader
 from .scaleout import torchrun_rank
 from .state import per_rank_extras
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": DType("bfloat16"), "fp16": DType("float16"), "fp32": DType("float32")}
 _WRAPPER_PREFIXES = re.compile(r"(^|\.)(_orig_mod|module|_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
 
 
@@ -191,7 +190,7 @@ def _export(ckpt: Checkpoint, src_path: Path, dst: Path, keep: list[TensorInfo],
     if assets is None and not single:
         _say("note: no config.json or tokenizer found (no huggingface/ folder); pass --base MODEL to add them", progress)
     report.update(num_tensors=len(targets), total_bytes=sum(t.nbytes for t in targets), left_out=left_out,
-                  dtype=str(written).removeprefix("torch.") if written else None)
+                  dtype=str(written) if written else None)
     return report
 
 
@@ -205,6 +204,8 @@ def _untie(ckpt: Checkpoint, targets: list[Target], config: dict, src_path: Path
         return targets
     if hfassets.tied(config):
         if head is not None and embed is not None:
+            import torch
+
             with Reader(ckpt) as r:
                 if not torch.equal(r.full(head.source), r.full(embed.source)):
                     raise BadInput(f"{src_path}: the config ties lm_head.weight to {embed.name}, but they differ; "

@@ -1,17 +1,21 @@
-"""Plain stand-ins for DCP's metadata classes, for reading ``.metadata``.
+"""Reading DCP's ``.metadata`` pickle safely, without torch.
 
-:class:`~ckpt_tools.safeload.MetadataUnpickler` maps DCP's class names onto these, so reading
-a DCP checkpoint neither imports ``torch.distributed.checkpoint`` (about a second of start-up)
-nor lets the pickle reach any of torch's code. Writing uses torch's own classes, so the
+:class:`MetadataUnpickler` maps DCP's class names onto plain stand-ins and torch's dtypes onto
+:class:`~ckpt_tools.dtypes.DType`, so reading a DCP checkpoint neither imports torch (over a
+second of start-up) nor lets the pickle reach any code. Writing uses torch's own classes, so the
 ``.metadata`` the tool writes is exactly what ``dcp.save`` writes.
 """
 
 from __future__ import annotations
 
+import io
+import pickle
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
-import torch
+from .dtypes import DType, known
+from .errors import BadInput, UnsafeInput, first_line
 
 
 class _Record:
@@ -89,7 +93,7 @@ class TensorProperties(_Record):
     _fields = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
 
     def __setstate__(self, state: Any) -> None:
-        if not isinstance(state, tuple) or len(state) != 5 or not isinstance(state[0], torch.dtype):
+        if not isinstance(state, tuple) or len(state) != 5 or not isinstance(state[0], DType):
             raise ValueError("TensorProperties: unexpected pickled state")
         self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
 
@@ -107,3 +111,60 @@ CLASSES: dict[tuple[str, str], type] = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): StorageInfo,
     ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"): StoragePrefix,
 }
+
+
+class Forbidden(pickle.UnpicklingError):
+    """A pickle asked for a global outside the allow-list."""
+
+
+def _get_layout(name: str) -> str:
+    """How torch.layout pickles: ``_get_layout("torch.strided")``; kept as its name."""
+    if not isinstance(name, str):
+        raise ValueError("layout name must be a string")
+    return name
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP ``.metadata``: DCP's metadata classes (mapped onto the plain stand-ins
+    above), torch dtypes (as :class:`DType`) and plain data, nothing else."""
+
+    _ALLOWED = {
+        ("collections", "OrderedDict"),
+        # StorageMeta.checkpoint_id is the path dcp.save was given
+        ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+        ("pathlib._local", "PosixPath"), ("pathlib._local", "PurePosixPath"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "slice"),
+    }
+    _STAND_INS: dict[tuple[str, str], Any] = {
+        ("torch", "Size"): tuple,  # offsets and sizes: torch.Size((...)) is a tuple of ints
+        ("torch.serialization", "_get_layout"): _get_layout,
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in CLASSES:
+            return CLASSES[(module, name)]
+        if (module, name) in self._STAND_INS:
+            return self._STAND_INS[(module, name)]
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and known(name):
+            return DType(name)
+        raise Forbidden(f"global {module}.{name} is not a DCP metadata class")
+
+
+def load_dcp_metadata(path: Path) -> Any:
+    """Read a DCP ``.metadata`` file through :class:`MetadataUnpickler`."""
+    try:
+        # from memory: a corrupt length prefix then reads as truncated, never as a huge read
+        meta = MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+    except Forbidden as e:
+        raise UnsafeInput(f"{path}: refused: {first_line(e)}; a DCP .metadata holds only DCP's own classes") from e
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, OSError,
+            OverflowError, MemoryError, RecursionError) as e:
+        raise BadInput(f"{path}: corrupt or truncated DCP metadata ({first_line(e)})") from e
+    if not isinstance(meta, Metadata):
+        raise BadInput(f"{path}: holds a {type(meta).__name__}, not DCP Metadata")
+    return meta

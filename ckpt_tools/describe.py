@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from .dtypes import DType
 from .errors import BadInput
 
 GROUPS = ("model", "optimizer", "extra")
@@ -62,7 +61,7 @@ class TensorInfo:
     group: str
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: DType
     chunks: tuple[Chunk, ...]
     param: str | None = None
     state: str | None = None
@@ -132,30 +131,12 @@ class Checkpoint:
         return sum(t.nbytes for t in self.tensors)
 
 
-def dtype_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def dtype_size(dtype: DType) -> int:
+    return DType.of(dtype).itemsize
 
 
-_DTYPE_NAMES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-        torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64, torch.complex128,
-        torch.uint16, torch.uint32, torch.uint64,
-    )
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    try:
-        return _DTYPE_NAMES[name]
-    except KeyError:
-        raise BadInput(f"unknown dtype {name!r}") from None
+def dtype_name(dtype: DType) -> str:
+    return str(DType.of(dtype))
 
 
 def chunk_rows(dim0: int, world_size: int, rank: int) -> tuple[int, int]:

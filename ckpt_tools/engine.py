@@ -17,16 +17,19 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
 from tqdm import tqdm
 
 from . import manifest
 from .atomic import check_destination, staged
 from .describe import Checkpoint, ObjectInfo
+from .dtypes import as_torch
 from .plan import FileJob, Piece
 from .reader import Reader
+
+if TYPE_CHECKING:
+    import torch
 
 PREFETCH_BYTES = 256 * 1024 * 1024
 
@@ -94,8 +97,10 @@ def materialize(reader: Reader, piece: Piece, *, spans: bool = False) -> torch.T
         c = piece.copies[0]
         if c.sizes == c.chunk.sizes == piece.sizes:
             src = reader.chunk(target.source, c.chunk)
-            return src if src.dtype == target.dtype else src.to(target.dtype)
-    out = torch.empty(piece.sizes, dtype=target.dtype)
+            return src if src.dtype == target.dtype else src.to(as_torch(target.dtype))
+    import torch
+
+    out = torch.empty(piece.sizes, dtype=as_torch(target.dtype))
     for c in piece.copies:
         src = reader.chunk(target.source, c.chunk)
         narrow(out, c.dst_start, c.sizes).copy_(narrow(src, c.src_start, c.sizes))
@@ -186,6 +191,3 @@ def compact(t: torch.Tensor) -> torch.Tensor:
         t = t.clone()
     return t
 
-
-def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()

@@ -39,3 +39,9 @@ class DestinationError(CkptError):
     """DST exists without --overwrite, is not writable, or the disk is full."""
 
     exit_code = 4
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (at most 300 characters), for one-line errors."""
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else type(e).__name__

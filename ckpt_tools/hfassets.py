@@ -7,8 +7,6 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
-
 from .describe import dtype_name
 from .errors import BadInput
 
@@ -43,7 +41,7 @@ def read_config(assets: Path | None) -> dict:
         raise BadInput(f"{assets / 'config.json'}: not valid JSON ({e})") from e
 
 
-def copy_assets(assets: Path | None, out: Path, *, dtype: torch.dtype | None) -> list[str]:
+def copy_assets(assets: Path | None, out: Path, *, dtype: str | None) -> list[str]:
     """Copy the asset files into ``out``; set config's dtype field. Returns the names copied."""
     copied = []
     if assets is None:

@@ -12,9 +12,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from .describe import Chunk, ObjectInfo, TensorInfo, chunk_rows, dtype_size
+from .dtypes import DType
 from .errors import BadInput
 
 
@@ -25,7 +24,7 @@ class Target:
     source: TensorInfo
     group: str
     name: str
-    dtype: torch.dtype
+    dtype: DType
     param: str | None = None
     state: str | None = None
 
@@ -92,7 +91,7 @@ class FileJob:
         return sum(p.nbytes for p in self.pieces)
 
 
-def targets_from(tensors: Iterable[TensorInfo], *, dtype: torch.dtype | None = None,
+def targets_from(tensors: Iterable[TensorInfo], *, dtype: DType | None = None,
                  rename=lambda t: t.name) -> list[Target]:
     """Targets for ``tensors``: renamed by ``rename``, floating-point ones cast to ``dtype``
     (integer, bool and ``step`` tensors keep theirs)."""

@@ -13,14 +13,14 @@ import zipfile
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .describe import Checkpoint, Chunk, Location, ObjectInfo, TensorInfo
+from .dtypes import as_torch
 from .errors import BadInput
-from .fsdp1 import is_sharded_tensor
-from .safeload import load_torch, load_torch_bytes, load_torch_meta
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Reader:
@@ -85,6 +85,8 @@ class Reader:
     def _pickled_locked(self, file: str) -> Any:
         obj = self._loaded.get(file)
         if obj is None:
+            from .safeload import load_torch
+
             obj = load_torch(self.ckpt.base_dir() / file)
             self._loaded[file] = obj
             while self._cache_files is not None and len(self._loaded) > self._cache_files:
@@ -106,12 +108,14 @@ class Reader:
     def chunk(self, tensor: TensorInfo, chunk: Chunk) -> torch.Tensor:
         """The stored values of ``chunk`` as a tensor of its sizes (may view a mapped file:
         copy it before the reader closes)."""
+        import torch
+
         loc = chunk.location
         if loc.kind == "raw":
             data = self._bytes(loc)
             if not chunk.numel:
-                return torch.empty(chunk.sizes, dtype=tensor.dtype)
-            return torch.frombuffer(data, dtype=tensor.dtype).view(chunk.sizes)
+                return torch.empty(chunk.sizes, dtype=as_torch(tensor.dtype))
+            return torch.frombuffer(data, dtype=as_torch(tensor.dtype)).view(chunk.sizes)
         if loc.kind == "torch_item":
             value = self._torch_item(loc, tensor.name)
         elif loc.kind == "pickled":
@@ -135,6 +139,10 @@ class Reader:
         if loc.kind == "raw" and loc.length == nbytes:
             return path, loc.offset, loc.length
         if loc.kind == "torch_item":
+            import torch
+
+            from .safeload import load_torch_meta
+
             m = self._map(loc.file)
             meta = load_torch_meta(_MapSlice(m, loc.offset, loc.length), where=f"{path} ({tensor.name})")
             start, size = _storage_record(m, loc.offset, loc.length)
@@ -148,6 +156,10 @@ class Reader:
         """A ``torch.save``'d tensor inside a larger file (a DCP item), as a view of the mapped
         file: the pickle is read for shape, stride and offset (on the meta device, no data),
         the zip record for where the raw bytes start. Anything unusual is loaded normally."""
+        import torch
+
+        from .safeload import load_torch_bytes, load_torch_meta
+
         where = f"{self.ckpt.base_dir() / loc.file} ({name})"
         m = self._map(loc.file)
         if loc.offset + loc.length > len(m):
@@ -165,6 +177,8 @@ class Reader:
             raise BadInput(f"{where}: the item's tensor does not fit its {size} stored bytes ({e})") from e
 
     def object(self, obj: ObjectInfo) -> Any:
+        from .safeload import load_torch_bytes
+
         loc = obj.location
         if loc.kind == "bytes_item":
             return load_torch_bytes(self._bytes(loc), where=f"{self.ckpt.base_dir() / loc.file} ({obj.name})")
@@ -174,7 +188,9 @@ class Reader:
 
     def full(self, tensor: TensorInfo) -> torch.Tensor:
         """Assemble a whole logical tensor (for small tensors and tests)."""
-        out = torch.empty(tensor.shape, dtype=tensor.dtype)
+        import torch
+
+        out = torch.empty(tensor.shape, dtype=as_torch(tensor.dtype))
         for c in tensor.chunks:
             region = out
             for d, (o, s) in enumerate(zip(c.offsets, c.sizes)):
@@ -234,6 +250,8 @@ def _storage_record(m: mmap.mmap, start: int, length: int) -> tuple[int | None, 
 
 def _local(value: Any) -> Any:
     """A DTensor or ShardedTensor's local data; anything else as it is."""
+    from .fsdp1 import is_sharded_tensor
+
     if type(value).__name__ == "DTensor":
         return value._local_tensor
     if is_sharded_tensor(value):

@@ -1,8 +1,8 @@
 """Loading untrusted files without running their code.
 
 ``torch.load`` is only ever called with ``weights_only=True``. DCP's ``.metadata`` is a plain
-pickle, so it goes through :class:`MetadataUnpickler`, which admits DCP's own metadata classes
-and the few torch and builtin types they are made of, and nothing else.
+pickle: it goes through :class:`ckpt_tools.dcpmeta.MetadataUnpickler`, which admits DCP's own
+metadata classes (as plain stand-ins) and the few builtin types they are made of, nothing else.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import BadInput, UnsafeInput
+from .errors import BadInput, UnsafeInput, first_line
 
 # verl's extra-state files hold `np.random.get_state()`: arrays need numpy's reconstructor,
 # which builds an empty array and fills it from bytes; it runs no code of the file's choosing.
@@ -65,7 +65,7 @@ def load_torch(path: Path | str, *, mmap: bool = True) -> Any:
     except pickle.UnpicklingError as e:
         raise _refusal(str(path), e) from e
     except (RuntimeError, EOFError, ValueError, OSError, zipfile.BadZipFile) as e:
-        raise BadInput(f"{path}: not a readable torch.save file, corrupt or truncated ({_first_line(e)})") from e
+        raise BadInput(f"{path}: not a readable torch.save file, corrupt or truncated ({first_line(e)})") from e
 
 
 def load_torch_bytes(data: bytes | memoryview, *, where: str) -> Any:
@@ -76,7 +76,7 @@ def load_torch_bytes(data: bytes | memoryview, *, where: str) -> Any:
     except pickle.UnpicklingError as e:
         raise _refusal(where, e) from e
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as e:
-        raise BadInput(f"{where}: corrupt or truncated item ({_first_line(e)})") from e
+        raise BadInput(f"{where}: corrupt or truncated item ({first_line(e)})") from e
 
 
 def _refusal(where: str, e: pickle.UnpicklingError) -> BadInput:
@@ -90,7 +90,7 @@ def _refusal(where: str, e: pickle.UnpicklingError) -> BadInput:
             why = next((ln.strip() for ln in detail[1].splitlines() if ln.strip()), "unknown")
             return UnsafeInput(f"{where}: refused: not a torch.save file that can be loaded without running "
                                f"code ({why}); re-save it with torch.save")
-        return BadInput(f"{where}: not a readable torch.save file, corrupt or truncated ({_first_line(e)})")
+        return BadInput(f"{where}: not a readable torch.save file, corrupt or truncated ({first_line(e)})")
     name = m.group(1).rstrip(".,")
     return UnsafeInput(f"{where}: refused: it asks to run {name}, which a checkpoint never needs; "
                        "the file may be malicious (nothing from it was run)")
@@ -105,12 +105,7 @@ def load_torch_meta(f: Any, *, where: str) -> Any:
     except pickle.UnpicklingError as e:
         raise _refusal(where, e) from e
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as e:
-        raise BadInput(f"{where}: corrupt or truncated item ({_first_line(e)})") from e
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:300] if text else type(e).__name__
+        raise BadInput(f"{where}: corrupt or truncated item ({first_line(e)})") from e
 
 
 def _is_zip(path: Path) -> bool:
@@ -127,54 +122,3 @@ def is_torchscript(path: Path) -> bool:
             return any("/code/" in n or n.endswith("/constants.pkl") for n in z.namelist())
     except zipfile.BadZipFile:
         return False
-
-
-class Forbidden(pickle.UnpicklingError):
-    """A pickle asked for a global outside the allow-list."""
-
-
-class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP ``.metadata``: DCP's metadata classes (mapped onto the plain stand-ins of
-    :mod:`ckpt_tools.dcpmeta`) and plain data, nothing else."""
-
-    _ALLOWED = {
-        ("torch", "Size"),
-        # how torch.layout pickles: a lookup by name in a fixed table
-        ("torch.serialization", "_get_layout"),
-        ("collections", "OrderedDict"),
-        # StorageMeta.checkpoint_id is the path dcp.save was given
-        ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-        ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
-        ("pathlib._local", "PosixPath"), ("pathlib._local", "PurePosixPath"),
-        ("builtins", "set"),
-        ("builtins", "frozenset"),
-        ("builtins", "slice"),
-    }
-
-    def find_class(self, module: str, name: str) -> Any:
-        from .dcpmeta import CLASSES
-
-        if (module, name) in CLASSES:
-            return CLASSES[(module, name)]
-        if (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
-        raise Forbidden(f"global {module}.{name} is not a DCP metadata class")
-
-
-def load_dcp_metadata(path: Path) -> Any:
-    """Read a DCP ``.metadata`` file through :class:`MetadataUnpickler`."""
-    from .dcpmeta import Metadata
-
-    try:
-        # from memory: a corrupt length prefix then reads as truncated, never as a huge read
-        meta = MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
-    except Forbidden as e:
-        raise UnsafeInput(f"{path}: refused: {_first_line(e)}; a DCP .metadata holds only DCP's own classes") from e
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, OSError,
-            OverflowError, MemoryError, RecursionError) as e:
-        raise BadInput(f"{path}: corrupt or truncated DCP metadata ({_first_line(e)})") from e
-    if not isinstance(meta, Metadata):
-        raise BadInput(f"{path}: holds a {type(meta).__name__}, not DCP Metadata")
-    return meta

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from .atomic import TMP_MARK, check_destination, commit_into, fsync_tree, remove_path
 from .describe import Checkpoint
@@ -31,7 +30,8 @@ def balance(jobs: Sequence[FileJob], k: int) -> list[list[FileJob]]:
 
 
 def _run_share(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path) -> dict[str, Any]:
-    torch.set_num_threads(1)
+    if "torch" in sys.modules:  # workers share the cores: one intra-op thread each
+        sys.modules["torch"].set_num_threads(1)
     return run_jobs(src, writer, jobs, out, progress=False, desc="")
 
 

@@ -8,8 +8,6 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import torch
-
 from .describe import ObjectInfo
 from .errors import BadInput, UsageError
 
@@ -55,6 +53,8 @@ def param_groups_keyed(groups: list[dict], *, keyed: str, param_order: Sequence[
 
 def same(a: Any, b: Any) -> bool:
     """Deep equality of saved values (tensors compared bit for bit)."""
+    import torch
+
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
                 and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8) if a.numel() else a,

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch.serialization import _open_zipfile_writer, _save
 
+from .dtypes import DType, as_torch
+
 DEFAULT_PROTOCOL = 2
 
 
@@ -27,9 +29,9 @@ class LazyStorages:
         self._providers: dict[int, tuple[Callable[[], torch.Tensor], int]] = {}
         self._keep: list[torch.Tensor] = []
 
-    def placeholder(self, sizes: tuple[int, ...], dtype: torch.dtype, provide: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def placeholder(self, sizes: tuple[int, ...], dtype: DType, provide: Callable[[], torch.Tensor]) -> torch.Tensor:
         """A tensor of ``sizes``/``dtype`` whose saved bytes will be ``provide()``'s."""
-        t = torch.empty(sizes, dtype=dtype)
+        t = torch.empty(sizes, dtype=as_torch(dtype))
         storage = t.untyped_storage()
         self._providers[storage._cdata] = (provide, storage.nbytes())
         self._keep.append(t)

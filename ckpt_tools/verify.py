@@ -22,6 +22,7 @@ import torch
 from . import manifest
 from .convert import normalize_name
 from .describe import Checkpoint, Chunk, TensorInfo, dtype_name, dtype_size
+from .dtypes import as_torch
 from .engine import progress_bar
 from .errors import BadInput, UnsafeInput, UsageError
 from .formats import describe
@@ -279,7 +280,7 @@ class _Side:
         for c in t.chunks:  # one chunk holds them all: a view, no copy
             if c.offsets[0] <= start and stop <= c.offsets[0] + c.sizes[0] and c.sizes[1:] == t.shape[1:]:
                 return self.chunk(t, c).narrow(0, start - c.offsets[0], stop - start)
-        out = torch.empty((stop - start, *t.shape[1:]), dtype=t.dtype)
+        out = torch.empty((stop - start, *t.shape[1:]), dtype=as_torch(t.dtype))
         for c in t.chunks:
             lo, hi = max(start, c.offsets[0]), min(stop, c.offsets[0] + c.sizes[0])
             if lo >= hi or not c.numel:

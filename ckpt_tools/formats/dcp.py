@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from ..describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo
+from ..dtypes import as_torch
 from ..errors import BadInput
-from ..safeload import load_dcp_metadata
+from ..dcpmeta import load_dcp_metadata
 from .hf import safe_relative
 
 METADATA = ".metadata"
@@ -62,12 +63,12 @@ def describe(path: Path) -> Checkpoint:
 def _param_order(path: Path, tensors: list[TensorInfo], objects: list[ObjectInfo]) -> tuple[str, ...]:
     """Parameter order for int-keyed output: as the optimizer's ``param_groups`` list them
     (parameters without state included); else the order of optimizer state, else the model's."""
-    from ..safeload import load_torch_bytes
-
     groups = sorted((o for o in objects if len(o.path) == 4 and tuple(o.path[::3]) == ("optimizer", "params")
                      and o.path[1] == "param_groups"), key=lambda o: int(o.path[2]))
     order: list[str] = []
     for o in groups:
+        from ..safeload import load_torch_bytes
+
         with open(path / o.location.file, "rb") as f:
             f.seek(o.location.offset)
             params = load_torch_bytes(f.read(o.location.length), where=f"{path / o.location.file} ({o.name})")
@@ -146,11 +147,11 @@ def _describe_one(path: Path, prefix: str):
                                f"({c.numel * t.dtype.itemsize} bytes) stored in {c.location.length} bytes")
     # non-tensor items are small: load each now (weights_only), so one carrying code is refused
     # by every command, not only by those that read it
-    from ..safeload import load_torch_bytes
-
     handles: dict[str, Any] = {}
     try:
         for o in objects:
+            from ..safeload import load_torch_bytes
+
             f = handles.get(o.location.file) or handles.setdefault(o.location.file, open(path / o.location.file.removeprefix(prefix), "rb"))
             f.seek(o.location.offset)
             load_torch_bytes(f.read(o.location.length), where=f"{path / o.location.file.removeprefix(prefix)} ({o.name})")
@@ -264,7 +265,7 @@ class Writer:
                     path_ = dcp_key(p.target)
                     fqn = ".".join(map(str, path_))
                     md = state.setdefault(fqn, TensorStorageMetadata(
-                        properties=TensorProperties(dtype=p.target.dtype), size=torch.Size(p.target.shape), chunks=[]))
+                        properties=TensorProperties(dtype=as_torch(p.target.dtype)), size=torch.Size(p.target.shape), chunks=[]))
                     md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=torch.Size(p.sizes)))
                     storage[MetadataIndex(fqn, torch.Size(p.offsets))] = _StorageInfo(job.path, start, length)
                 else:

@@ -6,25 +6,27 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..describe import Checkpoint, Chunk, FileEntry, Location, TensorInfo
+from ..dtypes import DType
 from ..errors import BadInput
+
+if TYPE_CHECKING:
+    import torch
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 CHECKSUM_KEY = "ckpt_data_xxh3_64"  # in __metadata__ of a single file the tool wrote
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "C64": torch.complex64,
-}
+DTYPES: dict[str, DType] = {code: DType(name) for code, name in {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+    "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64",
+    "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "C64": "complex64",
+}.items()}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 
 
@@ -75,7 +77,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
         numel = 1
         for d in shape:
             numel *= d
-        if numel * torch.empty((), dtype=dtype).element_size() != end - begin:
+        if numel * dtype.itemsize != end - begin:
             raise BadInput(f"{path}: tensor {name!r}: shape {shape} × {entry['dtype']} does not match its {end - begin} bytes")
         spans.append((begin, end, name))
     spans.sort()
@@ -175,6 +177,8 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous().reshape(-1)
     if not t.numel():
         return memoryview(b"")
+    import torch
+
     return memoryview(t.view(torch.uint8).numpy())
 
 
@@ -234,7 +238,7 @@ class Writer:
         header: dict[str, Any] = {"__metadata__": {"format": "pt", **({CHECKSUM_KEY: "0" * 16} if self.single_file else {})}}
         pos = 0
         for p in job.pieces:
-            header[p.target.name] = {"dtype": DTYPE_CODES[p.target.dtype], "shape": list(p.sizes),
+            header[p.target.name] = {"dtype": DTYPE_CODES[DType.of(p.target.dtype)], "shape": list(p.sizes),
                                      "data_offsets": [pos, pos + p.nbytes]}
             pos += p.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()

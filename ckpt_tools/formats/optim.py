@@ -6,8 +6,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import torch
-
 
 def is_optimizer_state(obj: Any) -> bool:
     return isinstance(obj, dict) and "state" in obj and "param_groups" in obj and isinstance(obj["state"], dict)
@@ -36,6 +34,8 @@ def state_entries(osd: dict, param_order: Sequence[str]) -> Iterator[tuple[str, 
 
 
 def is_tensor(v: Any) -> bool:
+    import torch
+
     return isinstance(v, torch.Tensor)
 
 
@@ -50,6 +50,8 @@ def param_order_for(model_sd: dict, osd: dict) -> tuple[str, ...]:
     candidate is skipped. If the ids cannot all be matched, no names are given (ids stay
     numbers) rather than wrong ones.
     """
+    import torch
+
     from torch.distributed.tensor import DTensor
 
     base = param_order_from_model(model_sd)
@@ -73,6 +75,8 @@ def param_order_from_model(model_sd: dict) -> tuple[str, ...]:
     """The parameters of a saved ``model.state_dict()`` in ``model.parameters()`` order: its
     DTensor entries (FSDP2 parameters are DTensors, buffers are not), tied ones once. For a
     plain (unsharded) state dict, every floating tensor, tied ones once."""
+    import torch
+
     from torch.distributed.tensor import DTensor
 
     from ..fsdp1 import is_sharded_tensor

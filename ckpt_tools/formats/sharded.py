@@ -9,15 +9,15 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 
 from ..describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo, chunk_rows
 from ..errors import BadInput
-from ..safeload import load_torch
-from ..fsdp1 import is_sharded_tensor
 from . import optim
+
+if TYPE_CHECKING:
+    import torch
 
 PATTERN = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 CONFIG_NAME = "fsdp_config.json"
@@ -64,6 +64,10 @@ def _inventory(path: Path) -> tuple[int, dict[str, dict[int, str]]]:
 
 
 def describe(path: Path) -> Checkpoint:
+    import torch
+
+    from ..safeload import load_torch
+
     ws, found = _inventory(path)
     pieces: dict[tuple[str, str], dict[str, Any]] = {}
     objects: list[ObjectInfo] = []
@@ -140,6 +144,8 @@ def _add(pieces: dict, key: tuple[str, str], shape: tuple[int, ...], dtype: torc
 def _chunk(v: torch.Tensor, rank: int, ws: int, loc: Location, file: Path, name: str):
     """Global shape and the chunk that ``rank`` holds, from a DTensor's placements."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from ..fsdp1 import is_sharded_tensor
 
     if isinstance(v, DTensor):
         mesh = v.device_mesh.mesh
@@ -240,6 +246,8 @@ _MESHES: dict = {}
 def _mesh(world_size: int, rank: int | None):
     """A 1-D CPU DeviceMesh for pickling, built without a process group (the loading job's
     own mesh replaces it when it loads the state dict)."""
+    import torch
+
     from torch.distributed.device_mesh import DeviceMesh
 
     key = (world_size, rank or 0)
@@ -253,6 +261,8 @@ def _mesh(world_size: int, rank: int | None):
 
 
 def _dtensor(local: torch.Tensor, mesh, shape: tuple[int, ...]):
+    import torch
+
     from torch.distributed.tensor import DTensor, Shard
 
     stride = torch.empty(shape, device="meta").stride()

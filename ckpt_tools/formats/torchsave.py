@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 
 from ..describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo
 from ..errors import BadInput
-from ..safeload import load_torch
 from . import optim
 from .hf import safe_relative
+
+if TYPE_CHECKING:
+    import torch
 
 SUFFIXES = (".pt", ".pth", ".bin")
 INDEX_NAME = "pytorch_model.bin.index.json"
@@ -49,6 +50,10 @@ def _files(path: Path) -> tuple[Path, list[str], dict[str, str] | None]:
 
 
 def describe(path: Path) -> Checkpoint:
+    import torch
+
+    from ..safeload import load_torch
+
     base, files, weight_map = _files(path)
     tensors: list[TensorInfo] = []
     objects: list[ObjectInfo] = []
