@@ -14,7 +14,7 @@ from .describe import Checkpoint, ObjectInfo, TensorInfo
 from .dtypes import DType
 from .engine import execute
 from .errors import BadInput, UsageError
-from .formats import FORMATS, dcp, describe, hf, sharded, torchsave
+from .formats import FORMATS, dcp, describe, hf, shardtree, sharded, torchsave
 from .plan import FileJob, Target, rows_of, targets_from, whole
 from .reader import Reader
 from .scaleout import torchrun_rank
@@ -139,13 +139,7 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
         writer = dcp.Writer(param_order=ckpt.param_order)
         jobs = layout_dcp(targets, shared, ws, merged)
     else:
-        keyed = "fqn" if ckpt.format == "sharded" and ckpt.details.get("optimizer_keyed") == "fqn" else "int"
-        writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed)
-        extra_objs = [o for o in objects if o.group == "extra"]
-        with Reader(ckpt) as reader:
-            extras = per_rank_extras(extra_objs, reader.object, src_world=ckpt.world_size, dst_world=ws,
-                                     policy=rank_local)
-        jobs = layout_sharded(ckpt, targets, ws, extras)
+        writer, jobs = _sharded_plan(ckpt, targets, objects, ws, rank_local)
         assets = hfassets.find_assets(src_path, base)
 
         def copy_huggingface(tmp: Path) -> None:
@@ -161,6 +155,37 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
         _say(f"note: left out {', '.join(left_out)} state (model only)", progress)
     report.update(num_tensors=len(targets), total_bytes=sum(t.nbytes for t in targets), left_out=left_out)
     return report
+
+
+def _sharded_plan(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInfo, ...], ws: int,
+                  rank_local: str) -> tuple[sharded.Writer, list[FileJob]]:
+    """The sharded writer and its jobs. From a sharded source read without torch, each new file
+    is its source's pickle rebuilt for the new ranks, records copied by the kernel; else (or if
+    the dry run finds something only torch can write) tensors go through torch.save."""
+    keyed = "fqn" if ckpt.format == "sharded" and ckpt.details.get("optimizer_keyed") == "fqn" else "int"
+    extra_objs = [o for o in objects if o.group == "extra"]
+    if ckpt.format == "sharded" and all(c.location.kind == "raw" for t in ckpt.tensors for c in t.chunks) and all(
+            t.dtype == t.source.dtype for t in targets):
+        writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed, template=ckpt.root,
+                                src_world=ckpt.world_size)
+
+        def equal(a: shardtree.Entry, b: shardtree.Entry) -> bool:
+            return shardtree.same_value(writer.entry(a), writer.entry(b))
+
+        try:
+            extras = per_rank_extras(extra_objs, lambda o: shardtree.Entry(o.location.file, o.location.key[0]),
+                                     src_world=ckpt.world_size, dst_world=ws, policy=rank_local, equal=equal)
+            jobs = layout_sharded(ckpt, targets, ws, extras)
+            for job in jobs:
+                writer.tree_for(job)  # a dry run: anything unusual falls back before a byte is written
+            return writer, jobs
+        except shardtree.NotSimple:
+            pass
+    writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed)
+    with Reader(ckpt) as reader:
+        extras = per_rank_extras(extra_objs, reader.object, src_world=ckpt.world_size, dst_world=ws,
+                                 policy=rank_local)
+    return writer, layout_sharded(ckpt, targets, ws, extras)
 
 
 def _export(ckpt: Checkpoint, src_path: Path, dst: Path, keep: list[TensorInfo], cast, max_shard_size,
@@ -261,7 +286,9 @@ def _check_same_save(ckpt: Checkpoint) -> None:
         for t in ckpt.tensors:
             if t.state != "step" or len(t.chunks) < 2:
                 continue
-            values = {r.chunk(t, c).item() for c in t.chunks}
+            # compared as stored bytes: no tensor (and no torch) needed
+            values = {bytes(r.raw(c.location)) if c.location.kind == "raw" else r.chunk(t, c).item() for c in t.chunks}
             if len(values) > 1:
+                values = {r.chunk(t, c).item() for c in t.chunks}
                 raise BadInput(f"{ckpt.root}: {t.name!r} differs between ranks ({sorted(values)}); "
                                "the rank files are not from one save")

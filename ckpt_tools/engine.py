@@ -141,16 +141,23 @@ def progress_bar(total: int, desc: str, enabled: bool) -> tqdm:
 
 
 def run_jobs(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path, *,
-             progress: bool, desc: str) -> dict[str, Any]:
-    """Write ``jobs`` under ``out`` (a staging directory, or the staging file itself)."""
+             progress: bool, desc: str, sealed: dict[Path, tuple[int, str]] | None = None) -> dict[str, Any]:
+    """Write ``jobs`` under ``out`` (a staging directory, or the staging file itself).
+
+    With ``sealed``, each file is hashed and fsynced in the background as soon as it is
+    written, and its (size, digest) recorded there for the manifest."""
     total = sum(j.nbytes for j in jobs)
     written = {}
-    with Reader(src) as reader, progress_bar(total, desc, progress) as bar:
+    with Reader(src) as reader, progress_bar(total, desc, progress) as bar, manifest.Sealer() as sealer:
         for job in jobs:
             path = out if writer.single_file else out / job.path
             path.parent.mkdir(parents=True, exist_ok=True)
             pieces = stream(reader, job.pieces, bar, spans=getattr(writer, "accepts_spans", False))
             written[job.path] = writer.write(path, job, pieces, reader.object)
+            if sealed is not None:
+                sealer.seal(path)
+    if sealed is not None:
+        sealed.update(sealer.digests)
     return written
 
 
@@ -162,6 +169,7 @@ def execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path,
     from . import scaleout
 
     dst = Path(dst)
+    sealed: dict[Path, tuple[int, str]] = {}
 
     def complete(tmp: Path, written: dict[str, Any]) -> None:
         writer.finish(tmp, jobs, written)
@@ -169,7 +177,7 @@ def execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path,
             after(tmp)
         if not writer.single_file:
             # last: a manifest vouches for every file beside it
-            manifest.write(tmp, source=str(src.root), source_format=src.format, format=fmt)
+            manifest.write(tmp, source=str(src.root), source_format=src.format, format=fmt, known=sealed)
 
     if scaleout.torchrun_world() > 1 and not writer.single_file:
         scaleout.execute_torchrun(src, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=desc,
@@ -180,7 +188,8 @@ def execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path,
         if workers > 1 and len(jobs) > 1 and not writer.single_file:
             written = scaleout.run_parallel(src, writer, jobs, tmp, workers=workers, progress=progress, desc=desc)
         else:
-            written = run_jobs(src, writer, jobs, tmp, progress=progress, desc=desc)
+            written = run_jobs(src, writer, jobs, tmp, progress=progress, desc=desc,
+                               sealed=None if writer.single_file else sealed)
         complete(tmp, written)
 
 

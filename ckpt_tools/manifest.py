@@ -4,6 +4,7 @@ the source was and the tool's version. Consumers of the formats ignore it."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 from pathlib import Path
@@ -33,16 +34,62 @@ def range_digest(path: Path, start: int) -> str:
     return h.hexdigest()
 
 
-def write(out: Path, *, source: str, source_format: str, format: str) -> None:
+class Sealer:
+    """Hashes and fsyncs each finished output file in a background thread while the next one
+    is written (xxh3 and fsync release the GIL), so neither waits for the end of the job.
+
+    ``digests`` maps each sealed path to its (size, xxh3-64) for :func:`write`.
+    """
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-seal")
+        self._pending: list[tuple[Path, concurrent.futures.Future]] = []
+        self.digests: dict[Path, tuple[int, str]] = {}
+
+    def seal(self, path: Path) -> None:
+        self._pending.append((path, self._pool.submit(self._seal, path)))
+
+    @staticmethod
+    def _seal(path: Path) -> tuple[int, str]:
+        digest = file_digest(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            return os.fstat(fd).st_size, digest
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> Sealer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            for path, fut in self._pending:
+                if exc[0] is None:
+                    self.digests[path] = fut.result()
+                else:
+                    fut.cancel()
+        finally:
+            self._pool.shutdown(wait=True)
+
+
+def write(out: Path, *, source: str, source_format: str, format: str,
+          known: dict[Path, tuple[int, str]] | None = None) -> None:
+    """The manifest of every file under ``out``; ``known`` digests (from a :class:`Sealer`)
+    are used for files whose size has not changed since."""
     from . import __version__
 
+    known = known or {}
     files = {}
     for root, _, names in os.walk(out):
         for n in sorted(names):
             p = Path(root) / n
             rel = p.relative_to(out).as_posix()
             if rel != NAME:
-                files[rel] = {"size": p.stat().st_size, "xxh3_64": file_digest(p)}
+                size = p.stat().st_size
+                seen = known.get(p)
+                digest = seen[1] if seen is not None and seen[0] == size else file_digest(p)
+                files[rel] = {"size": size, "xxh3_64": digest}
     manifest = {"tool": "ckpt-tools", "version": __version__, "format": format,
                 "source": {"path": source, "format": source_format}, "files": dict(sorted(files.items()))}
     (out / NAME).write_text(json.dumps(manifest, indent=1) + "\n")

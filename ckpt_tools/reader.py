@@ -71,6 +71,10 @@ class Reader:
             self._maps[file] = m
         return m
 
+    def raw(self, loc: Location) -> memoryview:
+        """The stored bytes of a ``raw`` location (a view of the mapped file)."""
+        return self._bytes(loc)
+
     def _bytes(self, loc: Location) -> memoryview:
         m = self._map(loc.file)
         if loc.offset + loc.length > len(m):
@@ -139,17 +143,12 @@ class Reader:
         if loc.kind == "raw" and loc.length == nbytes:
             return path, loc.offset, loc.length
         if loc.kind == "torch_item":
-            import torch
-
-            from .safeload import load_torch_meta
-
             m = self._map(loc.file)
-            meta = load_torch_meta(_MapSlice(m, loc.offset, loc.length), where=f"{path} ({tensor.name})")
+            local = _item_tensor(m, loc.offset, loc.length)
             start, size = _storage_record(m, loc.offset, loc.length)
-            if (start is not None and isinstance(meta, torch.Tensor) and meta.is_contiguous()
-                    and meta.storage_offset() == 0 and tuple(meta.shape) == chunk.sizes
-                    and meta.dtype == tensor.dtype and size >= nbytes):
-                return path, start, nbytes
+            if (start is not None and local is not None and local.size == tuple(chunk.sizes)
+                    and local.dtype == tensor.dtype and local.offset * local.dtype.itemsize + nbytes <= size):
+                return path, start + local.offset * local.dtype.itemsize, nbytes
         return None
 
     def _torch_item(self, loc: Location, name: str) -> torch.Tensor:
@@ -225,6 +224,27 @@ class _MapSlice(io.RawIOBase):
         b[:n] = self._view[self._pos:self._pos + n]
         self._pos += n
         return n
+
+
+def _item_tensor(m: mmap.mmap, start: int, length: int):
+    """The plain contiguous tensor a ``torch.save`` blob holds, read from its pickle without
+    torch (:mod:`ckpt_tools.torchfile`: allowlisted globals only, nothing runs); None when it
+    holds anything else."""
+    from .formats.shardtree import NotSimple, local_of
+    from .torchfile import loads
+
+    try:
+        with zipfile.ZipFile(_MapSlice(m, start, length)) as z:
+            names = [n for n in z.namelist() if n.endswith("/data.pkl")]
+            if len(names) != 1:
+                return None
+            data = z.read(names[0])
+    except (zipfile.BadZipFile, ValueError, OSError, KeyError):
+        return None
+    try:
+        return local_of(loads(data))
+    except (NotSimple, BadInput):  # the torch path reads it, or refuses it with its reasons
+        return None
 
 
 def _storage_record(m: mmap.mmap, start: int, length: int) -> tuple[int | None, int]:

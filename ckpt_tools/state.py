@@ -16,14 +16,16 @@ RANK_LOCAL_POLICIES = ("drop", "keep-first")
 
 def nest(items: Iterable[tuple[tuple, Any]]) -> dict[str, Any]:
     """Build the nested state from ``(path, value)`` pairs (DCP's flattened paths included)."""
-    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
-
     flat, mapping = {}, {}
     for path, value in items:
         key = ".".join(map(str, path))
         flat[key] = value
         mapping[key] = tuple(path)
-    return unflatten_state_dict(flat, mapping) if flat else {}
+    if not flat:
+        return {}
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+
+    return unflatten_state_dict(flat, mapping)
 
 
 def gather(objects: Iterable[ObjectInfo], fetch: Callable[[ObjectInfo], Any]) -> dict[str, Any]:
@@ -74,7 +76,8 @@ def same(a: Any, b: Any) -> bool:
 
 def per_rank_extras(objects: Sequence[ObjectInfo], fetch: Callable[[ObjectInfo], Any], *,
                     src_world: int | None, dst_world: int, policy: str = "drop",
-                    warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+                    warn: Callable[[str], None] | None = None,
+                    equal: Callable[[Any, Any], bool] | None = None) -> list[dict[str, Any]]:
     """Extra state for each of ``dst_world`` new ranks.
 
     Values equal on every source rank (LR scheduler, step counters) go to every new rank.
@@ -82,7 +85,9 @@ def per_rank_extras(objects: Sequence[ObjectInfo], fetch: Callable[[ObjectInfo],
     meaningfully; ``policy`` says what happens to them when the world size changes:
     ``drop`` (default: the new job seeds them afresh) or ``keep-first`` (new rank r keeps
     source rank r's value where there is one). Unsharded sources' extras go to every rank.
+    ``equal`` compares two fetched values (default: :func:`same`).
     """
+    equal = equal or same
     if policy not in RANK_LOCAL_POLICIES:
         raise UsageError(f"--rank-local must be one of {', '.join(RANK_LOCAL_POLICIES)}, not {policy!r}")
     warn = warn or (lambda m: print(f"warning: {m}", file=sys.stderr))
@@ -103,7 +108,7 @@ def per_rank_extras(objects: Sequence[ObjectInfo], fetch: Callable[[ObjectInfo],
                 out[r][key] = v
             continue
         first = next(iter(values.values()))
-        if len(values) == src_world and all(same(first, v) for v in values.values()):
+        if len(values) == src_world and all(equal(first, v) for v in values.values()):
             for r in range(dst_world):
                 out[r][key] = first
             continue

@@ -17,6 +17,8 @@ import importlib.util
 import json
 import math
 import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -367,21 +369,95 @@ def test_reshard_tied_is_exact(tmp_path):
 
 
 def test_reshard_reads_each_source_file_a_few_times(tmp_path, monkeypatch):
-    """Reading rank files tensor by tensor must not unpickle a file once per tensor."""
+    """Rank files are parsed a few times at most (never once per tensor), as pickle trees:
+    torch.load is not called at all."""
     import collections
-    import sys
 
-    import ckpt_tools.safeload as reader_module  # the reader imports load_torch from there when it needs it
+    import ckpt_tools.safeload as safeload
+    from ckpt_tools.torchfile import TorchZip
+
+    parses: collections.Counter = collections.Counter()
     loads: collections.Counter = collections.Counter()
-    real = reader_module.load_torch
+    real_init, real_load = TorchZip.__init__, safeload.load_torch
 
-    def counting(path, *args, **kwargs):
+    def counting_init(self, path):
+        parses[Path(path).name] += 1
+        real_init(self, path)
+
+    def counting_load(path, *args, **kwargs):
         loads[Path(path).name] += 1
-        return real(path, *args, **kwargs)
+        return real_load(path, *args, **kwargs)
 
-    monkeypatch.setattr(reader_module, "load_torch", counting)
+    monkeypatch.setattr(TorchZip, "__init__", counting_init)
+    monkeypatch.setattr(safeload, "load_torch", counting_load)
     ckpt_tools.reshard(FIXTURES / "llama_sharded_ws8", tmp_path / "out", to=2, progress=False)
-    assert max(loads.values()) <= 3, loads.most_common(3)
+    assert len(parses) == 24 and max(parses.values()) <= 3, parses.most_common(3)
+    assert not loads
+
+
+def test_reshard_of_fsdp2_files_does_not_import_torch(tmp_path):
+    """import torch costs more than copying a gigabyte: resharding verl's FSDP2 files works on
+    pickle trees and byte ranges alone."""
+    code = ("import sys, ckpt_tools; "
+            f"ckpt_tools.reshard({str(FIXTURES / 'llama_sharded_ws8')!r}, {str(tmp_path / 'out')!r}, to=3, progress=False); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    assert len(list((tmp_path / "out").glob("model_world_size_3_rank_*.pt"))) == 3
+
+
+def _same_loaded(x, y, where: str) -> None:
+    """Two values torch.load gave are the same: DTensors to their mesh, coordinate, spec
+    (and its hash) and local bits."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor):
+        assert isinstance(y, DTensor), where
+        assert (x.placements, x.shape, x.stride()) == (y.placements, y.shape, y.stride()), where
+        assert torch.equal(x.device_mesh.mesh, y.device_mesh.mesh), where
+        assert x.device_mesh.get_coordinate() == y.device_mesh.get_coordinate(), where
+        assert x._spec == y._spec and hash(x._spec) == hash(y._spec), where
+        x, y = x._local_tensor, y._local_tensor
+    if isinstance(x, torch.Tensor):
+        assert type(x) is type(y) and x.dtype == y.dtype and x.shape == y.shape, where
+        assert torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8)), where
+    elif isinstance(x, dict):
+        assert list(x) == list(y), where
+        for k in x:
+            _same_loaded(x[k], y[k], f"{where}/{k}")
+    elif isinstance(x, (list, tuple)):
+        assert type(x) is type(y) and len(x) == len(y), where
+        for i, (u, v) in enumerate(zip(x, y)):
+            _same_loaded(u, v, f"{where}/{i}")
+    else:
+        assert x == y, where
+
+
+@pytest.mark.parametrize("fixture,to", [("llama_sharded_ws8", 3), ("llama_sharded_ws2", 4),
+                                        ("llama_tied_sharded_ws2", 5), ("llama_sharded_ws8", 1)],
+                         ids=["8to3", "2to4", "tied-2to5", "8to1-torch-lays-out-one-device-meshes"])
+def test_files_rebuilt_from_pickle_trees_load_as_torch_writes_them(tmp_path, monkeypatch, fixture, to):
+    """The torch-free writer (each file its source's pickle tree, rebuilt for the new ranks,
+    records copied by the kernel) gives files that torch.load reads exactly as it reads the
+    files written through torch.save: same keys, DTensor meshes, coordinates, specs, bits."""
+    from ckpt_tools.formats import shardtree
+    from ckpt_tools.safeload import load_torch
+
+    trees, saved = tmp_path / "trees", tmp_path / "saved"
+    ckpt_tools.reshard(FIXTURES / fixture, trees, to=to, progress=False)
+    assert ckpt_tools.inspect(FIXTURES / fixture)  # sanity: the fixture reads
+
+    def not_simple(node):
+        raise shardtree.NotSimple("forced: take the torch path")
+
+    monkeypatch.setattr(shardtree, "dtensor_of", not_simple)
+    ckpt_tools.reshard(FIXTURES / fixture, saved, to=to, progress=False)
+    monkeypatch.undo()
+    names = sorted(p.name for p in trees.glob("*.pt"))
+    assert names == sorted(p.name for p in saved.glob("*.pt")) and len(names) == 3 * to
+    for name in names:
+        for mmap in (True, False):
+            _same_loaded(load_torch(trees / name, mmap=mmap), load_torch(saved / name, mmap=mmap), name)
 
 
 @pytest.mark.parametrize("fixture,world_size", [("llama_sharded_ws2", 2), ("llama_dcp", 2)],

@@ -245,11 +245,13 @@ class Writer:
         raw += b" " * (-len(raw) % 8)  # keep data 8-byte aligned, as safetensors does
         from ..engine import Span
 
+        from ..atomic import Flusher
+
         sources: dict[Path, int] = {}
         try:
-            with open(path, "wb", buffering=0) as f:
+            with open(path, "wb", buffering=0) as f, Flusher(f.fileno()) as flusher:
                 _write_all(f, struct.pack("<Q", len(raw)) + raw)
-                for _, values in pieces:
+                for p, values in pieces:
                     if isinstance(values, Span):
                         for src, offset, length in values.parts:
                             if src not in sources:
@@ -257,6 +259,7 @@ class Writer:
                             _copy_range(sources[src], f.fileno(), offset, length)
                     else:
                         _write_all(f, tensor_bytes(values))
+                    flusher.advanced(p.nbytes)
         finally:
             for fd in sources.values():
                 os.close(fd)

@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 
 from ..describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo, chunk_rows
+from ..dtypes import DType
 from ..errors import BadInput
+from ..torchfile import TorchZip
+from . import shardtree
+from .shardtree import NotSimple
 from . import optim
 
 if TYPE_CHECKING:
@@ -64,17 +69,134 @@ def _inventory(path: Path) -> tuple[int, dict[str, dict[int, str]]]:
 
 
 def describe(path: Path) -> Checkpoint:
-    import torch
-
-    from ..safeload import load_torch
-
     ws, found = _inventory(path)
-    pieces: dict[tuple[str, str], dict[str, Any]] = {}
-    objects: list[ObjectInfo] = []
+    try:
+        return _describe_trees(path, ws, found)
+    except (NotSimple, TypeError, ValueError, KeyError, IndexError, AttributeError):
+        # anything the tree reader does not know: torch's reader (weights_only) decides
+        return _describe_torch(path, ws, found)
+
+
+def _entries(path: Path) -> list[FileEntry]:
     entries = [FileEntry(p.name, p.stat().st_size) for p in sorted(path.iterdir()) if p.is_file()]
     if (path / "huggingface").is_dir():
         entries += [FileEntry(str(p.relative_to(path)), p.stat().st_size)
                     for p in sorted((path / "huggingface").rglob("*")) if p.is_file()]
+    return entries
+
+
+def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Checkpoint:
+    """The common case without torch: FSDP2 DTensors (Shard(0) or Replicate on a 1-D mesh) and
+    plain tensors, every chunk a raw byte range of its storage record. NotSimple otherwise."""
+    pieces: dict[tuple[str, str], dict[str, Any]] = {}
+    objects: list[ObjectInfo] = []
+    param_order: tuple[str, ...] = ()
+    details: dict[str, Any] = {"fsdp": None}
+    for rank in range(ws):
+        name = found["model"][rank]
+        zf = _tree_of(path / name)
+        sd = zf.tree
+        if not isinstance(sd, dict):
+            raise BadInput(f"{path / name}: holds a {type(sd).__name__}, not a state dict")
+        order, seen = [], set()
+        for key, v in sd.items():
+            d = shardtree.dtensor_of(v)
+            if d is not None:
+                # tied parameters: two names, one storage; the optimizer numbers it once
+                if (d.local.storage.key, d.local.offset) not in seen:
+                    order.append(key)
+                    seen.add((d.local.storage.key, d.local.offset))
+                shape, chunk = _tree_chunk(d, rank, ws, zf, name, key)
+                details["fsdp"] = "FSDP2 (DTensor)"
+                _add(pieces, ("model", key), shape, d.local.dtype, chunk, path / name)
+                continue
+            local = shardtree.local_of(v)
+            if local is None:
+                raise shardtree.NotSimple("a model entry that is not a tensor")
+            loc = replace(shardtree.tensor_location(zf, name, local), key=(key,))
+            chunk = Chunk((0,) * len(local.size), local.size, loc, rank)
+            _add(pieces, ("model", key), local.size, local.dtype, chunk, path / name)
+        if not order:
+            raise shardtree.NotSimple("no DTensor parameters")
+        if rank == 0:
+            param_order = tuple(order)
+        elif tuple(order) != param_order:
+            raise BadInput(f"{path / name}: its parameters differ from rank 0's; the files are not from one save")
+        if rank in found["optim"]:
+            oname = found["optim"][rank]
+            zo = _tree_of(path / oname)
+            osd = zo.tree
+            if not optim.is_optimizer_state(osd):
+                raise BadInput(f"{path / oname}: not an optimizer state dict (no 'state'/'param_groups')")
+            details["optimizer_keyed"] = "int" if optim.is_int_keyed(osd) else "fqn"
+            if rank == 0:
+                details["param_groups"] = len(osd["param_groups"])
+                objects.append(ObjectInfo("optimizer", "param_groups", Location(oname, "pickled", key=("param_groups",)),
+                                          path=("optimizer", "param_groups")))
+            for fqn, skey, v, kp in optim.state_entries(osd, param_order):
+                tname = f"state.{fqn}.{skey}"
+                d = shardtree.dtensor_of(v)
+                if d is not None:
+                    shape, chunk = _tree_chunk(d, rank, ws, zo, oname, tname, key=kp)
+                    _add(pieces, ("optimizer", tname), shape, d.local.dtype, chunk, path / oname, fqn, skey)
+                    continue
+                local = shardtree.local_of(v)
+                if local is None:
+                    raise shardtree.NotSimple("an optimizer state value that is not a tensor")
+                loc = shardtree.tensor_location(zo, oname, local)
+                chunk = Chunk((0,) * len(local.size), local.size, replace(loc, key=kp), rank)
+                _add(pieces, ("optimizer", tname), local.size, local.dtype, chunk, path / oname, fqn, skey)
+        if rank in found["extra_state"]:
+            ename = found["extra_state"][rank]
+            extra = _tree_of(path / ename).tree
+            if not isinstance(extra, dict):
+                raise BadInput(f"{path / ename}: holds a {type(extra).__name__}, expected a dict")
+            for key in extra:
+                objects.append(ObjectInfo("extra", str(key), Location(ename, "pickled", key=(key,)), rank=rank,
+                                          path=(key,)))
+    tensors = tuple(
+        TensorInfo(g, n, p["shape"], p["dtype"], tuple(p["chunks"]), p["param"], p["state"])
+        for (g, n), p in pieces.items()
+    )
+    return Checkpoint("sharded", path, ws, tensors, tuple(objects), tuple(_entries(path)), (ws,),
+                      details, param_order)
+
+
+def _tree_of(file: Path) -> TorchZip:
+    """The file parsed as a pickle tree; anything the tree reader refuses or finds damaged goes
+    to the torch path, which is the one that refuses (weights_only) and explains."""
+    try:
+        return TorchZip(file)
+    except BadInput as e:
+        raise NotSimple(str(e)) from e
+
+
+def _tree_chunk(d: shardtree.DTensorNode, rank: int, ws: int, zf: TorchZip, file: str, name: str,
+                key: tuple = ()) -> tuple[tuple[int, ...], Chunk]:
+    if d.world != ws:
+        raise BadInput(f"{zf.path}: tensor {name!r} lives on a mesh of {d.world} devices, "
+                       f"but the files say world size {ws}")
+    if d.coord != rank:
+        raise BadInput(f"{zf.path}: tensor {name!r} was saved by rank {d.coord} of its mesh, not rank {rank}")
+    offsets, sizes = [0] * len(d.shape), list(d.shape)
+    if d.sharded and d.shape:
+        start, stop = chunk_rows(d.shape[0], ws, rank)
+        offsets[0], sizes[0] = start, stop - start
+    if d.local.size != tuple(sizes):
+        raise BadInput(f"{zf.path}: tensor {name!r}: rank {rank} holds {d.local.size}, but its placement "
+                       f"on world size {ws} gives {tuple(sizes)}")
+    loc = replace(shardtree.tensor_location(zf, file, d.local), key=key or (name,))
+    return d.shape, Chunk(tuple(offsets), tuple(sizes), loc, rank)
+
+
+def _describe_torch(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Checkpoint:
+    import torch
+
+    from ..safeload import load_torch
+
+    pieces: dict[tuple[str, str], dict[str, Any]] = {}
+    objects: list[ObjectInfo] = []
+    entries = _entries(path)
     mesh_shape: tuple[int, ...] | None = None
     param_order: tuple[str, ...] = ()
     details: dict[str, Any] = {"fsdp": None}
@@ -131,8 +253,9 @@ def describe(path: Path) -> Checkpoint:
                       details, param_order)
 
 
-def _add(pieces: dict, key: tuple[str, str], shape: tuple[int, ...], dtype: torch.dtype, chunk: Chunk | None,
+def _add(pieces: dict, key: tuple[str, str], shape: tuple[int, ...], dtype: DType, chunk: Chunk | None,
          file: Path, param: str | None = None, state: str | None = None) -> None:
+    dtype = DType.of(dtype)
     entry = pieces.setdefault(key, {"shape": shape, "dtype": dtype, "chunks": [], "param": param, "state": state})
     if entry["shape"] != shape or entry["dtype"] != dtype:
         raise BadInput(f"{file}: tensor {key[1]!r} is {tuple(shape)} {dtype} here but "
@@ -201,12 +324,99 @@ class Writer:
 
     single_file = False
 
-    def __init__(self, *, world_size: int, param_order: tuple[str, ...], keyed: str = "int") -> None:
+    def __init__(self, *, world_size: int, param_order: tuple[str, ...], keyed: str = "int",
+                 template: Path | None = None, src_world: int | None = None) -> None:
         self.world_size = world_size
         self.param_order = param_order
         self.keyed = keyed
+        # a sharded source read without torch: each file is its source's tree, rebuilt
+        self.template, self.src_world = template, src_world
+        self._zips: dict[str, TorchZip] = {}
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_zips": {}}  # parsed files stay in the process that parsed them
+
+    @property
+    def accepts_spans(self) -> bool:
+        return self.template is not None
+
+    def _zip(self, name: str) -> TorchZip:
+        if name not in self._zips:
+            self._zips[name] = TorchZip(self.template / name)
+        return self._zips[name]
+
+    def entry(self, entry: shardtree.Entry) -> tuple[TorchZip, Any]:
+        zf = self._zip(entry.file)
+        return zf, zf.tree[entry.key]
+
+    def tree_for(self, job) -> tuple[Any, shardtree.Emitter, TorchZip]:
+        """The tree of ``job``'s file, built from the source rank 0 file of its kind, and the
+        storages that fill it. Raises NotSimple where only the torch path can write it."""
+        emitter = shardtree.Emitter()
+        if job.kind == "extra":
+            tree = {}
+            for key, entry in job.meta["extra"].items():
+                zf, subtree = self.entry(entry)
+                tree[key] = shardtree.renumber(subtree, zf, emitter)
+            source = self._zip(file_name("extra_state", self.src_world, 0))
+            return tree, emitter, source
+        source = self._zip(file_name("model" if job.kind == "model" else "optim", self.src_world, 0))
+        by_key = {p.target.source.chunks[0].location.key: p for p in job.pieces if p.target.source.chunks}
+        if len(by_key) != len(job.pieces) or any(p.target.dtype != p.target.source.dtype for p in job.pieces):
+            raise NotSimple("pieces that are not the source's tensors as they are")
+        mesh = None
+
+        def rebuild(key: tuple, node: Any) -> Any:
+            nonlocal mesh
+            p = by_key.pop(key, None)
+            if p is None:
+                raise NotSimple(f"no piece for {key}")
+            d = shardtree.dtensor_of(node)
+            if d is None:
+                return emitter.local(shardtree.local_of(node), p.sizes, p)
+            if not d.sharded:
+                raise NotSimple("a replicated DTensor")
+            local = emitter.local(d.local, p.sizes, p)  # numbered before the mesh, as pickling visits them
+            if mesh is None:
+                mesh = shardtree.rebuild_mesh(d.mesh, emitter, self.world_size, job.rank)
+            return shardtree.rebuild_dtensor(d, local, mesh)
+
+        tree = shardtree.map_tensors(source.tree, rebuild)
+        if by_key:
+            raise NotSimple("pieces the source file does not hold")
+        return tree, emitter, source
+
+    def _write_tree(self, path: Path, job, pieces) -> None:
+        from ..engine import Span
+        from ..plan import Piece
+        from .hf import tensor_bytes
+
+        tree, emitter, source = self.tree_for(job)
+        crcs = {(str(z.path), r.offset, r.size): r.crc32 for z in self._zips.values() for r in z.records.values()}
+        stream, ready = iter(pieces), {}
+
+        def values(piece):
+            while piece not in ready:
+                got, v = next(stream)
+                ready[got] = v
+            return ready.pop(piece)
+
+        def fill():
+            for key, src in emitter.records:
+                if isinstance(src, Piece):
+                    v = values(src)
+                    yield key, shardtree.with_crcs(v.parts, crcs) if isinstance(v, Span) else tensor_bytes(v)
+                else:
+                    yield key, src
+            for _ in stream:  # the rest of the stream (none: every piece has its record)
+                pass
+
+        shardtree.write_file(path, tree, emitter, shardtree.small_records(source), fill())
 
     def write(self, path: Path, job, pieces, objects) -> None:
+        if self.template is not None:
+            self._write_tree(path, job, pieces)
+            return
         from ..state import gather, param_groups_keyed
         from ..torchzip import LazyStorages, from_stream, save
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 
 from ..describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo
+from ..dtypes import DType
 from ..errors import BadInput
 from . import optim
 from .hf import safe_relative
@@ -119,7 +120,7 @@ def _model_part(obj: dict) -> tuple[dict, str | None]:
 def _full(group: str, name: str, v: torch.Tensor, loc: Location,
           param: str | None = None, state: str | None = None) -> TensorInfo:
     shape = tuple(v.shape)
-    return TensorInfo(group, name, shape, v.dtype, (Chunk((0,) * len(shape), shape, loc),), param, state)
+    return TensorInfo(group, name, shape, DType.of(v.dtype), (Chunk((0,) * len(shape), shape, loc),), param, state)
 
 
 # -- writing ------------------------------------------------------------------------------

@@ -1,0 +1,367 @@
+"""verl's per-rank files read and written as pickle trees, without torch.
+
+:mod:`ckpt_tools.torchfile` parses a ``torch.save`` pickle into inert nodes. Here those nodes
+are read as what they stand for (a plain tensor, an FSDP2 DTensor with ``Shard(0)`` on a 1-D
+mesh), so a sharded checkpoint is described with every chunk a raw byte range of its zip
+record; and a destination rank's file is written as its source's tree with the tensor nodes
+rebuilt for the new world size, each record copied file to file by the kernel.
+
+Anything outside that well-trodden shape (2-D meshes, FSDP1, strided or non-contiguous
+tensors, a mesh this torch version pickles differently) raises :class:`NotSimple`, and the
+caller takes the torch path, which handles it.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..describe import Location
+from ..dtypes import DType
+from ..errors import BadInput
+from ..torchfile import Global, NewObj, Reduce, StorageRef, TorchZip, TorchZipWriter, dumps
+
+_T = "torch._utils"
+REBUILD_V2 = Global(_T, "_rebuild_tensor_v2")
+FROM_TYPE = Global("torch._tensor", "_rebuild_from_type_v2")
+WRAPPER = Global(_T, "_rebuild_wrapper_subclass")
+DTENSOR = Global("torch.distributed.tensor", "DTensor")
+SHARD = Global("torch.distributed.tensor.placement_types", "Shard")
+REPLICATE = Global("torch.distributed.tensor.placement_types", "Replicate")
+DEVICE_MESH = Global("torch.distributed.device_mesh", "DeviceMesh")
+STORAGE_DTYPES = {"DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
+                  "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+                  "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+                  "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128"}
+# DeviceMesh state as torch 2.10-2.13 pickles it; a mesh with other fields is not rebuilt here
+_MESH_FIELDS = {"_device_type", "_layout", "_rank_map", "_mesh_dim_names", "_root_mesh", "_flatten_rank_map",
+                "_thread_id", "_flatten_mapping", "_dim_group_names", "_rank", "_coordinate_on_dim", "_hash"}
+
+
+class NotSimple(Exception):
+    """The file uses something only the torch path handles."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A top-level entry of a source file (``key`` of file ``file``), by reference: jobs stay
+    plain data, whichever process writes them parses the file itself."""
+
+    file: str
+    key: Any
+
+
+@dataclass(frozen=True)
+class Local:
+    """A plain tensor node: ``_rebuild_tensor_v2(storage, offset, size, stride, ...)``."""
+
+    node: Reduce
+    storage: StorageRef
+    offset: int
+    size: tuple[int, ...]
+    dtype: DType
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.size) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class DTensorNode:
+    """An FSDP2 DTensor node on a 1-D mesh: its local tensor, global shape, placement."""
+
+    node: Reduce
+    local: Local
+    shape: tuple[int, ...]
+    sharded: bool  # Shard(0), else Replicate
+    world: int
+    coord: int
+    mesh: NewObj
+
+
+def contiguous_stride(size: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(size):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def local_of(node: Any) -> Local | None:
+    """The plain tensor a node stands for (None if it is no tensor); NotSimple if it is one this
+    path cannot copy as bytes (non-contiguous, an untyped storage, ...)."""
+    if type(node) is not Reduce or node.func is not REBUILD_V2:
+        return None
+    args = node.args
+    if len(args) < 4 or type(args[0]) is not StorageRef:
+        raise NotSimple("unexpected tensor rebuild arguments")
+    storage, offset, size, stride = args[:4]
+    name = STORAGE_DTYPES.get(storage.type.name)
+    if name is None or not isinstance(offset, int) or not isinstance(size, tuple) or not isinstance(stride, tuple):
+        raise NotSimple(f"tensor stored as {storage.type.name}")
+    size = tuple(size)
+    if any(a != b for a, b, s in zip(stride, contiguous_stride(size), size) if s > 1) or len(stride) != len(size):
+        raise NotSimple("non-contiguous tensor")
+    if offset < 0 or offset + math.prod(size) > storage.numel:
+        raise BadInput(f"a tensor of {size} at element {offset} does not fit its storage of {storage.numel}")
+    return Local(node, storage, offset, size, DType(name))
+
+
+def _state_dict(node: NewObj | Reduce) -> dict:
+    state = node.state
+    if type(state) is tuple and len(state) == 2 and state[0] is None:
+        state = state[1]
+    if type(state) is not dict:
+        raise NotSimple("unexpected object state")
+    return state
+
+
+def dtensor_of(node: Any) -> DTensorNode | None:
+    """The DTensor a node stands for (None if it is none)."""
+    if type(node) is not Reduce or node.func is not FROM_TYPE:
+        return None
+    args = node.args
+    if len(args) != 4 or args[0] is not WRAPPER or args[1] is not DTENSOR:
+        raise NotSimple("a tensor subclass other than DTensor")
+    wrapper = args[2]
+    state = args[3][1] if type(args[3]) is tuple and len(args[3]) == 2 else args[3]
+    if type(wrapper) is not tuple or len(wrapper) < 3 or type(state) is not dict:
+        raise NotSimple("unexpected DTensor arguments")
+    local = local_of(state.get("_local_tensor"))
+    spec = state.get("_spec")
+    if local is None or type(spec) is not NewObj:
+        raise NotSimple("a DTensor without a local tensor and spec")
+    spec_state = _state_dict(spec)
+    mesh, placements = spec_state.get("mesh"), spec_state.get("placements")
+    if type(mesh) is not NewObj or mesh.cls is not DEVICE_MESH or type(placements) is not tuple or len(placements) != 1:
+        raise NotSimple("a DTensor on a mesh of several dimensions")
+    mstate = _state_dict(mesh)
+    coord = mstate.get("_coordinate_on_dim")
+    world = _mesh_world(mstate)
+    if not set(mstate) <= _MESH_FIELDS or type(coord) is not tuple or len(coord) != 1 or world is None:
+        raise NotSimple("a device mesh pickled in a way this path does not rebuild")
+    (p,) = placements
+    if type(p) is NewObj and p.cls is SHARD and _state_dict(p) == {"dim": 0}:
+        sharded = True
+    elif type(p) is NewObj and p.cls is REPLICATE:
+        sharded = False
+    else:
+        raise NotSimple("a placement other than Shard(0) or Replicate")
+    return DTensorNode(node, local, tuple(wrapper[2]), sharded, world, coord[0], mesh)
+
+
+def _mesh_world(mstate: dict) -> int | None:
+    flat = mstate.get("_flatten_rank_map")
+    rank_map = local_of(mstate.get("_rank_map"))
+    if type(flat) is not tuple or rank_map is None or rank_map.size != (len(flat),) or flat != tuple(range(len(flat))):
+        return None
+    return len(flat)
+
+
+def tensor_location(zf: TorchZip, file: str, local: Local) -> Location:
+    """The raw bytes of a local tensor: its storage record, from its offset."""
+    rec = zf.records[f"data/{local.storage.key}"]
+    start = rec.offset + local.offset * local.dtype.itemsize
+    return Location(file, "raw", start, local.nbytes)
+
+
+# -- writing ---------------------------------------------------------------------------------
+
+class Emitter:
+    """Builds one destination file's tree: new storages numbered in the order they are made,
+    each with the byte ranges (or bytes) that fill its record."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, Any]] = []  # (key, parts | bytes | piece)
+
+    def storage(self, like: StorageRef, numel: int, source: Any) -> StorageRef:
+        key = str(len(self.records))
+        self.records.append((key, source))
+        return StorageRef(like.type, key, like.location, numel)
+
+    def local(self, like: Local, size: tuple[int, ...], source: Any) -> Reduce:
+        numel = math.prod(size)
+        args = (self.storage(like.storage, numel, source), 0, tuple(size), contiguous_stride(tuple(size)),
+                *like.node.args[4:])
+        return Reduce(REBUILD_V2, args)
+
+
+def rebuild_mesh(mesh: NewObj, emitter: Emitter, world: int, rank: int) -> NewObj:
+    """``mesh`` (a 1-D DeviceMesh node) for ``rank`` of ``world``; its cached hashes cleared
+    (torch recomputes a None hash on first use)."""
+    state = dict(_state_dict(mesh))
+    rank_map = local_of(state["_rank_map"])
+    itemsize = rank_map.dtype.itemsize
+    values = struct.pack(f"<{world}{'q' if itemsize == 8 else 'i'}", *range(world))
+    state["_rank_map"] = emitter.local(rank_map, (world,), values)
+    state["_flatten_rank_map"] = tuple(range(world))
+    state["_layout"] = _relayout(state["_layout"], world)
+    state["_rank"], state["_coordinate_on_dim"] = rank, (rank,)
+    if "_hash" in state:
+        state["_hash"] = None
+    return NewObj(mesh.cls, mesh.args, (None, state) if type(mesh.state) is tuple else state)
+
+
+def _relayout(node: Any, world: int) -> Any:
+    """The mesh layout with its one dimension's size set to ``world``."""
+    if world == 1:  # torch lays out a one-device mesh differently (a size-1 dim has no stride)
+        raise NotSimple("a mesh of one device")
+    if type(node) is NewObj:
+        return NewObj(node.cls, node.args, _relayout(node.state, world))
+    if type(node) is tuple:
+        return tuple(_relayout(x, world) for x in node)
+    if type(node) is dict:
+        out = {k: _relayout(v, world) for k, v in node.items()}
+        if "shape" in out:
+            if type(out["shape"]) is not tuple or len(out["shape"]) != 1 or out.get("stride") != (1,):
+                raise NotSimple("a mesh layout of several dimensions")
+            out["shape"] = (world,)
+        return out
+    return node
+
+
+def rebuild_dtensor(d: DTensorNode, local: Reduce, mesh: NewObj) -> Reduce:
+    """``d`` with a new local tensor and mesh (its global shape and placement unchanged)."""
+    args = d.node.args
+    outer = args[3]
+    state = dict(outer[1] if type(outer) is tuple else outer)
+    spec = state["_spec"]
+    spec_state = dict(_state_dict(spec))
+    spec_state["mesh"] = mesh
+    if "_hash" in spec_state:
+        spec_state["_hash"] = None
+    state["_local_tensor"] = local
+    state["_spec"] = NewObj(spec.cls, spec.args, (None, spec_state) if type(spec.state) is tuple else spec_state)
+    return Reduce(FROM_TYPE, (args[0], args[1], args[2], (outer[0], state) if type(outer) is tuple else state))
+
+
+def map_tensors(tree: Any, fn: Callable[[tuple, Any], Any], path: tuple = ()) -> Any:
+    """A copy of the containers of ``tree`` with each tensor node replaced by ``fn(path, node)``
+    (path: the keys that reach it, as descriptions record them)."""
+    if type(tree) is Reduce and tree.func in (REBUILD_V2, FROM_TYPE):
+        return fn(path, tree)
+    if isinstance(tree, dict):
+        out = type(tree)() if type(tree) in (dict, OrderedDict) else {}
+        for k, v in tree.items():
+            out[k] = map_tensors(v, fn, (*path, k))
+        if type(tree) is OrderedDict and tree.__dict__:
+            out.__dict__.update(tree.__dict__)
+        return out
+    if type(tree) is list:
+        return [map_tensors(v, fn, (*path, i)) for i, v in enumerate(tree)]
+    return tree
+
+
+def write_file(path: Path, tree: Any, emitter: Emitter, small_records: list[tuple[str, bytes]],
+               fill: Iterator[tuple[str, Any]]) -> None:
+    """Write a torch.save zip: the pickle, ``small_records`` (as the source had them), then each
+    storage record, in key order, from ``fill`` ((key, parts or bytes))."""
+    with TorchZipWriter(path, path.stem) as out:
+        out.write_record("data.pkl", dumps(tree))
+        for name, data in small_records:
+            out.write_record(name, data)
+        for key, source in fill:
+            if isinstance(source, (bytes, bytearray, memoryview)):
+                out.write_record(f"data/{key}", bytes(source))
+            else:
+                out.copy_record(f"data/{key}", source)
+
+
+def small_records(zf: TorchZip) -> list[tuple[str, bytes]]:
+    """The records torch writes between the pickle and the storages (format version, alignment,
+    byte order), copied as the source has them."""
+    return [(n, zf.read(n)) for n in zf.records
+            if n not in ("data.pkl", "version", ".data/version", ".data/serialization_id") and not n.startswith("data/")]
+
+
+def same_value(a: tuple[TorchZip, Any], b: tuple[TorchZip, Any]) -> bool:
+    """Two subtrees (of two files) stand for equal values: the same pickle, the same bytes in
+    every storage they use."""
+    (za, ta), (zb, tb) = a, b
+    if dumps(ta) != dumps(tb):
+        return False
+    refs_a, refs_b = storages_in(ta), storages_in(tb)
+    for ra, rb in zip(refs_a, refs_b):
+        if za.read(f"data/{ra.key}") != zb.read(f"data/{rb.key}"):
+            return False
+    return len(refs_a) == len(refs_b)
+
+
+def storages_in(tree: Any) -> list[StorageRef]:
+    """Every storage a subtree uses, once each, in pickle order."""
+    seen: dict[int, StorageRef] = {}
+
+    def walk(x: Any) -> None:
+        if type(x) is StorageRef:
+            seen.setdefault(id(x), x)
+        elif type(x) in (Reduce, NewObj):
+            walk(x.args)
+            walk(x.state)
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(k)
+                walk(v)
+        elif type(x) in (list, tuple):
+            for v in x:
+                walk(v)
+
+    walk(tree)
+    return list(seen.values())
+
+
+def renumber(tree: Any, zf: TorchZip, emitter: Emitter) -> Any:
+    """A copy of ``tree`` (from file ``zf``) whose storages are new ones of ``emitter``, each
+    filled from the source record it replaces."""
+    new: dict[int, StorageRef] = {}
+
+    def storage(ref: StorageRef) -> StorageRef:
+        if id(ref) not in new:
+            new[id(ref)] = emitter.storage(ref, ref.numel, [zf.part(f"data/{ref.key}")])
+        return new[id(ref)]
+
+    memo: dict[int, Any] = {}
+
+    def copy(x: Any) -> Any:
+        if type(x) is StorageRef:
+            return storage(x)
+        if id(x) in memo:
+            return memo[id(x)]
+        if type(x) in (Reduce, NewObj):
+            out = type(x)(x.func if type(x) is Reduce else x.cls, copy(x.args), copy(x.state))
+        elif type(x) is OrderedDict:
+            out = OrderedDict((k, copy(v)) for k, v in x.items())
+            out.__dict__.update(x.__dict__)
+        elif type(x) is dict:
+            out = {k: copy(v) for k, v in x.items()}
+        elif type(x) is list:
+            out = [copy(v) for v in x]
+        elif type(x) is tuple:
+            out = tuple(copy(v) for v in x)
+        else:
+            return x
+        memo[id(x)] = out
+        return out
+
+    return copy(tree)
+
+
+def with_crcs(parts: tuple[tuple[Path, int, int], ...], crcs: dict[tuple[str, int, int], int]) -> list[tuple]:
+    """Span parts, each with the CRC of the source record it is whole of, where it is one (so the
+    record's CRC is combined, not recomputed from the bytes)."""
+    out = []
+    for path, offset, length in parts:
+        crc = crcs.get((str(path), offset, length))
+        out.append((path, offset, length) if crc is None else (path, offset, length, crc))
+    if any(len(p) == 3 for p in out):
+        return [p[:3] for p in out]
+    return out
+
+
+__all__ = ["NotSimple", "Entry", "Local", "DTensorNode", "local_of", "dtensor_of", "tensor_location", "Emitter",
+           "rebuild_mesh", "rebuild_dtensor", "map_tensors", "write_file", "small_records", "same_value",
+           "renumber", "with_crcs"]

@@ -1,0 +1,46 @@
+"""DType: torch's dtypes by name, so describing and planning never import torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt_tools
+from ckpt_tools.dtypes import DType, as_torch
+
+NAMES = ["float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "complex64", "complex128",
+         "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dtype_agrees_with_torch(name):
+    d, t = DType(name), getattr(torch, name)
+    assert d == t and t == d and not (d != t) and not (t != d)
+    assert (d.itemsize, d.is_floating_point, d.is_complex) == (t.itemsize, t.is_floating_point, t.is_complex)
+    assert as_torch(d) is t and d.torch is t and DType.of(t) == d
+    assert str(d) == name and hash(d) == hash(name)
+
+
+def test_dtype_aliases_and_unknowns():
+    assert DType("float") == DType("torch.float32") == "float32"
+    assert DType("half") != torch.float32 and DType("long") == torch.int64
+    with pytest.raises(ValueError):
+        DType("quint8")
+
+
+def test_export_of_a_dcp_does_not_import_torch(tmp_path):
+    """Describing a DCP, planning, and copying its items into safetensors need no torch."""
+    src = tmp_path / "dcp"
+    ckpt_tools.convert(Path(__file__).parent.parent / "fixtures" / "llama_hf", src, to="dcp", world_size=3,
+                       progress=False)
+    code = ("import sys, ckpt_tools; "
+            f"ckpt_tools.export({str(src)!r}, {str(tmp_path / 'hf')!r}, progress=False); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    result = ckpt_tools.verify(Path(__file__).parent.parent / "fixtures" / "llama_hf", tmp_path / "hf", progress=False)
+    assert result["ok"] and result["checked"] == 21
