@@ -3,7 +3,7 @@
     python bench/bench.py export  [--gb 1.5] [--out DIR]   # DCP bf16 -> HF: cp, ckpt export, accelerate, dcp_to_torch_save
     python bench/bench.py reshard [--gb 2.0] [--out DIR]   # 8-rank fp32 model+AdamW -> 4 ranks: cp, ckpt reshard
 
-Each tool runs in its own process; peak RSS (total and anonymous) is sampled from /proc every 20 ms.
+Each tool runs in its own process, once per round (5 rounds, medians reported); peak RSS (total and anonymous) is sampled from /proc every 20 ms.
 Page cache is not dropped between runs (no root assumed): every tool reads warm files, cp included.
 """
 
@@ -116,15 +116,24 @@ class Peak:
         self._t.join()
 
 
-REPEAT = 3
+REPEAT = 5
 
 
-def timed(name: str, argv: list[str], out: Path) -> dict:
-    """Run ``argv`` REPEAT times (removing ``out`` before each); report the median run."""
-    runs = sorted((_timed_once(name, argv, out) for _ in range(REPEAT)), key=lambda r: r["seconds"])
-    best = dict(runs[len(runs) // 2])
-    best["all_seconds"] = [r["seconds"] for r in runs]
-    return best
+def timed_rounds(tools: list[tuple[str, list[str], Path]]) -> list[dict]:
+    """Run every tool once per round, REPEAT rounds (removing its output before each run); report
+    each tool's median run. Rounds, not one tool's runs back to back: a virtual disk's speed
+    drifts over a minute, and every tool should meet the same drift."""
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in tools}
+    for _ in range(REPEAT):
+        for name, argv, out in tools:
+            runs[name].append(_timed_once(name, argv, out))
+    rows = []
+    for name, _, _ in tools:
+        ordered = sorted(runs[name], key=lambda r: r["seconds"])
+        row = dict(ordered[len(ordered) // 2])
+        row["all_seconds"] = [r["seconds"] for r in runs[name]]
+        rows.append(row)
+    return rows
 
 
 def _timed_once(name: str, argv: list[str], out: Path) -> dict:
@@ -167,27 +176,30 @@ def bench_export(work: Path, gb: float) -> list[dict]:
     ckpt_tools.convert(hf, src, to="dcp", world_size=4, progress=False)
     shutil.rmtree(hf)
     print(f"source: {src} ({du(src) / 2**30:.2f} GiB DCP, 4 ranks, bf16)", file=sys.stderr)
-    rows = [timed("cp -r + sync", ["cp", "-r", str(src), str(work / "cp")], work / "cp"),
-            timed("ckpt export", [sys.executable, "-m", "ckpt_tools", "export", str(src), str(work / "ckpt"), "--quiet"], work / "ckpt")]
-    rows.append(timed("accelerate merge_fsdp_weights", py(
-        "from accelerate.utils import merge_fsdp_weights; import sys; "
-        f"merge_fsdp_weights({str(src)!r}, {str(work / 'acc')!r}, safe_serialization=True)"), work / "acc"))
-    rows.append(timed("torch dcp_to_torch_save", py(
-        "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
-        f"dcp_to_torch_save({str(src)!r}, {str(work / 'dcp.pt')!r})"), work / "dcp.pt"))
-    return rows
+    return timed_rounds([
+        ("cp -r + sync", ["cp", "-r", str(src), str(work / "cp")], work / "cp"),
+        ("ckpt export", [sys.executable, "-m", "ckpt_tools", "export", str(src), str(work / "ckpt"), "--quiet"],
+         work / "ckpt"),
+        ("accelerate merge_fsdp_weights", py(
+            "from accelerate.utils import merge_fsdp_weights; import sys; "
+            f"merge_fsdp_weights({str(src)!r}, {str(work / 'acc')!r}, safe_serialization=True)"), work / "acc"),
+        ("torch dcp_to_torch_save", py(
+            "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
+            f"dcp_to_torch_save({str(src)!r}, {str(work / 'dcp.pt')!r})"), work / "dcp.pt"),
+    ])
 
 
 def bench_reshard(work: Path, gb: float) -> list[dict]:
     src = work / "ws8"
     make_sharded_with_adam(src, gb, 8)
     print(f"source: {src} ({du(src) / 2**30:.2f} GiB, 8 ranks, fp32 model + AdamW)", file=sys.stderr)
-    rows = [timed("cp -r + sync", ["cp", "-r", str(src), str(work / "cp")], work / "cp"),
-            timed("ckpt reshard 8→4", [sys.executable, "-m", "ckpt_tools", "reshard", str(src), str(work / "ws4"),
-                                        "--to", "4", "--from", "8", "--quiet"], work / "ws4"),
-            timed("ckpt reshard 8→4 --workers 2", [sys.executable, "-m", "ckpt_tools", "reshard", str(src),
-                                                    str(work / "ws4w"), "--to", "4", "--workers", "2", "--quiet"],
-                  work / "ws4w")]
+    rows = timed_rounds([
+        ("cp -r + sync", ["cp", "-r", str(src), str(work / "cp")], work / "cp"),
+        ("ckpt reshard 8→4", [sys.executable, "-m", "ckpt_tools", "reshard", str(src), str(work / "ws4"),
+                              "--to", "4", "--from", "8", "--quiet"], work / "ws4"),
+        ("ckpt reshard 8→4 --workers 2", [sys.executable, "-m", "ckpt_tools", "reshard", str(src),
+                                          str(work / "ws4w"), "--to", "4", "--workers", "2", "--quiet"], work / "ws4w"),
+    ])
     same = sorted(p.name for p in (work / "ws4").iterdir()) == sorted(p.name for p in (work / "ws4w").iterdir()) and all(
         p.is_dir() or p.read_bytes() == (work / "ws4w" / p.name).read_bytes() for p in (work / "ws4").iterdir())
     print(f"--workers 2 output byte-identical to one process's: {same}", file=sys.stderr)
@@ -199,7 +211,7 @@ def main() -> None:
     ap.add_argument("which", choices=["export", "reshard"])
     ap.add_argument("--gb", type=float, default=None, help="source size in GiB (export 1.5, reshard 2.0)")
     ap.add_argument("--out", type=Path, default=None, help="work directory (default: a temp dir, removed)")
-    ap.add_argument("--repeat", type=int, default=3, help="runs per tool; the median is reported")
+    ap.add_argument("--repeat", type=int, default=5, help="rounds (each tool once per round); medians are reported")
     args = ap.parse_args()
     global REPEAT
     REPEAT = max(1, args.repeat)

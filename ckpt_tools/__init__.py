@@ -14,19 +14,8 @@ from .errors import BadInput, CkptError, DestinationError, UsageError, VerifyFai
 from .convert import convert, export, reshard  # noqa: E402
 from .estimate import estimate  # noqa: E402
 from .inspect import inspect  # noqa: E402
-
-
-def __getattr__(name: str):
-    # `shard` and `verify` need torch; importing it costs over a second, so they load on first use
-    if name == "shard":
-        from .shard import shard
-
-        return shard
-    if name == "verify":
-        from .verify import verify
-
-        return verify
-    raise AttributeError(f"module 'ckpt_tools' has no attribute {name!r}")
+from .shard import shard  # noqa: E402
+from .verify import verify  # noqa: E402
 
 
 __all__ = ["__version__", "inspect", "convert", "export", "reshard", "shard", "verify", "estimate",

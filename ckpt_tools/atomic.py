@@ -121,35 +121,6 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-class Flusher:
-    """Starts writing a growing file to disk while it is still being written: after every
-    ``every`` bytes, an ``fdatasync`` in a background thread (it releases the GIL). The final
-    fsync then waits for little, instead of for the whole file, as ``cp`` + ``sync`` would."""
-
-    def __init__(self, fd: int, every: int = 256 << 20) -> None:
-        import concurrent.futures
-
-        self._fd, self._every, self._since = fd, every, 0
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-flush")
-        self._running: concurrent.futures.Future | None = None
-
-    def advanced(self, nbytes: int) -> None:
-        self._since += nbytes
-        if self._since >= self._every and (self._running is None or self._running.done()):
-            if self._running is not None:
-                self._running.result()  # a failed flush (EIO, ENOSPC) fails the write
-            self._since = 0
-            self._running = self._pool.submit(os.fdatasync, self._fd)
-
-    def __enter__(self) -> Flusher:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._pool.shutdown(wait=True)
-        if exc[0] is None and self._running is not None:
-            self._running.result()
-
-
 def fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)

@@ -155,7 +155,9 @@ def run_jobs(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path
             pieces = stream(reader, job.pieces, bar, spans=getattr(writer, "accepts_spans", False))
             written[job.path] = writer.write(path, job, pieces, reader.object)
             if sealed is not None:
-                sealer.seal(path)
+                # a writer that hashed its file as it wrote it returns the digest
+                known = written[job.path] if isinstance(written[job.path], manifest.Digest) else None
+                sealer.seal(path, known)
     if sealed is not None:
         sealed.update(sealer.digests)
     return written

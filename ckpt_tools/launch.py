@@ -28,11 +28,12 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .errors import CkptError, UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 DEVICES = ("cpu", "cuda")
 # After the first rank fails, how long the others get to stop on their own before they are
@@ -64,6 +65,8 @@ def backend_for(device: str) -> str:
 
 
 def check_device(device: str) -> None:
+    import torch
+
     if device not in DEVICES:
         raise UsageError(f"--device {device!r}: choose one of {', '.join(DEVICES)}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -157,12 +160,16 @@ def all_gather(ctx: RankContext, obj: Any) -> list[Any]:
 
 def peak_memory(ctx: RankContext) -> dict[str, int | None]:
     """This process's peak resident memory and, on CUDA, peak allocated device memory (bytes)."""
+    import torch
+
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return {"rss_bytes": rss if sys.platform == "darwin" else rss * 1024,
             "device_bytes": torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else None}
 
 
 def _set_device(device: str, local_rank: int) -> torch.device:
+    import torch
+
     if device == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise UsageError(f"local rank {local_rank} but only {torch.cuda.device_count()} CUDA devices "
@@ -174,6 +181,7 @@ def _set_device(device: str, local_rank: int) -> torch.device:
 
 def _child(rank: int, world: int, device: str, init_method: str, result_dir: str,
            threads: int, fn: Callable, args: tuple) -> None:
+    import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
@@ -233,6 +241,7 @@ def _revive(error: dict | None) -> CkptError | None:
 
 
 def _spawn(fn, args, ranks: int, device: str, threads_per_rank: int | None) -> Any:
+    import torch
     import torch.multiprocessing as mp
 
     if device == "cuda" and ranks > torch.cuda.device_count():

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import mmap
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
 NAME = ".ckpt-manifest.json"
-CHUNK = 8 * 1024 * 1024
+WINDOW = 64 * 1024 * 1024
 
 
 def file_digest(path: Path) -> str:
@@ -22,16 +23,83 @@ def file_digest(path: Path) -> str:
 
 
 def range_digest(path: Path, start: int) -> str:
-    """xxh3-64 of ``path`` from byte ``start`` to its end (read in blocks: mapping the file
-    would count its pages in this process's RSS)."""
+    """xxh3-64 of ``path`` from byte ``start`` to its end."""
     h = xxhash.xxh3_64()
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
-        f.seek(start)
-        while n := f.readinto(buf):
-            h.update(view[:n])
+        _hash_mapped(f.fileno(), h, start, os.fstat(f.fileno()).st_size)
     return h.hexdigest()
+
+
+def _hash_mapped(fd: int, h: Any, start: int, end: int) -> None:
+    """Feed bytes ``start``..``end`` of ``fd`` to ``h`` through a sliding mapping of the page
+    cache: no copy into this process, and at most one window of the file's pages in its RSS."""
+    pos = start
+    while pos < end:
+        base = pos - pos % mmap.ALLOCATIONGRANULARITY
+        stop = min(end, base + WINDOW)
+        with mmap.mmap(fd, stop - base, access=mmap.ACCESS_READ, offset=base) as m, memoryview(m) as view:
+            h.update(view[pos - base:])
+        pos = stop
+
+
+class Digest(NamedTuple):
+    """A file's size and xxh3-64, as the manifest records them."""
+
+    size: int
+    xxh3_64: str
+
+
+class Trailer:
+    """Follows a file while it is written (through ``fd``, which it does not own): background
+    threads hash each new byte range (through a small sliding mapping of the page cache, no
+    copy) and ``fdatasync`` the file as it grows, so at the end neither the checksum nor the
+    flush waits for the whole file, as ``cp`` + ``sync`` would. xxh3 and fdatasync release the GIL.
+
+    Call :meth:`advanced` as the file grows, :meth:`finish` when it is complete; ``start`` skips
+    a prefix the digest must not cover (a header patched afterwards)."""
+
+    def __init__(self, fd: int, *, start: int = 0, every: int = 16 << 20) -> None:
+        self._fd, self._every, self._pos, self._queued = fd, every, start, start
+        self._hash = xxhash.xxh3_64()
+        self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
+        self._syncer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-sync")
+        self._tasks: list[concurrent.futures.Future] = []
+        self._sync: concurrent.futures.Future | None = None
+
+    def advanced(self, upto: int) -> None:
+        """The file is complete up to byte ``upto``."""
+        if upto - self._queued >= self._every:
+            self._queued = upto
+            self._tasks.append(self._hasher.submit(self._hash_to, upto))
+            if self._sync is None or self._sync.done():  # one flush at a time; the next catches up
+                if self._sync is not None:
+                    self._sync.result()
+                self._sync = self._syncer.submit(os.fdatasync, self._fd)
+
+    def _hash_to(self, upto: int) -> None:
+        _hash_mapped(self._fd, self._hash, self._pos, upto)
+        self._pos = max(self._pos, upto)
+
+    def finish(self) -> Digest:
+        """Hash and sync the rest; the digest of bytes ``start``..end."""
+        try:
+            size = os.fstat(self._fd).st_size
+            self._tasks.append(self._hasher.submit(self._hash_to, size))
+            if self._sync is not None:
+                self._sync.result()
+            self._tasks.append(self._syncer.submit(os.fdatasync, self._fd))
+            for t in self._tasks:
+                t.result()  # a failed read or flush (EIO, ENOSPC) fails the write
+            return Digest(size, self._hash.hexdigest())
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop (after a failed write, nothing more is hashed or synced)."""
+        for t in self._tasks:
+            t.cancel()
+        self._hasher.shutdown(wait=True)
+        self._syncer.shutdown(wait=True)
 
 
 class Sealer:
@@ -46,18 +114,22 @@ class Sealer:
         self._pending: list[tuple[Path, concurrent.futures.Future]] = []
         self.digests: dict[Path, tuple[int, str]] = {}
 
-    def seal(self, path: Path) -> None:
-        self._pending.append((path, self._pool.submit(self._seal, path)))
+    def seal(self, path: Path, known: Digest | None = None) -> None:
+        """Hash (unless its writer ``known`` it already) and fsync ``path`` in the background."""
+        self._pending.append((path, self._pool.submit(self._seal, path, known)))
 
     @staticmethod
-    def _seal(path: Path) -> tuple[int, str]:
-        digest = file_digest(path)
+    def _seal(path: Path, known: Digest | None) -> tuple[int, str]:
+        digest = known.xxh3_64 if known is not None else file_digest(path)
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
-            return os.fstat(fd).st_size, digest
+            size = os.fstat(fd).st_size
         finally:
             os.close(fd)
+        if known is not None and known.size != size:
+            digest = file_digest(path)  # changed after its writer hashed it
+        return size, digest
 
     def __enter__(self) -> Sealer:
         return self

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import math
 import re
@@ -28,10 +29,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from . import atomic, launch, manifest
 from .describe import chunk_rows
@@ -40,8 +38,12 @@ from .formats import hf
 from .formats.sharded import CONFIG_NAME, file_name
 from .hfassets import ASSET_PATTERNS
 
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
 FORMATS = ("sharded", "dcp")
-MIXED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+MIXED_PRECISION = {"bf16": "bfloat16", "fp16": "float16"}  # torch dtype names
 OPTIMIZERS = ("adamw",)
 CHECK_INPUT_SHAPE = (2, 16)
 # Old checkpoints still carry buffers transformers now computes; from_pretrained ignores them too.
@@ -244,6 +246,8 @@ def model_class(config) -> type:
 
 def build_meta_model(config, sources: dict[str, SourceTensor]) -> nn.Module:
     """The model on the meta device, each parameter in its safetensors dtype."""
+    import torch
+
     dtypes = Counter()
     for s in sources.values():
         if s.dtype.is_floating_point:
@@ -263,6 +267,8 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The modules to ``fully_shard`` one by one: those whose class is in ``_no_split_modules``
     (else the children of the longest ``ModuleList`` of one class), outermost only, and none
     that holds a parameter also used outside it (a tied embedding belongs to the root)."""
+    from torch import nn
+
     names = set(getattr(model, "_no_split_modules", None) or ())
     found = [(n, m) for n, m in model.named_modules() if n and type(m).__name__ in names]
     if not found:
@@ -286,9 +292,10 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def wrap(model: nn.Module, mesh, *, mixed_precision: str | None, cpu_offload: bool, device: str) -> None:
+    import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=MIXED_PRECISION[mixed_precision], reduce_dtype=torch.float32) \
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, MIXED_PRECISION[mixed_precision]), reduce_dtype=torch.float32) \
         if mixed_precision else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy(pin_memory=device == "cuda") if cpu_offload else OffloadPolicy()
     for block in transformer_blocks(model):
@@ -342,6 +349,18 @@ def plan_reads(model: nn.Module, sources: dict[str, SourceTensor], *, world_size
     return reads
 
 
+def _no_grad(fn):
+    """``torch.no_grad()`` as a decorator, without importing torch with this module."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        import torch
+
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def _buffers(model: nn.Module, *, persistent: bool):
     for name, buf in model.named_buffers():
         owner, _, leaf = name.rpartition(".")
@@ -349,7 +368,7 @@ def _buffers(model: nn.Module, *, persistent: bool):
             yield name, buf
 
 
-@torch.no_grad()
+@_no_grad
 def fill(model: nn.Module, model_dir: Path, reads: list[Read], *, progress: bool, label: str) -> int:
     """Give every tensor of the materialised (``to_empty``) model its value; returns bytes read.
 
@@ -385,6 +404,8 @@ def fill(model: nn.Module, model_dir: Path, reads: list[Read], *, progress: bool
 
 
 def _read_into(f, r: Read, out: torch.Tensor, model_dir: Path) -> None:
+    import torch
+
     start = r.source.offset + (r.start or 0) * r.source.row_bytes
     n = _rows_bytes(r)
     direct = out.device.type == "cpu" and out.is_contiguous()
@@ -410,6 +431,8 @@ def _init_non_persistent_buffers(model: nn.Module, loaded: set[str]) -> None:
     """Compute the buffers no file holds (rotary ``inv_freq``, BERT ``position_ids``) the way
     transformers 5's ``from_pretrained`` does: mark every loaded tensor initialised, then run
     the model's ``initialize_weights``, whose ``_init_weights`` fills only unmarked ones."""
+    import torch
+
     todo = dict(_buffers(model, persistent=False))
     if not todo:
         return
@@ -443,6 +466,8 @@ def _init_non_persistent_buffers(model: nn.Module, loaded: set[str]) -> None:
 def fresh_adamw(model: nn.Module) -> torch.optim.Optimizer:
     """AdamW with real, zero state entries (step 0), as if built before the first step: a zero-grad
     ``step()`` would instead move the weights through weight decay."""
+    import torch
+
     opt = torch.optim.AdamW(model.parameters())
     for group in opt.param_groups:
         for p in group["params"]:
@@ -452,10 +477,11 @@ def fresh_adamw(model: nn.Module) -> torch.optim.Optimizer:
     return opt
 
 
-@torch.no_grad()
+@_no_grad
 def forward_check(model: nn.Module, cls: type, config, ctx: launch.RankContext, model_dir: Path) -> float | None:
     """Largest |difference| between the sharded model's output and ``from_pretrained``'s (rank 0
     only builds the unsharded reference) on one fixed input; ``None`` on other ranks."""
+    import torch
     from torch.distributed.fsdp import FSDPModule
 
     vocab = config.get_text_config().vocab_size
@@ -540,6 +566,8 @@ def _shared_tmp_dir(ctx: launch.RankContext, job: ShardJob, dst: Path) -> Path:
 
 
 def _save(model, optimizer, ctx: launch.RankContext, job: ShardJob, tmp: Path, model_dir: Path) -> None:
+    import torch
+
     if job.format == "dcp":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict

@@ -15,9 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from . import manifest
 from .convert import normalize_name
@@ -27,6 +25,9 @@ from .engine import progress_bar
 from .errors import BadInput, UnsafeInput, UsageError
 from .formats import describe
 from .reader import Reader
+
+if TYPE_CHECKING:
+    import torch
 
 # rows compared at once: bounds the float64 copies a tolerance check makes
 BLOCK_BYTES = 32 * 1024 * 1024
@@ -249,6 +250,8 @@ def _check_one(ckpt: Checkpoint, found: _Findings, *, nan_check: bool, progress:
 
 
 def _finite(x: torch.Tensor) -> bool:
+    import torch
+
     if not (x.dtype.is_floating_point or x.dtype.is_complex) or not x.numel():
         return True
     if x.element_size() == 1:  # float8: isfinite has no kernel for it
@@ -275,6 +278,8 @@ class _Side:
 
     def rows(self, t: TensorInfo, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of ``t`` (the whole of a 0-d tensor)."""
+        import torch
+
         if not t.shape:
             return self.chunk(t, t.chunks[0])
         for c in t.chunks:  # one chunk holds them all: a view, no copy
@@ -394,6 +399,8 @@ def _blocks(ta: TensorInfo, tb: TensorInfo):
 
 
 def _count_bit_differences(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float]:
+    import torch
+
     if not a.numel():
         return 0, 0.0
     size = a.element_size()
@@ -407,6 +414,8 @@ def _count_bit_differences(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float
 
 
 def _count_not_close(a: torch.Tensor, b: torch.Tensor, *, atol: float, rtol: float) -> tuple[int, float]:
+    import torch
+
     if not a.numel():
         return 0, 0.0
     wide = torch.complex128 if (a.dtype.is_complex or b.dtype.is_complex) else torch.float64
@@ -417,6 +426,8 @@ def _count_not_close(a: torch.Tensor, b: torch.Tensor, *, atol: float, rtol: flo
 
 
 def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    import torch
+
     wide = torch.complex128 if (a.dtype.is_complex or b.dtype.is_complex) else torch.float64
     d = (a.to(wide) - b.to(wide)).abs()
     return float(d.max()) if d.numel() else 0.0

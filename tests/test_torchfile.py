@@ -13,7 +13,6 @@ import shlex
 import subprocess
 import sys
 import textwrap
-import time
 import zipfile
 import zlib
 from collections import OrderedDict
@@ -328,6 +327,26 @@ def test_copy_record_concatenates_ranges_of_two_files(mode, tmp_path, monkeypatc
     assert all(r.offset % 64 == 0 for r in TorchZip(out).records.values())
 
 
+def test_page_phase_puts_each_record_at_its_source_offset_within_a_page(tmp_path):
+    """With page_phase, a copied record's data sits at its first source's offset modulo the page
+    size (the kernel then copies whole pages), still a multiple of 64; torch loads the file."""
+    src = tmp_path / "src.pt"
+    values = {"a": torch.arange(5000, dtype=torch.float32), "b": torch.arange(7, dtype=torch.int64)}
+    torch.save(values, src)
+    zf = TorchZip(src)
+    out = tmp_path / "out.pt"
+    with TorchZipWriter(out, "out", page_phase=True) as w:
+        w.write_record("data.pkl", zf.read("data.pkl"))
+        for key in zf.storages:
+            w.copy_record(f"data/{key}", [zf.part(f"data/{key}")])
+    written = TorchZip(out)
+    for key in zf.storages:
+        rec = written.records[f"data/{key}"]
+        assert rec.offset % 4096 == zf.records[f"data/{key}"].offset % 4096 and rec.offset % 64 == 0
+    loaded = torch.load(out, weights_only=True, mmap=True)
+    assert all(torch.equal(loaded[k], values[k]) for k in values)
+
+
 def test_crc32_combine_matches_zlib():
     rng = random.Random(3)
     for _ in range(200):
@@ -375,8 +394,9 @@ def test_module_never_imports_torch():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
-def test_parse_and_emit_take_milliseconds():
-    """Hundreds of tensors: ten distinct copies of the ws8 optimizer state (630 DTensors, 640 storages)."""
+def test_hundreds_of_tensors_round_trip():
+    """Ten distinct copies of the ws8 optimizer state (630 DTensors, 640 storages): parsed and
+    emitted again to the same bytes. (Speed is the benchmark's business, not a test's.)"""
     copies = [TorchZip(FIXTURES / "llama_sharded_ws8" / "optim_world_size_8_rank_0.pt") for _ in range(10)]
     for i, copy in enumerate(copies):
         for ref in copy.storages.values():
@@ -384,15 +404,8 @@ def test_parse_and_emit_take_milliseconds():
     big = {"state": {i * 100 + k: v for i, c in enumerate(copies) for k, v in c.tree["state"].items()},
            "param_groups": copies[0].tree["param_groups"]}
     data = dumps(big)
-    start = time.perf_counter()
-    tree = loads(data)
-    parsed = time.perf_counter() - start
-    start = time.perf_counter()
-    again = dumps(tree)
-    emitted = time.perf_counter() - start
-    assert again == data
+    assert dumps(loads(data)) == data
     assert len(loads(data)["state"]) == 210
-    assert parsed < 0.5 and emitted < 0.5, (parsed, emitted)  # ~10 ms each on a laptop-class core
 
 
 @pytest.mark.skipif(not os.environ.get("CKPT_TEST_ZIP64"), reason="writes ~13 GB; set CKPT_TEST_ZIP64=1")

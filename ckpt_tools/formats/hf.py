@@ -232,7 +232,7 @@ class Writer:
         return [FileJob(name, tuple(by_name[n] for n in names), meta={"sharded": split.is_sharded})
                 for name, names in split.filename_to_tensors.items()]
 
-    def write(self, path: Path, job, pieces, objects) -> None:
+    def write(self, path: Path, job, pieces, objects):
         # a lone file has no manifest beside it: its data checksum goes in the header, filled in
         # once the data is written (the placeholder keeps the header's length fixed)
         header: dict[str, Any] = {"__metadata__": {"format": "pt", **({CHECKSUM_KEY: "0" * 16} if self.single_file else {})}}
@@ -244,13 +244,16 @@ class Writer:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # keep data 8-byte aligned, as safetensors does
         from ..engine import Span
-
-        from ..atomic import Flusher
+        from ..manifest import Trailer
 
         sources: dict[Path, int] = {}
-        try:
-            with open(path, "wb", buffering=0) as f, Flusher(f.fileno()) as flusher:
+        data_start = 8 + len(raw)
+        with open(path, "w+b", buffering=0) as f:  # read too: the trailer hashes what was written
+            # a lone file's checksum covers its data (the header is patched after); a shard's, all of it
+            trailer = Trailer(f.fileno(), start=data_start if self.single_file else 0)
+            try:
                 _write_all(f, struct.pack("<Q", len(raw)) + raw)
+                pos = data_start
                 for p, values in pieces:
                     if isinstance(values, Span):
                         for src, offset, length in values.parts:
@@ -259,18 +262,22 @@ class Writer:
                             _copy_range(sources[src], f.fileno(), offset, length)
                     else:
                         _write_all(f, tensor_bytes(values))
-                    flusher.advanced(p.nbytes)
-        finally:
-            for fd in sources.values():
-                os.close(fd)
-        if self.single_file:
-            from ..manifest import range_digest
-
-            digest = range_digest(path, 8 + len(raw))
-            at = raw.index(b'"' + CHECKSUM_KEY.encode() + b'":"') + len(CHECKSUM_KEY) + 4
-            with open(path, "r+b") as f:
-                f.seek(8 + at)
-                f.write(digest.encode())
+                    pos += p.nbytes
+                    trailer.advanced(pos)
+                digest = trailer.finish()
+            except BaseException:
+                trailer.close()
+                raise
+            finally:
+                for fd in sources.values():
+                    os.close(fd)
+        if not self.single_file:
+            return digest
+        at = raw.index(b'"' + CHECKSUM_KEY.encode() + b'":"') + len(CHECKSUM_KEY) + 4
+        with open(path, "r+b") as f:
+            f.seek(8 + at)
+            f.write(digest.xxh3_64.encode())
+        return None
 
     def finish(self, out: Path, jobs: list, written: dict) -> None:
         if self.single_file or len(jobs) == 1 and jobs[0].path == SINGLE_NAME:

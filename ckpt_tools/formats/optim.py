@@ -51,7 +51,6 @@ def param_order_for(model_sd: dict, osd: dict) -> tuple[str, ...]:
     numbers) rather than wrong ones.
     """
     import torch
-
     from torch.distributed.tensor import DTensor
 
     base = param_order_from_model(model_sd)
@@ -76,7 +75,6 @@ def param_order_from_model(model_sd: dict) -> tuple[str, ...]:
     DTensor entries (FSDP2 parameters are DTensors, buffers are not), tied ones once. For a
     plain (unsharded) state dict, every floating tensor, tied ones once."""
     import torch
-
     from torch.distributed.tensor import DTensor
 
     from ..fsdp1 import is_sharded_tensor

@@ -12,7 +12,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-
 from ..describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo, chunk_rows
 from ..dtypes import DType
 from ..errors import BadInput
@@ -166,7 +165,7 @@ def _tree_of(file: Path) -> TorchZip:
     """The file parsed as a pickle tree; anything the tree reader refuses or finds damaged goes
     to the torch path, which is the one that refuses (weights_only) and explains."""
     try:
-        return TorchZip(file)
+        return shardtree.parsed(file)
     except BadInput as e:
         raise NotSimple(str(e)) from e
 
@@ -334,7 +333,8 @@ class Writer:
         self._zips: dict[str, TorchZip] = {}
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_zips": {}}  # parsed files stay in the process that parsed them
+        # parsed files stay in the process that parsed them
+        return {**self.__dict__, "_zips": {}, "_by_offset": {}}
 
     @property
     def accepts_spans(self) -> bool:
@@ -342,8 +342,19 @@ class Writer:
 
     def _zip(self, name: str) -> TorchZip:
         if name not in self._zips:
-            self._zips[name] = TorchZip(self.template / name)
+            self._zips[name] = shardtree.parsed(self.template / name)
         return self._zips[name]
+
+    def _record_crc(self, path: Path, offset: int, length: int) -> int | None:
+        """The CRC-32 of the source record that is exactly ``length`` bytes at ``offset`` of
+        ``path`` (so a copied record's CRC is combined, not recomputed), else None."""
+        if Path(path).parent != self.template:
+            return None
+        records = self._zip(Path(path).name).records
+        by_offset = self.__dict__.setdefault("_by_offset", {})
+        if path not in by_offset:
+            by_offset[path] = {(r.offset, r.size): r.crc32 for r in records.values()}
+        return by_offset[path].get((offset, length))
 
     def entry(self, entry: shardtree.Entry) -> tuple[TorchZip, Any]:
         zf = self._zip(entry.file)
@@ -392,7 +403,6 @@ class Writer:
         from .hf import tensor_bytes
 
         tree, emitter, source = self.tree_for(job)
-        crcs = {(str(z.path), r.offset, r.size): r.crc32 for z in self._zips.values() for r in z.records.values()}
         stream, ready = iter(pieces), {}
 
         def values(piece):
@@ -405,7 +415,7 @@ class Writer:
             for key, src in emitter.records:
                 if isinstance(src, Piece):
                     v = values(src)
-                    yield key, shardtree.with_crcs(v.parts, crcs) if isinstance(v, Span) else tensor_bytes(v)
+                    yield key, shardtree.with_crcs(v.parts, self._record_crc) if isinstance(v, Span) else tensor_bytes(v)
                 else:
                     yield key, src
             for _ in stream:  # the rest of the stream (none: every piece has its record)
@@ -457,7 +467,6 @@ def _mesh(world_size: int, rank: int | None):
     """A 1-D CPU DeviceMesh for pickling, built without a process group (the loading job's
     own mesh replaces it when it loads the state dict)."""
     import torch
-
     from torch.distributed.device_mesh import DeviceMesh
 
     key = (world_size, rank or 0)
@@ -472,7 +481,6 @@ def _mesh(world_size: int, rank: int | None):
 
 def _dtensor(local: torch.Tensor, mesh, shape: tuple[int, ...]):
     import torch
-
     from torch.distributed.tensor import DTensor, Shard
 
     stride = torch.empty(shape, device="meta").stride()

@@ -13,7 +13,9 @@ caller takes the torch path, which handles it.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -82,6 +84,18 @@ class DTensorNode:
     world: int
     coord: int
     mesh: NewObj
+
+
+def parsed(path: Path) -> TorchZip:
+    """``TorchZip(path)``, parsed once per process while the file is unchanged (describing and
+    writing both read the source's trees)."""
+    st = os.stat(path)
+    return _parsed(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed(path: str, size: int, mtime_ns: int) -> TorchZip:
+    return TorchZip(path)
 
 
 def contiguous_stride(size: tuple[int, ...]) -> tuple[int, ...]:
@@ -261,7 +275,7 @@ def write_file(path: Path, tree: Any, emitter: Emitter, small_records: list[tupl
                fill: Iterator[tuple[str, Any]]) -> None:
     """Write a torch.save zip: the pickle, ``small_records`` (as the source had them), then each
     storage record, in key order, from ``fill`` ((key, parts or bytes))."""
-    with TorchZipWriter(path, path.stem) as out:
+    with TorchZipWriter(path, path.stem, page_phase=True) as out:
         out.write_record("data.pkl", dumps(tree))
         for name, data in small_records:
             out.write_record(name, data)
@@ -350,16 +364,13 @@ def renumber(tree: Any, zf: TorchZip, emitter: Emitter) -> Any:
     return copy(tree)
 
 
-def with_crcs(parts: tuple[tuple[Path, int, int], ...], crcs: dict[tuple[str, int, int], int]) -> list[tuple]:
-    """Span parts, each with the CRC of the source record it is whole of, where it is one (so the
-    record's CRC is combined, not recomputed from the bytes)."""
-    out = []
-    for path, offset, length in parts:
-        crc = crcs.get((str(path), offset, length))
-        out.append((path, offset, length) if crc is None else (path, offset, length, crc))
-    if any(len(p) == 3 for p in out):
-        return [p[:3] for p in out]
-    return out
+def with_crcs(parts: tuple[tuple[Path, int, int], ...], crc_of: Callable[[Path, int, int], int | None]) -> list[tuple]:
+    """Span parts, each with the CRC of the source record it is the whole of (so the record's
+    CRC is combined, not recomputed from the bytes) when every part is one."""
+    crcs = [crc_of(path, offset, length) for path, offset, length in parts]
+    if any(c is None for c in crcs):
+        return [tuple(p) for p in parts]
+    return [(*p, c) for p, c in zip(parts, crcs)]
 
 
 __all__ = ["NotSimple", "Entry", "Local", "DTensorNode", "local_of", "dtensor_of", "tensor_location", "Emitter",

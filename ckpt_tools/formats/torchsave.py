@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-
 from ..describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo
 from ..dtypes import DType
 from ..errors import BadInput
