@@ -318,8 +318,12 @@ class Writer:
     """verl's layout at world size M: per rank, ``model_`` (``model.state_dict()`` of an
     FSDP2 job: DTensors with ``Shard(0)``), ``optim_`` (``optimizer.state_dict()``, int-keyed
     unless the source's own per-rank files were FQN-keyed) and ``extra_state_`` files, plus
-    ``fsdp_config.json``. Files are written through :mod:`ckpt_tools.torchzip`, tensor by
-    tensor."""
+    ``fsdp_config.json``.
+
+    From a sharded source read without torch (``template``: its directory), each file is the
+    source rank 0 file's pickle tree rebuilt for the new rank (:mod:`.shardtree`) and its storage
+    records are copied file to file; otherwise files go through :mod:`ckpt_tools.torchzip`
+    (torch.save, tensor by tensor)."""
 
     single_file = False
 
@@ -331,10 +335,11 @@ class Writer:
         # a sharded source read without torch: each file is its source's tree, rebuilt
         self.template, self.src_world = template, src_world
         self._zips: dict[str, TorchZip] = {}
+        self._crcs: dict[Path, dict[tuple[int, int], int]] = {}
 
     def __getstate__(self) -> dict:
         # parsed files stay in the process that parsed them
-        return {**self.__dict__, "_zips": {}, "_by_offset": {}}
+        return {**self.__dict__, "_zips": {}, "_crcs": {}}
 
     @property
     def accepts_spans(self) -> bool:
@@ -348,13 +353,13 @@ class Writer:
     def _record_crc(self, path: Path, offset: int, length: int) -> int | None:
         """The CRC-32 of the source record that is exactly ``length`` bytes at ``offset`` of
         ``path`` (so a copied record's CRC is combined, not recomputed), else None."""
-        if Path(path).parent != self.template:
+        path = Path(path)
+        if path.parent != self.template:
             return None
-        records = self._zip(Path(path).name).records
-        by_offset = self.__dict__.setdefault("_by_offset", {})
-        if path not in by_offset:
-            by_offset[path] = {(r.offset, r.size): r.crc32 for r in records.values()}
-        return by_offset[path].get((offset, length))
+        if path not in self._crcs:
+            records = self._zip(path.name).records.values()
+            self._crcs[path] = {(r.offset, r.size): r.crc32 for r in records}
+        return self._crcs[path].get((offset, length))
 
     def entry(self, entry: shardtree.Entry) -> tuple[TorchZip, Any]:
         zf = self._zip(entry.file)
@@ -384,6 +389,8 @@ class Writer:
                 raise NotSimple(f"no piece for {key}")
             d = shardtree.dtensor_of(node)
             if d is None:
+                if p.sizes != p.target.shape:
+                    raise NotSimple("rows of a tensor its source holds whole on every rank")
                 return emitter.local(shardtree.local_of(node), p.sizes, p)
             if not d.sharded:
                 raise NotSimple("a replicated DTensor")
