@@ -125,13 +125,7 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
             oname = found["optim"][rank]
             zo = _tree_of(path / oname)
             osd = zo.tree
-            if not optim.is_optimizer_state(osd):
-                raise BadInput(f"{path / oname}: not an optimizer state dict (no 'state'/'param_groups')")
-            details["optimizer_keyed"] = "int" if optim.is_int_keyed(osd) else "fqn"
-            if rank == 0:
-                details["param_groups"] = len(osd["param_groups"])
-                objects.append(ObjectInfo("optimizer", "param_groups", Location(oname, "pickled", key=("param_groups",)),
-                                          path=("optimizer", "param_groups")))
+            _optimizer_header(osd, path / oname, rank, details, objects)
             for fqn, skey, v, kp in optim.state_entries(osd, param_order):
                 tname = f"state.{fqn}.{skey}"
                 d = shardtree.dtensor_of(v)
@@ -159,6 +153,17 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
     )
     return Checkpoint("sharded", path, ws, tensors, tuple(objects), tuple(_entries(path)), (ws,),
                       details, param_order)
+
+
+def _optimizer_header(osd: Any, file: Path, rank: int, details: dict, objects: list[ObjectInfo]) -> None:
+    """Check an optimizer file's top level; note its keying and (rank 0) its param_groups."""
+    if not optim.is_optimizer_state(osd):
+        raise BadInput(f"{file}: not an optimizer state dict (no 'state'/'param_groups')")
+    details["optimizer_keyed"] = "int" if optim.is_int_keyed(osd) else "fqn"
+    if rank == 0:
+        details["param_groups"] = len(osd["param_groups"])
+        objects.append(ObjectInfo("optimizer", "param_groups", Location(file.name, "pickled", key=("param_groups",)),
+                                  path=("optimizer", "param_groups")))
 
 
 def _tree_of(file: Path) -> TorchZip:
@@ -221,13 +226,7 @@ def _describe_torch(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
         if rank in found["optim"]:
             oname = found["optim"][rank]
             osd = load_torch(path / oname)
-            if not optim.is_optimizer_state(osd):
-                raise BadInput(f"{path / oname}: not an optimizer state dict (no 'state'/'param_groups')")
-            details["optimizer_keyed"] = "int" if optim.is_int_keyed(osd) else "fqn"
-            if rank == 0:
-                details["param_groups"] = len(osd["param_groups"])
-                objects.append(ObjectInfo("optimizer", "param_groups", Location(oname, "pickled", key=("param_groups",)),
-                                          path=("optimizer", "param_groups")))
+            _optimizer_header(osd, path / oname, rank, details, objects)
             for fqn, skey, v, kp in optim.state_entries(osd, param_order):
                 tname = f"state.{fqn}.{skey}"
                 loc = Location(oname, "pickled", key=kp)
