@@ -32,15 +32,22 @@ def test_dtype_aliases_and_unknowns():
         DType("quint8")
 
 
-def test_export_of_a_dcp_does_not_import_torch(tmp_path):
-    """Describing a DCP, planning, and copying its items into safetensors need no torch."""
-    src = tmp_path / "dcp"
-    ckpt_tools.convert(Path(__file__).parent.parent / "fixtures" / "llama_hf", src, to="dcp", world_size=3,
-                       progress=False)
+FIXTURES = Path(__file__).parent.parent / "fixtures"
+
+
+@pytest.mark.parametrize("source", ["model-only", "llama_dcp", "llama_accelerate"])
+def test_export_of_a_dcp_does_not_import_torch(tmp_path, source):
+    """Describing a DCP (its optimizer's param_groups items included), planning, and copying its
+    items into safetensors need no torch."""
+    if source == "model-only":
+        src = tmp_path / "dcp"
+        ckpt_tools.convert(FIXTURES / "llama_hf", src, to="dcp", world_size=3, progress=False)
+    else:
+        src = FIXTURES / source
     code = ("import sys, ckpt_tools; "
             f"ckpt_tools.export({str(src)!r}, {str(tmp_path / 'hf')!r}, progress=False); "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
-    result = ckpt_tools.verify(Path(__file__).parent.parent / "fixtures" / "llama_hf", tmp_path / "hf", progress=False)
+    result = ckpt_tools.verify(src, tmp_path / "hf", progress=False)
     assert result["ok"] and result["checked"] == 21

@@ -67,11 +67,9 @@ def _param_order(path: Path, tensors: list[TensorInfo], objects: list[ObjectInfo
                      and o.path[1] == "param_groups"), key=lambda o: int(o.path[2]))
     order: list[str] = []
     for o in groups:
-        from ..safeload import load_torch_bytes
-
         with open(path / o.location.file, "rb") as f:
             f.seek(o.location.offset)
-            params = load_torch_bytes(f.read(o.location.length), where=f"{path / o.location.file} ({o.name})")
+            params = _load_item(f.read(o.location.length), where=f"{path / o.location.file} ({o.name})")
         if isinstance(params, list) and all(isinstance(p, str) for p in params):
             order += params
     if order:
@@ -150,15 +148,44 @@ def _describe_one(path: Path, prefix: str):
     handles: dict[str, Any] = {}
     try:
         for o in objects:
-            from ..safeload import load_torch_bytes
-
             f = handles.get(o.location.file) or handles.setdefault(o.location.file, open(path / o.location.file.removeprefix(prefix), "rb"))
             f.seek(o.location.offset)
-            load_torch_bytes(f.read(o.location.length), where=f"{path / o.location.file.removeprefix(prefix)} ({o.name})")
+            _load_item(f.read(o.location.length), where=f"{path / o.location.file.removeprefix(prefix)} ({o.name})")
     finally:
         for f in handles.values():
             f.close()
     return tensors, objects, entries, ranks
+
+
+def _load_item(blob: bytes, *, where: str) -> Any:
+    """A small non-tensor item (``param_groups``, a counter), read without torch when its pickle
+    holds plain data only; otherwise torch's weights_only loader reads it, or refuses it."""
+    import io
+    import zipfile
+
+    from ..torchfile import Global, NewObj, Reduce, StorageRef, loads
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as z:
+            (name,) = [n for n in z.namelist() if n.endswith("/data.pkl")]
+            tree = loads(z.read(name))
+        if not _has_node(tree, (Global, NewObj, Reduce, StorageRef)):
+            return tree
+    except (zipfile.BadZipFile, ValueError, KeyError, BadInput):
+        pass
+    from ..safeload import load_torch_bytes
+
+    return load_torch_bytes(blob, where=where)
+
+
+def _has_node(tree: Any, kinds: tuple[type, ...]) -> bool:
+    if isinstance(tree, kinds):
+        return True
+    if isinstance(tree, dict):
+        return any(_has_node(k, kinds) or _has_node(v, kinds) for k, v in tree.items())
+    if isinstance(tree, (list, tuple)):
+        return any(_has_node(v, kinds) for v in tree)
+    return False
 
 
 def _classify(fqn: str, obj_path: tuple | None, is_tensor: bool) -> tuple[str, str, str | None, str | None]:
