@@ -231,18 +231,10 @@ def _item_tensor(m: mmap.mmap, start: int, length: int):
     torch (:mod:`ckpt_tools.torchfile`: allowlisted globals only, nothing runs); None when it
     holds anything else."""
     from .formats.shardtree import NotSimple, local_of
-    from .torchfile import loads
+    from .torchfile import loads_blob
 
     try:
-        with zipfile.ZipFile(_MapSlice(m, start, length)) as z:
-            names = [n for n in z.namelist() if n.endswith("/data.pkl")]
-            if len(names) != 1:
-                return None
-            data = z.read(names[0])
-    except (zipfile.BadZipFile, ValueError, OSError, KeyError):
-        return None
-    try:
-        return local_of(loads(data))
+        return local_of(loads_blob(_MapSlice(m, start, length)))
     except (NotSimple, BadInput):  # the torch path reads it, or refuses it with its reasons
         return None
 

@@ -206,6 +206,20 @@ def loads(data: bytes) -> Any:
     return _parse(data)[0]
 
 
+def loads_blob(f: Any) -> Any:
+    """The tree of a small in-file ``torch.save`` blob (a DCP item), given as a file-like object:
+    only its ``data.pkl`` is read. Raises ``BadInput`` (``UnsafeInput``) like :func:`loads`."""
+    try:
+        with zipfile.ZipFile(f) as z:
+            names = [n for n in z.namelist() if n.endswith("/data.pkl")]
+            if len(names) != 1:
+                raise BadInput(f"{len(names)} data.pkl records in a torch.save blob")
+            data = z.read(names[0])
+    except (zipfile.BadZipFile, ValueError, OSError, KeyError, EOFError) as e:
+        raise BadInput(f"not a readable torch.save blob ({e})") from None
+    return loads(data)
+
+
 class _Emitter(pickle._Pickler):
     """The pure-Python pickler (at protocol 2 the same bytes as the C one torch uses), taught the
     nodes. Python rather than C because only it lets a name-only stand-in be written as a GLOBAL."""

@@ -161,17 +161,14 @@ def _load_item(blob: bytes, *, where: str) -> Any:
     """A small non-tensor item (``param_groups``, a counter), read without torch when its pickle
     holds plain data only; otherwise torch's weights_only loader reads it, or refuses it."""
     import io
-    import zipfile
 
-    from ..torchfile import Global, NewObj, Reduce, StorageRef, loads
+    from ..torchfile import Global, NewObj, Reduce, StorageRef, loads_blob
 
     try:
-        with zipfile.ZipFile(io.BytesIO(blob)) as z:
-            (name,) = [n for n in z.namelist() if n.endswith("/data.pkl")]
-            tree = loads(z.read(name))
+        tree = loads_blob(io.BytesIO(blob))
         if not _has_node(tree, (Global, NewObj, Reduce, StorageRef)):
             return tree
-    except (zipfile.BadZipFile, ValueError, KeyError, BadInput):
+    except BadInput:
         pass
     from ..safeload import load_torch_bytes
 

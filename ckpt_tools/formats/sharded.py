@@ -141,18 +141,23 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
                 _add(pieces, ("optimizer", tname), local.size, local.dtype, chunk, path / oname, fqn, skey)
         if rank in found["extra_state"]:
             ename = found["extra_state"][rank]
-            extra = _tree_of(path / ename).tree
-            if not isinstance(extra, dict):
-                raise BadInput(f"{path / ename}: holds a {type(extra).__name__}, expected a dict")
-            for key in extra:
-                objects.append(ObjectInfo("extra", str(key), Location(ename, "pickled", key=(key,)), rank=rank,
-                                          path=(key,)))
-    tensors = tuple(
-        TensorInfo(g, n, p["shape"], p["dtype"], tuple(p["chunks"]), p["param"], p["state"])
-        for (g, n), p in pieces.items()
-    )
-    return Checkpoint("sharded", path, ws, tensors, tuple(objects), tuple(_entries(path)), (ws,),
+            _extra_objects(_tree_of(path / ename).tree, path / ename, rank, objects)
+    return Checkpoint("sharded", path, ws, _tensors(pieces), tuple(objects), tuple(_entries(path)), (ws,),
                       details, param_order)
+
+
+def _extra_objects(extra: Any, file: Path, rank: int, objects: list[ObjectInfo]) -> None:
+    """One rank-local object per top-level key of an extra_state file."""
+    if not isinstance(extra, dict):
+        raise BadInput(f"{file}: holds a {type(extra).__name__}, expected a dict")
+    for key in extra:
+        objects.append(ObjectInfo("extra", str(key), Location(file.name, "pickled", key=(key,)), rank=rank,
+                                  path=(key,)))
+
+
+def _tensors(pieces: dict[tuple[str, str], dict[str, Any]]) -> tuple[TensorInfo, ...]:
+    return tuple(TensorInfo(g, n, p["shape"], p["dtype"], tuple(p["chunks"]), p["param"], p["state"])
+                 for (g, n), p in pieces.items())
 
 
 def _optimizer_header(osd: Any, file: Path, rank: int, details: dict, objects: list[ObjectInfo]) -> None:
@@ -237,17 +242,8 @@ def _describe_torch(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
                     objects.append(ObjectInfo("optimizer", tname, loc, path=("optimizer", *kp)))
         if rank in found["extra_state"]:
             ename = found["extra_state"][rank]
-            extra = load_torch(path / ename)
-            if not isinstance(extra, dict):
-                raise BadInput(f"{path / ename}: holds a {type(extra).__name__}, expected a dict")
-            for key in extra:
-                objects.append(ObjectInfo("extra", str(key), Location(ename, "pickled", key=(key,)), rank=rank,
-                                          path=(key,)))
-    tensors = tuple(
-        TensorInfo(g, n, p["shape"], p["dtype"], tuple(p["chunks"]), p["param"], p["state"])
-        for (g, n), p in pieces.items()
-    )
-    return Checkpoint("sharded", path, ws, tensors, tuple(objects), tuple(entries), mesh_shape,
+            _extra_objects(load_torch(path / ename), path / ename, rank, objects)
+    return Checkpoint("sharded", path, ws, _tensors(pieces), tuple(objects), tuple(entries), mesh_shape,
                       details, param_order)
 
 
