@@ -4,11 +4,12 @@ the engine carry the plan out. The layout functions are pure: descriptions in, j
 from __future__ import annotations
 
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
-from . import hfassets
+from . import hfassets, layouts
 from .atomic import check_destination
 from .describe import Checkpoint, ObjectInfo, TensorInfo
 from .dtypes import DType
@@ -70,17 +71,73 @@ def _replicated(t: TensorInfo, src: Checkpoint) -> bool:
 
 
 def layout_dcp(targets: list[Target], objects: tuple[ObjectInfo, ...], world_size: int,
-               extra: dict | None = None) -> list[FileJob]:
+               extra: dict | None = None, part_of=None) -> list[FileJob]:
     """``__{r}_0.distcp`` per rank: rank r's rows of every tensor with rows; scalars and
-    objects once, on rank 0 (as dcp.save deduplicates replicated entries)."""
+    objects once, on rank 0 (as dcp.save deduplicates replicated entries).
+
+    ``part_of(target or object)`` names the part directory an entry belongs to (accelerate's
+    ``pytorch_model_fsdp_0``, ``optimizer_0``; ``""`` for the root): each part is a DCP of its own."""
+    part_of = part_of or (lambda item: "")
+    parts = list(dict.fromkeys([part_of(t) for t in targets] + [part_of(o) for o in objects])) or [""]
+    home = "" if "" in parts else parts[0]  # where merged extra state goes
     jobs = []
-    for r in range(world_size):
-        pieces = tuple(rows_of(t, world_size, r) for t in targets if t.shape and rows_of(t, world_size, r).numel)
-        if r == 0:
-            pieces += tuple(whole(t) for t in targets if not t.shape)
-        jobs.append(FileJob(f"__{r}_0.distcp", pieces, objects if r == 0 else (), r,
-                            meta={"extra": extra or {}} if r == 0 else {}))
+    for part in parts:
+        mine = [t for t in targets if part_of(t) == part]
+        objs = tuple(o for o in objects if part_of(o) == part)
+        prefix = f"{part}/" if part else ""
+        for r in range(world_size):
+            pieces = tuple(rows_of(t, world_size, r) for t in mine if t.shape and rows_of(t, world_size, r).numel)
+            if r == 0:
+                pieces += tuple(whole(t) for t in mine if not t.shape)
+            jobs.append(FileJob(f"{prefix}__{r}_0.distcp", pieces, objs if r == 0 else (), r,
+                                meta={"extra": extra or {}} if r == 0 and part == home else {}))
     return jobs
+
+
+def dcp_part(item: Target | ObjectInfo) -> str:
+    """The part directory of a DCP source that holds ``item`` (``""`` at the root)."""
+    if isinstance(item, ObjectInfo):
+        loc = item.location
+    else:
+        if not item.source.chunks:
+            return ""
+        loc = item.source.chunks[0].location
+    return loc.file.rpartition("/")[0] if loc.kind in ("torch_item", "bytes_item") else ""
+
+
+def keep_layout(ckpt: Checkpoint, objects: tuple[ObjectInfo, ...], ws: int, policy: str
+                ) -> tuple[layouts.Layout, tuple[ObjectInfo, ...], layouts.Carry]:
+    """What a copy of ``ckpt`` in its own format and framework layout at ``ws`` ranks keeps:
+    its side files (carried as files, so entries read from them are not written again), its
+    rank-local entries (by ``policy`` when the world size changes, with a warning)."""
+    lay = layouts.layout_of(ckpt)
+    side = set(lay.side_files)
+    kept, local = [], []
+    for o in objects:
+        if o.location.file in side:
+            continue
+        rank = lay.rank_local_object(o) if o.rank is None else None
+        if rank is not None and ckpt.world_size != ws:
+            local.append(".".join(map(str, o.path)))
+            if policy != "keep-first" or rank >= ws:
+                continue
+        kept.append(o)
+    if local:
+        done = ("dropped: the resumed job starts them afresh" if policy == "drop" else
+                f"kept for ranks 0..{min(ws, ckpt.world_size or 0) - 1} from the same source ranks")
+        print(f"warning: rank-local entries {', '.join(layouts._short(sorted(local)))} ({lay.name}) cannot be "
+              f"split or merged; going from {ckpt.world_size} to {ws} ranks they were {done} "
+              f"(--rank-local {policy})", file=sys.stderr)
+    carry = layouts.carry_plan(lay, src_world=ckpt.world_size, dst_world=ws, policy=policy)
+    return lay, tuple(kept), carry
+
+
+def copy_side_files(src: Path, files: tuple[str, ...], tmp: Path) -> None:
+    """Side files into the staging directory, byte for byte."""
+    for rel in files:
+        out = tmp / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src / rel, out)
 
 
 # -- public operations ---------------------------------------------------------------------
@@ -123,6 +180,11 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
     if to == "hf":
         return _export(ckpt, src_path, dst, keep, cast, max_shard_size, base, overwrite, progress, report, left_out)
     targets = targets_from(keep, dtype=cast)
+    carry = None
+    if to == ckpt.format and to in ("dcp", "sharded") and not model_only:
+        # a copy in the source's own format keeps its framework's layout (reshard)
+        lay, objects, carry = keep_layout(ckpt, objects, ws, rank_local)
+        report["layout"] = lay.name
     shared = tuple(o for o in objects if o.rank is None)
     rank_objs = [o for o in objects if o.rank is not None]
     if to in ("torch", "dcp") and rank_objs:
@@ -136,11 +198,12 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
         writer: Any = torchsave.Writer(param_order=ckpt.param_order)
         jobs = [FileJob(dst.name, tuple(whole(t) for t in targets), shared, meta={"extra": merged})]
     elif to == "dcp":
-        writer = dcp.Writer(param_order=ckpt.param_order)
-        jobs = layout_dcp(targets, shared, ws, merged)
+        source_dcp = ckpt.format == "dcp"
+        writer = dcp.Writer(param_order=ckpt.param_order, source=ckpt.base_dir() if source_dcp else None)
+        jobs = layout_dcp(targets, shared, ws, merged, part_of=dcp_part if carry is not None else None)
     else:
         writer, jobs = _sharded_plan(ckpt, targets, objects, ws, rank_local)
-        assets = hfassets.find_assets(src_path, base)
+        assets = hfassets.find_assets(src_path, base) if carry is None else None
 
         def copy_huggingface(tmp: Path) -> None:
             if assets is not None:
@@ -148,6 +211,9 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
                 hfassets.copy_assets(assets, tmp / "huggingface", dtype=None)
 
         after = copy_huggingface
+    if carry is not None:
+        def after(tmp: Path) -> None:  # noqa: F811 - a layout's side files replace the assets copy
+            copy_side_files(ckpt.base_dir(), carry.files, tmp)
 
     execute(ckpt, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=f"{to} → {dst.name}", fmt=to,
             workers=workers, after=after)
@@ -167,7 +233,7 @@ def _sharded_plan(ckpt: Checkpoint, targets: list[Target], objects: tuple[Object
     if ckpt.format == "sharded" and all(c.location.kind == "raw" for t in ckpt.tensors for c in t.chunks) and all(
             t.dtype == t.source.dtype for t in targets):
         writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed, template=ckpt.root,
-                                src_world=ckpt.world_size)
+                                src_world=ckpt.world_size, config=sharded.read_config(ckpt.root))
 
         def equal(a: shardtree.Entry, b: shardtree.Entry) -> bool:
             return shardtree.same_value(writer.entry(a), writer.entry(b))
@@ -181,7 +247,8 @@ def _sharded_plan(ckpt: Checkpoint, targets: list[Target], objects: tuple[Object
             return writer, jobs
         except shardtree.NotSimple:
             pass
-    writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed)
+    config = sharded.read_config(ckpt.root) if ckpt.format == "sharded" else {}
+    writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed, config=config)
     with Reader(ckpt) as reader:
         extras = per_rank_extras(extra_objs, reader.object, src_world=ckpt.world_size, dst_world=ws,
                                  policy=rank_local)

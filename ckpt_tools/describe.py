@@ -65,6 +65,10 @@ class TensorInfo:
     chunks: tuple[Chunk, ...]
     param: str | None = None
     state: str | None = None
+    # Where a DCP source keeps the tensor: its nesting path as ``dcp.save`` recorded it
+    # (``("model", "lm_head.weight")``, torchtitan's ``("tok_embeddings.weight",)``); a DCP
+    # written from this source keeps it, so no key is renamed, nested or un-nested.
+    path: tuple[Any, ...] = field(default=(), compare=False)
 
     @property
     def key(self) -> tuple[str, str]:

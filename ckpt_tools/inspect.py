@@ -8,6 +8,7 @@ from typing import Any
 
 from .describe import GROUPS, Checkpoint, dtype_name
 from .formats import describe
+from .layouts import layout_of
 from .reader import Reader
 
 
@@ -42,9 +43,9 @@ def summarize(ckpt: Checkpoint, *, tensors: bool = False) -> dict[str, Any]:
     }
     if ckpt.mesh_shape:
         out["mesh_shape"] = list(ckpt.mesh_shape)
-    for k in ("fsdp", "layout"):
-        if ckpt.details.get(k):
-            out[k] = ckpt.details[k]
+    if ckpt.details.get("fsdp"):
+        out["fsdp"] = ckpt.details["fsdp"]
+    out.update(layout_of(ckpt).to_json())
     if "optimizer" in groups:
         out["optimizer"] = _optimizer(ckpt)
     extra = sorted({str(o.path[0]) if o.path else o.name for o in ckpt.objects if o.group == "extra"})
@@ -79,7 +80,8 @@ def _optimizer(ckpt: Checkpoint) -> dict[str, Any]:
 def format_summary(info: dict[str, Any]) -> str:
     """The human-readable form of :func:`inspect`'s result."""
     lines = [f"{info['path']}",
-             f"  format      {info['format']}" + (f" ({info['layout']})" if info.get("layout") else ""),
+             f"  format      {info['format']}" + (f", {info['layout']} layout" if info.get("layout") else "")
+             + (f", FSDP{info['fsdp_version']}" if info.get("fsdp_version") else ""),
              f"  world size  {info['world_size'] if info['world_size'] is not None else '- (unsharded)'}"
              + (f", mesh {tuple(info['mesh_shape'])}" if info.get("mesh_shape") else "")
              + (f", {info['fsdp']}" if info.get("fsdp") else ""),
@@ -97,6 +99,9 @@ def format_summary(info: dict[str, Any]) -> str:
                      f"({', '.join(o['states'])}; {o['keyed']}-keyed{step})")
     if info.get("extra_state"):
         lines.append("  extra state " + ", ".join(info["extra_state"]))
+    if info.get("side_files"):
+        files = info["side_files"]
+        lines.append(f"  side files  {', '.join(files[:6])}" + (f" ... ({len(files)} in all)" if len(files) > 6 else ""))
     if info.get("bytes_per_rank"):
         b = info["bytes_per_rank"]
         lines.append(f"  per rank    {human_bytes(min(b))} .. {human_bytes(max(b))} of tensors")

@@ -31,10 +31,8 @@ def _accelerate_dirs(path: Path) -> list[Path]:
 def describe(path: Path) -> Checkpoint:
     if (path / METADATA).is_file():
         parts = [(path, "")]
-        layout = "dcp"
     else:
         parts = [(p, p.name + "/") for p in _accelerate_dirs(path)]
-        layout = "accelerate"
     tensors: list[TensorInfo] = []
     objects: list[ObjectInfo] = []
     entries: list[FileEntry] = []
@@ -45,14 +43,14 @@ def describe(path: Path) -> Checkpoint:
         objects += o
         entries += e
         ranks |= r
-    if layout == "accelerate":
+    if len(parts) > 1 or parts[0][1]:
         # accelerate's save_state keeps the LR scheduler beside the DCP dirs, as a torch.save
         for f in sorted(path.glob("scheduler*.bin")):
             objects.append(ObjectInfo("extra", "lr_scheduler" if f.stem == "scheduler" else f.stem,
                                       Location(f.name, "pickled", key=()),
                                       path=("lr_scheduler" if f.stem == "scheduler" else f.stem,)))
             entries.append(FileEntry(f.name, f.stat().st_size))
-    details: dict[str, Any] = {"layout": layout}
+    details: dict[str, Any] = {}
     if any(t.group == "optimizer" for t in tensors):
         details["optimizer_keyed"] = "fqn"
     param_order = _param_order(path, tensors, objects)
@@ -112,7 +110,8 @@ def _describe_one(path: Path, prefix: str):
                     Chunk(tuple(c.offsets), tuple(c.sizes), location(fqn, c.offsets), None)
                     for c in md.chunks
                 )
-                tensors.append(TensorInfo(group, name, shape, md.properties.dtype, chunks, param, state))
+                tensors.append(TensorInfo(group, name, shape, md.properties.dtype, chunks, param, state,
+                                          path=tuple(paths.get(fqn) or (fqn,))))
             elif isinstance(md, BytesStorageMetadata):
                 path_ = tuple(paths.get(fqn) or fqn.split("."))
                 objects.append(ObjectInfo(group, name, location(fqn, None, "bytes_item"), path=path_))
@@ -218,7 +217,12 @@ def _classify(fqn: str, obj_path: tuple | None, is_tensor: bool) -> tuple[str, s
 # -- writing ------------------------------------------------------------------------------
 
 def dcp_key(target) -> tuple:
-    """The nesting path ``dcp.save`` gives a tensor of ``get_state_dict``'s output."""
+    """The nesting path of a tensor in the DCP written: its DCP source's own path, unchanged
+    (a reshard never renames, nests or un-nests a key); else the path ``dcp.save`` gives a
+    tensor of ``get_state_dict``'s output."""
+    source = target.source
+    if source.path and (target.group, target.name) == (source.group, source.name):
+        return source.path
     if target.group == "optimizer" and target.param:
         return ("optimizer", "state", target.param, target.state)
     return (target.group, target.name)
@@ -227,12 +231,24 @@ def dcp_key(target) -> tuple:
 class Writer:
     """A DCP directory as an M-rank ``dcp.save`` lays it out: ``__{r}_0.distcp`` holding rank
     r's rows of every sharded tensor, replicated entries (scalars, objects) saved once by rank
-    0, items written as ``torch.save`` blobs, and ``.metadata`` (DCP's own classes) last."""
+    0, items written as ``torch.save`` blobs, and ``.metadata`` (DCP's own classes) last.
+
+    A job's path may name a part directory (accelerate's ``pytorch_model_fsdp_0/``): each part
+    gets its own ``.metadata``. Non-tensor items of a DCP source (``source``: its directory) are
+    copied as the bytes they were saved as, under their own keys."""
 
     single_file = False
 
-    def __init__(self, *, param_order: tuple[str, ...] = ()) -> None:
+    def __init__(self, *, param_order: tuple[str, ...] = (), source: Path | None = None) -> None:
         self.param_order = param_order
+        self.source = source
+
+    def _blob(self, o) -> bytes | None:
+        if self.source is None or o.location.kind != "bytes_item" or not o.path:
+            return None
+        with open(self.source / o.location.file, "rb") as f:
+            f.seek(o.location.offset)
+            return f.read(o.location.length)
 
     def write(self, path: Path, job, pieces, objects) -> None:
         import io
@@ -252,10 +268,17 @@ class Writer:
                 # the piece's index, not the piece: finish() builds metadata from the plan it
                 # holds, so the bytes do not depend on which process wrote the file
                 records.append(("tensor", i, start, f.tell() - start))
-            if job.objects or job.meta.get("extra"):
+            blobs = [(o, self._blob(o)) for o in job.objects]
+            for o, blob in blobs:
+                if blob is not None:
+                    start = f.tell()
+                    f.write(blob)
+                    records.append(("bytes", (".".join(map(str, o.path)), tuple(o.path)), start, len(blob)))
+            rest = tuple(o for o, blob in blobs if blob is None)
+            if rest or job.meta.get("extra"):
                 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-                nested = gather(job.objects, objects)
+                nested = gather(rest, objects)
                 nested.update(job.meta.get("extra", {}))
                 if "optimizer" in nested and "param_groups" in nested["optimizer"]:
                     nested["optimizer"]["param_groups"] = param_groups_keyed(
@@ -270,6 +293,13 @@ class Writer:
         return records
 
     def finish(self, out: Path, jobs, written: dict) -> None:
+        parts: dict[str, list] = {}
+        for job in jobs:
+            parts.setdefault(job.path.rpartition("/")[0], []).append(job)
+        for part, part_jobs in parts.items():
+            self._metadata(out / part if part else out, part_jobs, written)
+
+    def _metadata(self, out: Path, jobs, written: dict) -> None:
         import pickle
 
         import torch
@@ -283,6 +313,7 @@ class Writer:
         planner: dict = {}
         storage: dict = {}
         for job in jobs:
+            file = job.path.rpartition("/")[2]
             for kind, what, start, length in written.get(job.path) or []:
                 if kind == "tensor":
                     p = job.pieces[what]
@@ -291,11 +322,11 @@ class Writer:
                     md = state.setdefault(fqn, TensorStorageMetadata(
                         properties=TensorProperties(dtype=as_torch(p.target.dtype)), size=torch.Size(p.target.shape), chunks=[]))
                     md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=torch.Size(p.sizes)))
-                    storage[MetadataIndex(fqn, torch.Size(p.offsets))] = _StorageInfo(job.path, start, length)
+                    storage[MetadataIndex(fqn, torch.Size(p.offsets))] = _StorageInfo(file, start, length)
                 else:
                     fqn, path_ = what
                     state[fqn] = BytesStorageMetadata()
-                    storage[MetadataIndex(fqn)] = _StorageInfo(job.path, start, length)
+                    storage[MetadataIndex(fqn)] = _StorageInfo(file, start, length)
                 planner[fqn] = path_
         meta = Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage, version="1.0.0")
         # written last, as dcp.save does: a reader that finds it knows the data files are complete

@@ -35,6 +35,20 @@ def detect(path: Path) -> bool:
     return path.is_dir() and any(PATTERN.match(p.name) for p in path.iterdir())
 
 
+def read_config(path: Path) -> dict:
+    """The directory's ``fsdp_config.json`` (``{}`` when there is none)."""
+    config = path / CONFIG_NAME
+    if not config.is_file():
+        return {}
+    try:
+        value = json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        raise BadInput(f"{config}: not valid JSON ({e})") from e
+    if not isinstance(value, dict):
+        raise BadInput(f"{config}: holds a {type(value).__name__}, expected an object")
+    return value
+
+
 def _inventory(path: Path) -> tuple[int, dict[str, dict[int, str]]]:
     found: dict[str, dict[int, str]] = {"model": {}, "optim": {}, "extra_state": {}}
     sizes = set()
@@ -47,14 +61,9 @@ def _inventory(path: Path) -> tuple[int, dict[str, dict[int, str]]]:
     if len(sizes) != 1:
         raise BadInput(f"{path}: rank files of several world sizes {sorted(sizes)}; keep one save per directory")
     (ws,) = sizes
-    config = path / CONFIG_NAME
-    if config.is_file():
-        try:
-            cfg_ws = json.loads(config.read_text()).get("world_size")
-        except (OSError, ValueError, AttributeError) as e:
-            raise BadInput(f"{config}: not valid JSON ({e})") from e
-        if cfg_ws is not None and cfg_ws != ws:
-            raise BadInput(f"{path}: file names say world size {ws} but {CONFIG_NAME} says {cfg_ws}")
+    cfg_ws = read_config(path).get("world_size")
+    if cfg_ws is not None and cfg_ws != ws:
+        raise BadInput(f"{path}: file names say world size {ws} but {CONFIG_NAME} says {cfg_ws}")
     if not found["model"]:
         raise BadInput(f"{path}: no model_world_size_{ws}_rank_*.pt files (only optimizer or extra state)")
     for kind, ranks in found.items():
@@ -323,8 +332,9 @@ class Writer:
     single_file = False
 
     def __init__(self, *, world_size: int, param_order: tuple[str, ...], keyed: str = "int",
-                 template: Path | None = None, src_world: int | None = None) -> None:
+                 template: Path | None = None, src_world: int | None = None, config: dict | None = None) -> None:
         self.world_size = world_size
+        self.config = config or {}
         self.param_order = param_order
         self.keyed = keyed
         # a sharded source read without torch: each file is its source's tree, rebuilt
@@ -459,7 +469,9 @@ class Writer:
         save(obj, path, lazy)
 
     def finish(self, out: Path, jobs, written: dict) -> None:
-        (out / CONFIG_NAME).write_text(json.dumps({"FSDP_version": 2, "world_size": self.world_size}) + "\n")
+        # the source's own fsdp_config.json, other fields kept, for what these files are
+        config = {**self.config, "FSDP_version": 2, "world_size": self.world_size}
+        (out / CONFIG_NAME).write_text(json.dumps(config) + "\n")
 
 
 _MESHES: dict = {}

@@ -1,0 +1,38 @@
+"""torchtitan's ``CheckpointManager`` ``step-N/``: one DCP whose model keys sit at the top level
+(no ``model.`` prefix), optimizer flattened (``optimizer`` → ``state.<fqn>.<name>``,
+``param_groups.<fqn>.<key>``), ``lr_scheduler``, ``train_state`` and one
+``dataloader.dp_rank_{r}`` entry per data-parallel rank (rank-local). torchtitan trains with
+FSDP2 only."""
+
+from __future__ import annotations
+
+import re
+
+NAME = "torchtitan"
+RANK_LOCAL_FILE = None
+_STEP_DIR = re.compile(r"^step-\d+$")
+_DP_RANK = re.compile(r"^dp_rank_(\d+)$")
+
+
+def detect(ckpt) -> bool:
+    if ckpt.format != "dcp":
+        return False
+    heads = {str(o.path[0]) for o in ckpt.objects if o.path}
+    if "train_state" in heads or any(rank_local_object(o) is not None for o in ckpt.objects):
+        return True
+    flat_optim = any(len(o.path) == 2 and str(o.path[0]) == "optimizer" and str(o.path[1]).startswith("param_groups.")
+                     for o in ckpt.objects)
+    return bool(_STEP_DIR.match(ckpt.root.name)) and flat_optim
+
+
+def fsdp_version(ckpt) -> int | None:
+    return 2
+
+
+def rank_local_object(obj) -> int | None:
+    path = [str(p) for p in obj.path]
+    if len(path) >= 2 and path[0] == "dataloader":
+        m = _DP_RANK.match(path[1])
+        if m:
+            return int(m.group(1))
+    return None

@@ -1,0 +1,33 @@
+"""verl's ``FSDPCheckpointManager`` layout: ``model_/optim_/extra_state_world_size_{W}_rank_{r}.pt``,
+``fsdp_config.json`` (``FSDP_version``, ``world_size``), ``huggingface/`` (config, tokenizer,
+``model.safetensors`` when saved), ``lora_train_meta.json`` for LoRA runs.
+
+Rank-local: the ``rng`` entry of each ``extra_state`` file (handled with the extra state)."""
+
+from __future__ import annotations
+
+import json
+
+from .plain import _from_details
+
+NAME = "verl"
+RANK_LOCAL_FILE = None
+RANK_LOCAL_EXTRA = ("rng",)
+
+
+def detect(ckpt) -> bool:
+    return ckpt.format == "sharded"
+
+
+def fsdp_version(ckpt) -> int | None:
+    found = _from_details(ckpt)
+    if found is not None:
+        return found
+    try:
+        return int(json.loads((ckpt.root / "fsdp_config.json").read_text())["FSDP_version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def rank_local_object(obj) -> int | None:
+    return obj.rank if obj.group == "extra" and obj.path[:1] in [(k,) for k in RANK_LOCAL_EXTRA] else None
