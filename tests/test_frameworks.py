@@ -1,0 +1,124 @@
+"""Real frameworks' checkpoints through ``ckpt reshard``, resumed by the frameworks' own loaders.
+
+For each framework: a 4-rank job saves with the framework's own code after step 2 and runs on to
+step 4 (the uninterrupted losses); ``ckpt reshard --to 2`` and ``--to 3`` write the save for
+another world size; the framework's own loader resumes at 2 and 3 ranks and must reproduce the
+uninterrupted steps 3-4 within 1e-5 relative. The jobs are in ``fw_<framework>.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from dist import run_ranks
+from fw_common import close
+
+from ckpt_tools.cli.main import main as cli
+from ckpt_tools.formats.dcp import METADATA
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+SAVE_AT, STEPS = 2, 4
+
+
+def _ckpt(*args: str) -> str:
+    result = CliRunner().invoke(cli, [*args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def _inspect(path) -> dict:
+    return json.loads(_ckpt("inspect", str(path), "--json"))
+
+
+def _dcp_keys(part) -> tuple[set, dict]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(part)).read_metadata()
+    return set(meta.state_dict_metadata), meta.planner_data
+
+
+class Framework:
+    """One framework's 4-rank save, shared by the cases that reshard and resume it."""
+
+    def __init__(self, job, tmp, *, save_dir=lambda out: out, **kw):
+        self.job, self.tmp, self.kw = job, tmp, kw
+        out = tmp / "run"
+        self.full = run_ranks(functools.partial(job, save_at=SAVE_AT, load=None, steps=STEPS, **kw), 4, tmp, str(out))[0]
+        self.saved = Path(save_dir(str(out)))
+
+    def resume(self, path, world_size: int) -> list[float]:
+        return run_ranks(functools.partial(self.job, save_at=None, load=str(path), steps=STEPS - SAVE_AT, **self.kw),
+                         world_size, self.tmp, str(self.tmp / f"resume{world_size}"))[0]
+
+
+@pytest.fixture(scope="module")
+def accelerate_save(tmp_path_factory):
+    import fw_accelerate
+
+    return Framework(fw_accelerate.job, tmp_path_factory.mktemp("accelerate"))
+
+
+@pytest.fixture(scope="module")
+def trainer_save(tmp_path_factory):
+    import fw_trainer
+
+    return Framework(fw_trainer.job, tmp_path_factory.mktemp("trainer"),
+                     save_dir=lambda out: fw_trainer.checkpoint_dir(out, SAVE_AT))
+
+
+# -- accelerate ------------------------------------------------------------------------------
+
+def test_accelerate_inspect(accelerate_save):
+    info = _inspect(accelerate_save.saved)
+    assert (info["format"], info["layout"], info["fsdp_version"], info["world_size"]) == ("dcp", "accelerate", None, 4)
+    assert info["side_files"] == [f"random_states_{r}.pkl" for r in range(4)] + ["scheduler.bin"]
+
+
+@pytest.mark.parametrize("to", [2, 3])
+def test_accelerate_reshard_resumes(accelerate_save, tmp_path, to):
+    src, dst = accelerate_save.saved, tmp_path / f"ws{to}"
+    result = CliRunner().invoke(cli, ["reshard", str(src), str(dst), "--to", str(to), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "warning: rank-local files random_states_0.pkl" in result.output  # dropped, and said so
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        assert _dcp_keys(dst / part) == _dcp_keys(src / part)  # no key renamed, nested or un-nested
+        assert sorted(p.name for p in (dst / part).iterdir()) == [METADATA] + [f"__{r}_0.distcp" for r in range(to)]
+    assert (dst / "scheduler.bin").read_bytes() == (src / "scheduler.bin").read_bytes()
+    assert not list(dst.glob("random_states_*"))
+    info = _inspect(dst)
+    assert (info["layout"], info["world_size"]) == ("accelerate", to)
+    assert close(accelerate_save.resume(dst, to), accelerate_save.full[SAVE_AT:])
+
+
+def test_accelerate_keep_first(accelerate_save, tmp_path):
+    src, dst = accelerate_save.saved, tmp_path / "ws3"
+    _ckpt("reshard", str(src), str(dst), "--to", "3", "--rank-local", "keep-first", "--quiet")
+    for r in range(3):
+        assert (dst / f"random_states_{r}.pkl").read_bytes() == (src / f"random_states_{r}.pkl").read_bytes()
+    assert not (dst / "random_states_3.pkl").exists()
+
+
+# -- transformers Trainer --------------------------------------------------------------------
+
+def test_trainer_inspect(trainer_save):
+    info = _inspect(trainer_save.saved)
+    assert (info["format"], info["layout"], info["fsdp_version"], info["world_size"]) == ("dcp", "trainer", None, 4)
+    assert set(info["side_files"]) >= {"scheduler.pt", "trainer_state.json"} | {f"rng_state_{r}.pth" for r in range(4)}
+
+
+@pytest.mark.parametrize("to", [2, 3])
+def test_trainer_reshard_resumes(trainer_save, tmp_path, to):
+    src, dst = trainer_save.saved, tmp_path / f"checkpoint-{SAVE_AT}"
+    _ckpt("reshard", str(src), str(dst), "--to", str(to), "--quiet")
+    for name in ("scheduler.pt", "trainer_state.json"):
+        assert (dst / name).read_bytes() == (src / name).read_bytes()
+    assert not list(dst.glob("rng_state_*"))
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        assert _dcp_keys(dst / part) == _dcp_keys(src / part)
+    assert _inspect(dst)["layout"] == "trainer"
+    assert close(trainer_save.resume(dst, to), trainer_save.full[SAVE_AT:])
