@@ -122,3 +122,40 @@ def test_trainer_reshard_resumes(trainer_save, tmp_path, to):
         assert _dcp_keys(dst / part) == _dcp_keys(src / part)
     assert _inspect(dst)["layout"] == "trainer"
     assert close(trainer_save.resume(dst, to), trainer_save.full[SAVE_AT:])
+
+
+# -- torchtitan ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def torchtitan_save(tmp_path_factory):
+    import fw_torchtitan
+
+    return Framework(fw_torchtitan.job, tmp_path_factory.mktemp("torchtitan"),
+                     save_dir=lambda out: f"{out}/step-{SAVE_AT}")
+
+
+def test_torchtitan_inspect(torchtitan_save):
+    info = _inspect(torchtitan_save.saved)
+    assert (info["format"], info["layout"], info["fsdp_version"], info["world_size"]) == ("dcp", "torchtitan", 2, 4)
+    assert info["side_files"] == []
+    names = {t["name"] for t in json.loads(_ckpt("inspect", str(torchtitan_save.saved), "--json", "--tensors"))["tensors"]}
+    assert "tok_embeddings.weight" in names  # top-level model keys, as torchtitan saved them
+
+
+@pytest.mark.parametrize("to", [2, 3])
+def test_torchtitan_reshard_resumes(torchtitan_save, tmp_path, to):
+    """torchtitan resumes the resharded step-N/ as its own reshard-at-load of the 4-rank save
+    does (the same losses, bit for bit there); the data-loader state is rank-local and dropped,
+    so the job excludes it from loading, as torchtitan asks of any resume at another DP degree."""
+    src, dst = torchtitan_save.saved, tmp_path / "folder" / f"step-{SAVE_AT}"
+    result = CliRunner().invoke(cli, ["reshard", str(src), str(dst), "--to", str(to), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "warning: rank-local entries dataloader.dp_rank_0" in result.output
+    keys, planner = _dcp_keys(dst)
+    src_keys, src_planner = _dcp_keys(src)
+    dropped = {f"dataloader.dp_rank_{r}" for r in range(4)}
+    assert keys == src_keys - dropped
+    assert planner == {k: v for k, v in src_planner.items() if k not in dropped}
+    assert close(torchtitan_save.resume(dst.parent, to), torchtitan_save.full[SAVE_AT:])
+    own = torchtitan_save.resume(src.parent, to)  # torchtitan's own reshard-at-load of the same save
+    assert close(own, torchtitan_save.full[SAVE_AT:])
