@@ -174,6 +174,10 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
     objects = tuple(o for o in ckpt.objects if not (model_only or to == "hf") or o.group == "model")
     if to != "hf":
         left_out += sorted({o.group for o in ckpt.objects} - {o.group for o in objects} - set(left_out))
+    if ckpt.details.get("optimizer_flat") and not (model_only or to == "hf"):
+        raise BadInput(f"{src_path}: {ckpt.details['optimizer_flat']}, so ckpt cannot write it resharded or "
+                       "converted without guessing. Export or convert the model alone (ckpt export, or "
+                       "convert --model-only), or save with FSDP2 or use_orig_params=True")
     ws = world_size or (ckpt.world_size if ckpt.world_size and to in ("sharded", "dcp") else 1)
     report: dict[str, Any] = {"src": str(src_path), "dst": str(dst), "format": to, "world_size": ws if to in ("sharded", "dcp") else None}
     after = None

@@ -70,6 +70,8 @@ def _optimizer(ckpt: Checkpoint) -> dict[str, Any]:
     info: dict[str, Any] = {"type": kind, "states": sorted(states),
                             "keyed": ckpt.details.get("optimizer_keyed"),
                             "params": len({t.param for t in ckpt.group("optimizer") if t.param})}
+    if ckpt.details.get("optimizer_flat"):
+        info["flat_parameters"] = True  # FSDP1 flat-parameter state: not mapped to parameters
     step = next((t for t in ckpt.group("optimizer") if t.state == "step" and t.numel == 1), None)
     if step is not None:
         with Reader(ckpt) as r:
@@ -95,8 +97,11 @@ def format_summary(info: dict[str, Any]) -> str:
     if "optimizer" in info:
         o = info["optimizer"]
         step = f", step {o['step']:g}" if isinstance(o.get("step"), (int, float)) else ""
-        lines.append(f"  optimizer   {o['type'] or 'unknown'} over {o['params']} parameters "
-                     f"({', '.join(o['states'])}; {o['keyed']}-keyed{step})")
+        if o.get("flat_parameters"):
+            lines.append("  optimizer   FSDP1 flat-parameter state (not mapped to parameters; reshard refuses it)")
+        else:
+            lines.append(f"  optimizer   {o['type'] or 'unknown'} over {o['params']} parameters "
+                         f"({', '.join(o['states'])}; {o['keyed']}-keyed{step})")
     if info.get("extra_state"):
         lines.append("  extra state " + ", ".join(info["extra_state"]))
     if info.get("side_files"):

@@ -159,3 +159,88 @@ def test_torchtitan_reshard_resumes(torchtitan_save, tmp_path, to):
     assert close(torchtitan_save.resume(dst.parent, to), torchtitan_save.full[SAVE_AT:])
     own = torchtitan_save.resume(src.parent, to)  # torchtitan's own reshard-at-load of the same save
     assert close(own, torchtitan_save.full[SAVE_AT:])
+
+
+# -- verl ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def verl_fsdp2_save(tmp_path_factory):
+    import fw_verl
+
+    return Framework(fw_verl.job, tmp_path_factory.mktemp("verl2"), fsdp=2)
+
+
+@pytest.fixture(scope="module")
+def verl_lora_save(tmp_path_factory):
+    import fw_verl
+
+    return Framework(fw_verl.job, tmp_path_factory.mktemp("verl_lora"), fsdp=2, lora=True, hf_model=True)
+
+
+def test_verl_fsdp2_inspect(verl_fsdp2_save):
+    info = _inspect(verl_fsdp2_save.saved)
+    assert (info["format"], info["layout"], info["fsdp_version"], info["world_size"]) == ("sharded", "verl", 2, 4)
+    assert info["side_files"] == ["huggingface/config.json", "huggingface/tokenizer.json", "huggingface/tokenizer_config.json"]
+
+
+@pytest.mark.parametrize("to", [2, 3])
+def test_verl_fsdp2_reshard_resumes(verl_fsdp2_save, tmp_path, to):
+    src, dst = verl_fsdp2_save.saved, tmp_path / "actor"
+    _ckpt("reshard", str(src), str(dst), "--to", str(to), "--quiet")
+    assert json.loads((dst / "fsdp_config.json").read_text()) == {"FSDP_version": 2, "world_size": to}
+    assert close(verl_fsdp2_save.resume(dst, to), verl_fsdp2_save.full[SAVE_AT:])
+
+
+def test_verl_lora_side_files_carried(verl_lora_save, tmp_path):
+    """LoRA runs: lora_train_meta.json (the merger's alpha) and huggingface/model.safetensors
+    come out byte for byte; the resharded LoRA job resumes."""
+    src, dst = verl_lora_save.saved, tmp_path / "actor"
+    info = _inspect(src)
+    assert {"lora_train_meta.json", "huggingface/model.safetensors"} <= set(info["side_files"])
+    _ckpt("reshard", str(src), str(dst), "--to", "2", "--quiet")
+    for name in info["side_files"]:
+        assert (dst / name).read_bytes() == (src / name).read_bytes(), name
+    assert close(verl_lora_save.resume(dst, 2), verl_lora_save.full[SAVE_AT:])
+
+
+@pytest.fixture(scope="module")
+def verl_fsdp1_save(tmp_path_factory):
+    """A real verl FSDP1 (use_orig_params=False) save: optimizer state per flat parameter."""
+    import fw_verl
+
+    tmp = tmp_path_factory.mktemp("verl1")
+    run_ranks(functools.partial(fw_verl.job, save_at=SAVE_AT, load=None, steps=SAVE_AT, fsdp=1), 4, tmp, str(tmp / "run"))
+    return tmp / "run"
+
+
+def test_verl_fsdp1_inspect(verl_fsdp1_save):
+    info = _inspect(verl_fsdp1_save)
+    assert (info["layout"], info["fsdp_version"]) == ("verl", 1)
+    assert info["optimizer"]["flat_parameters"] is True
+    assert info["groups"]["optimizer"]["num_tensors"] == 0  # never mapped onto parameter names
+
+
+@pytest.mark.parametrize("args", [["reshard", "--to", "2"], ["convert", "--to", "dcp"]])
+def test_verl_fsdp1_flat_optimizer_refused(verl_fsdp1_save, tmp_path, args):
+    dst = tmp_path / "out"
+    result = CliRunner().invoke(cli, [args[0], str(verl_fsdp1_save), str(dst), *args[1:]])
+    assert result.exit_code == 3, result.output
+    assert "flat parameter" in result.output and "--model-only" in result.output
+    assert result.output.count("error:") == 1
+    assert not dst.exists()
+
+
+def test_verl_fsdp1_model_exports(verl_fsdp1_save, tmp_path):
+    """The model files of an FSDP1 save are whole DTensor shards: export is exact."""
+    import torch
+    from safetensors.torch import load_file
+
+    dst = tmp_path / "hf"
+    _ckpt("export", str(verl_fsdp1_save), str(dst), "--quiet")
+    sd = load_file(dst / "model.safetensors")
+    from ckpt_tools.safeload import load_torch  # torch.load(weights_only=True), DTensor globals allowed
+
+    ranks = [load_torch(verl_fsdp1_save / f"model_world_size_4_rank_{r}.pt") for r in range(4)]
+    assert sorted(sd) == sorted(ranks[0])
+    for name, value in sd.items():
+        assert torch.equal(value, torch.cat([rank[name]._local_tensor for rank in ranks])), name

@@ -151,8 +151,35 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
         if rank in found["extra_state"]:
             ename = found["extra_state"][rank]
             _extra_objects(_tree_of(path / ename).tree, path / ename, rank, objects)
+    _check_flat_optimizer(path, pieces, details)
     return Checkpoint("sharded", path, ws, _tensors(pieces), tuple(objects), tuple(_entries(path)), (ws,),
                       details, param_order)
+
+
+def _check_flat_optimizer(path: Path, pieces: dict, details: dict) -> None:
+    """FSDP1 with ``use_orig_params=False`` (verl's ``strategy: fsdp``) saves the optimizer's
+    state per *flat* parameter: one padded 1-D shard per FSDP unit, int-keyed by unit. Which
+    parameters a unit holds is not in the files, so the state cannot be mapped to parameters:
+    it is left out of the description (noted in ``details``), and writers of optimizer state
+    refuse it. Recognised by state whose shape is not its parameter's."""
+    if read_config(path).get("FSDP_version") == 1:
+        details["fsdp"] = "FSDP1"
+    flat = []
+    for (group, name), p in pieces.items():
+        model = pieces.get(("model", p["param"] or ""))
+        if group == "optimizer" and p["state"] != "step" and p["shape"] and (model is None or model["shape"] != p["shape"]):
+            flat.append(name)
+    if not flat:
+        return
+    first = pieces[("optimizer", flat[0])]
+    ids = {pieces[("optimizer", n)]["param"] for n in flat}
+    details["optimizer_flat"] = (
+        f"its optimizer state is held per FSDP1 flat parameter ({len(ids)} with state; the first holds "
+        f"{first['state']} of shape {first['shape']}), not per parameter; which parameters each flat parameter "
+        "holds, in what order and with what padding is not saved in the checkpoint")
+    details["fsdp"] = "FSDP1 (flat parameters)"
+    for key in [k for k in pieces if k[0] == "optimizer"]:
+        del pieces[key]
 
 
 def _extra_objects(extra: Any, file: Path, rank: int, objects: list[ObjectInfo]) -> None:
@@ -252,6 +279,7 @@ def _describe_torch(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
         if rank in found["extra_state"]:
             ename = found["extra_state"][rank]
             _extra_objects(load_torch(path / ename), path / ename, rank, objects)
+    _check_flat_optimizer(path, pieces, details)
     return Checkpoint("sharded", path, ws, _tensors(pieces), tuple(objects), tuple(entries), mesh_shape,
                       details, param_order)
 

@@ -20,13 +20,12 @@ def detect(ckpt) -> bool:
 
 
 def fsdp_version(ckpt) -> int | None:
-    found = _from_details(ckpt)
-    if found is not None:
-        return found
+    """From ``fsdp_config.json`` (verl writes it), else from the files: FSDP1 files given a
+    device mesh hold DTensors like FSDP2's, so only the config (or flat optimizer state) tells."""
     try:
         return int(json.loads((ckpt.root / "fsdp_config.json").read_text())["FSDP_version"])
     except (OSError, ValueError, KeyError, TypeError):
-        return None
+        return _from_details(ckpt)
 
 
 def rank_local_object(obj) -> int | None:
