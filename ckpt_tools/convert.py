@@ -346,6 +346,10 @@ def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = No
         raise BadInput(f"{src}: is {ckpt.format!r}, which has no ranks; use `ckpt convert --to sharded --world-size {to}`")
     if from_ is not None and from_ != ckpt.world_size:
         raise BadInput(f"{src}: --from {from_} but the checkpoint was saved by {ckpt.world_size} ranks")
+    if ckpt.format == "sharded" and ckpt.mesh_shape and len(ckpt.mesh_shape) > 1:
+        raise BadInput(f"{src}: saved on a {len(ckpt.mesh_shape)}-D device mesh {tuple(ckpt.mesh_shape)} (HSDP or "
+                       "FSDP+TP); reshard writes 1-D FSDP2 rank files, which such a job does not load. Export it "
+                       "(ckpt export), or convert it to DCP (ckpt convert --to dcp), which the job reshards at load")
     _check_same_save(ckpt)
     return convert(src, dst, to=ckpt.format, world_size=to, overwrite=overwrite, progress=progress,
                    rank_local=rank_local, workers=workers, _ckpt=ckpt)

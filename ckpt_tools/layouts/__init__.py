@@ -89,7 +89,7 @@ def _format_files(ckpt: Checkpoint) -> set[str]:
         parts = {f.rpartition("/")[0] for f in files}
         files |= {f.path for f in ckpt.files if f.path.rpartition("/")[0] in parts}
     if ckpt.format == "hf":
-        files |= {f.path for f in ckpt.files if f.path.endswith(".index.json")}
+        files |= {p.name for p in ckpt.root.glob("*.index.json")}
     if ckpt.format == "sharded":
         from ..formats.sharded import CONFIG_NAME, PATTERN
 
