@@ -180,7 +180,7 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
                        "convert --model-only), or save with FSDP2 or use_orig_params=True")
     ws = world_size or (ckpt.world_size if ckpt.world_size and to in ("sharded", "dcp") else 1)
     report: dict[str, Any] = {"src": str(src_path), "dst": str(dst), "format": to, "world_size": ws if to in ("sharded", "dcp") else None}
-    after = None
+    after: Any = None
     if to == "hf":
         return _export(ckpt, src_path, dst, keep, cast, max_shard_size, base, overwrite, progress, report, left_out)
     targets = targets_from(keep, dtype=cast)
@@ -207,17 +207,17 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
         jobs = layout_dcp(targets, shared, ws, merged, part_of=dcp_part if carry is not None else None)
     else:
         writer, jobs = _sharded_plan(ckpt, targets, objects, ws, rank_local)
-        assets = hfassets.find_assets(src_path, base) if carry is None else None
+    if carry is not None:
+        def after(tmp: Path) -> None:
+            copy_side_files(ckpt.base_dir(), carry.files, tmp)
+    elif to == "sharded":
+        # verl's layout from another format: config and tokenizer into huggingface/
+        assets = hfassets.find_assets(src_path, base)
 
-        def copy_huggingface(tmp: Path) -> None:
+        def after(tmp: Path) -> None:
             if assets is not None:
                 (tmp / "huggingface").mkdir()
                 hfassets.copy_assets(assets, tmp / "huggingface", dtype=None)
-
-        after = copy_huggingface
-    if carry is not None:
-        def after(tmp: Path) -> None:  # noqa: F811 - a layout's side files replace the assets copy
-            copy_side_files(ckpt.base_dir(), carry.files, tmp)
 
     execute(ckpt, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=f"{to} → {dst.name}", fmt=to,
             workers=workers, after=after)
