@@ -4,6 +4,7 @@ accelerate (``pytorch_model_fsdp_0/`` + ``optimizer_0/``) and ``dcp.save`` write
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +217,12 @@ def _classify(fqn: str, obj_path: tuple | None, is_tensor: bool) -> tuple[str, s
 
 # -- writing ------------------------------------------------------------------------------
 
+def _canonical(path) -> tuple:
+    """``path`` with its strings interned: pickle memoizes by identity, so equal paths must be
+    one object whichever process built them for ``.metadata`` to come out the same bytes."""
+    return tuple(sys.intern(p) if isinstance(p, str) else p for p in path)
+
+
 def dcp_key(target) -> tuple:
     """The nesting path of a tensor in the DCP written: its DCP source's own path, unchanged
     (a reshard never renames, nests or un-nests a key); else the path ``dcp.save`` gives a
@@ -317,14 +324,14 @@ class Writer:
             for kind, what, start, length in written.get(job.path) or []:
                 if kind == "tensor":
                     p = job.pieces[what]
-                    path_ = dcp_key(p.target)
-                    fqn = ".".join(map(str, path_))
+                    path_ = _canonical(dcp_key(p.target))
+                    fqn = sys.intern(".".join(map(str, path_)))
                     md = state.setdefault(fqn, TensorStorageMetadata(
                         properties=TensorProperties(dtype=as_torch(p.target.dtype)), size=torch.Size(p.target.shape), chunks=[]))
                     md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=torch.Size(p.sizes)))
                     storage[MetadataIndex(fqn, torch.Size(p.offsets))] = _StorageInfo(file, start, length)
                 else:
-                    fqn, path_ = what
+                    fqn, path_ = sys.intern(what[0]), _canonical(what[1])
                     state[fqn] = BytesStorageMetadata()
                     storage[MetadataIndex(fqn)] = _StorageInfo(file, start, length)
                 planner[fqn] = path_
