@@ -14,6 +14,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from . import bounded, safefs
 from .dtypes import DType, known
 from .errors import BadInput, UnsafeInput, first_line
 
@@ -155,16 +156,24 @@ class MetadataUnpickler(pickle.Unpickler):
         raise Forbidden(f"global {module}.{name} is not a DCP metadata class")
 
 
+bounded.register(_Record, lambda r: list(vars(r).values()))
+
+
 def load_dcp_metadata(path: Path) -> Any:
-    """Read a DCP ``.metadata`` file through :class:`MetadataUnpickler`."""
+    """Read a DCP ``.metadata`` file through :class:`MetadataUnpickler`: refused unless a
+    regular file under :data:`~ckpt_tools.safefs.MAX_METADATA_BYTES`, and its objects must pass
+    :func:`~ckpt_tools.bounded.check_tree` (no runaway depth or sharing) before anything uses them."""
+    # the size is checked before reading: a sparse multi-GB file is refused, not read
+    data = safefs.read_capped(path, safefs.MAX_METADATA_BYTES)
     try:
         # from memory: a corrupt length prefix then reads as truncated, never as a huge read
-        meta = MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        meta = MetadataUnpickler(io.BytesIO(data)).load()
     except Forbidden as e:
         raise UnsafeInput(f"{path}: refused: {first_line(e)}; a DCP .metadata holds only DCP's own classes") from e
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, OSError,
             OverflowError, MemoryError, RecursionError) as e:
         raise BadInput(f"{path}: corrupt or truncated DCP metadata ({first_line(e)})") from e
+    bounded.check_tree(meta, where=str(path))
     if not isinstance(meta, Metadata):
         raise BadInput(f"{path}: holds a {type(meta).__name__}, not DCP Metadata")
     return meta

@@ -153,8 +153,8 @@ def check_coverage(ckpt: Checkpoint) -> None:
     for t in ckpt.tensors:
         boxes = {}
         for c in t.chunks:
-            if len(c.offsets) != len(t.shape) or any(
-                o < 0 or o + s > d for o, s, d in zip(c.offsets, c.sizes, t.shape)
+            if len(c.offsets) != len(t.shape) or len(c.sizes) != len(t.shape) or any(
+                o < 0 or s < 0 or o + s > d for o, s, d in zip(c.offsets, c.sizes, t.shape)
             ):
                 raise BadInput(
                     f"{ckpt.root}: tensor {t.name!r}: chunk at {c.offsets} of size {c.sizes} "

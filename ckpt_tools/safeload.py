@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import bounded, safefs
 from .errors import BadInput, UnsafeInput, first_line
 
 # verl's extra-state files hold `np.random.get_state()`: arrays need numpy's reconstructor,
@@ -50,6 +51,7 @@ def _quiet_device_mesh():
 def load_torch(path: Path | str, *, mmap: bool = True) -> Any:
     """``torch.load`` a file safely; tensors are memory-mapped (read lazily) when ``mmap``."""
     path = Path(path)
+    safefs.require_regular(path)  # torch.load opens by name: a FIFO would block it forever
     if is_torchscript(path):
         raise UnsafeInput(
             f"{path} is a TorchScript archive, which carries code; "
@@ -61,22 +63,26 @@ def load_torch(path: Path | str, *, mmap: bool = True) -> Any:
 
     try:
         with _quiet_device_mesh(), torch.serialization.safe_globals(_NUMPY_SAFE + fsdp1_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and _is_zip(path))
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and _is_zip(path))
     except pickle.UnpicklingError as e:
         raise _refusal(str(path), e) from e
-    except (RuntimeError, EOFError, ValueError, OSError, zipfile.BadZipFile) as e:
+    except (RuntimeError, EOFError, ValueError, OSError, zipfile.BadZipFile, MemoryError) as e:
         raise BadInput(f"{path}: not a readable torch.save file, corrupt or truncated ({first_line(e)})") from e
+    bounded.check_tree(obj, where=str(path))
+    return obj
 
 
 def load_torch_bytes(data: bytes | memoryview, *, where: str) -> Any:
     """``torch.load`` an in-memory ``torch.save`` blob (a DCP item) safely."""
     try:
         with _quiet_device_mesh(), torch.serialization.safe_globals(_NUMPY_SAFE):
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise _refusal(where, e) from e
-    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as e:
+    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, MemoryError) as e:
         raise BadInput(f"{where}: corrupt or truncated item ({first_line(e)})") from e
+    bounded.check_tree(obj, where=where)
+    return obj
 
 
 def _refusal(where: str, e: pickle.UnpicklingError) -> BadInput:
@@ -101,15 +107,17 @@ def load_torch_meta(f: Any, *, where: str) -> Any:
     shapes, strides and offsets, without reading the data."""
     try:
         with _quiet_device_mesh():
-            return torch.load(f, map_location="meta", weights_only=True)
+            obj = torch.load(f, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as e:
         raise _refusal(where, e) from e
-    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as e:
+    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, MemoryError) as e:
         raise BadInput(f"{where}: corrupt or truncated item ({first_line(e)})") from e
+    bounded.check_tree(obj, where=where)
+    return obj
 
 
 def _is_zip(path: Path) -> bool:
-    with open(path, "rb") as f:
+    with safefs.open_file(path) as f:
         return f.read(4) == b"PK\x03\x04"
 
 

@@ -12,11 +12,12 @@ from typing import Any
 import click
 
 import ckpt_tools
-from ckpt_tools.errors import CkptError
+from ckpt_tools.errors import CkptError, one_line
 
 
 def _fail(message: str, code: int) -> None:
-    click.echo(f"error: {message}", err=True)
+    # one line, whatever the file names or foreign exception texts in it hold
+    click.echo(f"error: {one_line(message)}", err=True)
     sys.exit(code)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..describe import Checkpoint, check_coverage
+from .. import safefs
 from ..errors import BadInput
 from . import dcp, hf, sharded, torchsave
 
@@ -18,6 +19,8 @@ def detect(path: Path | str) -> str:
     path = Path(path)
     if not path.exists():
         raise BadInput(f"{path}: no such file or directory")
+    if not path.is_dir():
+        safefs.require_regular(path)  # a FIFO or device: refused before any reader waits on it
     if path.is_dir():
         if not any(path.iterdir()):
             raise BadInput(f"{path}: the directory is empty; expected a checkpoint "

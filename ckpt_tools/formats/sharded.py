@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo, chunk_rows
 from ..dtypes import DType
+from .. import bounded, safefs
 from ..errors import BadInput
 from ..torchfile import TorchZip
 from . import shardtree
@@ -46,12 +47,16 @@ def _inventory(path: Path) -> tuple[int, dict[str, dict[int, str]]]:
             found[kind][rank] = p.name
     if len(sizes) != 1:
         raise BadInput(f"{path}: rank files of several world sizes {sorted(sizes)}; keep one save per directory")
+    for names in found.values():
+        for name in names.values():
+            safefs.require_regular(safefs.resolve_inside(path, name, what=str(path)))
     (ws,) = sizes
     config = path / CONFIG_NAME
     if config.is_file():
+        raw = safefs.read_capped(config, safefs.MAX_JSON_BYTES)
         try:
-            cfg_ws = json.loads(config.read_text()).get("world_size")
-        except (OSError, ValueError, AttributeError) as e:
+            cfg_ws = json.loads(raw).get("world_size")
+        except (ValueError, AttributeError, RecursionError) as e:
             raise BadInput(f"{config}: not valid JSON ({e})") from e
         if cfg_ws is not None and cfg_ws != ws:
             raise BadInput(f"{path}: file names say world size {ws} but {CONFIG_NAME} says {cfg_ws}")
@@ -176,6 +181,8 @@ def _tree_of(file: Path) -> TorchZip:
     to the torch path, which is the one that refuses (weights_only) and explains."""
     try:
         return shardtree.parsed(file)
+    except bounded.TreeTooLarge:
+        raise  # torch's loader would build the same runaway tree
     except BadInput as e:
         raise NotSimple(str(e)) from e
 

@@ -1,0 +1,124 @@
+"""Trees unpickled from untrusted files, measured before anything walks them.
+
+A pickle's memo lets one object be referenced any number of times: 60 levels of "a list
+holding the previous level twice" is about 1 KB on disk and 2**60 nodes to anything that walks
+it as a tree (``str()``, ``==``, a recursive visitor). A pickle also nests 200,000 levels deep
+without its (iterative) unpickler noticing, and every recursive walker then raises
+RecursionError. :func:`check_tree` is the one gate every loader passes its result through:
+
+- it visits each distinct container once (iteratively, no recursion), so its own cost is linear
+  in what the file holds;
+- it refuses (:class:`TreeTooLarge`, a BadInput) a tree deeper than :data:`MAX_DEPTH`, a
+  container that contains itself, or a tree whose size walked as a tree (shared nodes counted
+  each time they are reached) is more than :data:`RATIO` times the work of walking it once, so
+  any later walk costs at most a constant factor more than reading the file did.
+
+Real checkpoints are far inside these bounds (depth under 30; sharing limited to a device mesh
+per DTensor, a ratio under 3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from .errors import BadInput
+
+MAX_DEPTH = 100
+RATIO = 16
+MAX_EXPANDED = 1_000_000  # below this, sharing costs nothing worth refusing for
+
+_END = object()
+# node types of other modules whose children are not those of a container (torchfile's
+# Reduce/NewObj, dcpmeta's records): type -> children
+_NODES: dict[type, Callable[[Any], Iterable[Any]]] = {}
+
+
+class TreeTooLarge(BadInput):
+    """A pickled tree too deep, cyclic, or sharing nodes enough to blow up any walk of it."""
+
+
+def register(cls: type, children: Callable[[Any], Iterable[Any]]) -> None:
+    """Teach the walker the children of ``cls`` (and its subclasses, looked up by exact type
+    first)."""
+    _NODES[cls] = children
+
+
+def _children(x: Any) -> Iterable[Any] | None:
+    """The children of a container or registered node; None for a leaf."""
+    t = type(x)
+    fn = _NODES.get(t)
+    if fn is not None:
+        return fn(x)
+    if isinstance(x, dict):
+        extra = getattr(x, "__dict__", None)  # an OrderedDict state dict's ``_metadata``
+        items = [v for kv in x.items() for v in kv]
+        return [*items, extra] if extra else items
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return x
+    for cls, fn in _NODES.items():
+        if isinstance(x, cls):
+            return fn(x)
+    return None
+
+
+def check_tree(tree: Any, *, where: str, max_depth: int = MAX_DEPTH) -> None:
+    """Raise :class:`TreeTooLarge` naming ``where`` if ``tree`` is too deep, cyclic, or blows up
+    when walked as a tree; else return, having touched each distinct container once."""
+    kids = _children(tree)
+    if kids is None:
+        return
+    sizes: dict[int, int] = {}  # id -> size walked as a tree, for finished containers
+    active = {id(tree)}
+    frames = [[tree, iter(kids), 1]]  # node, its children left, its size so far
+    work = 1
+    while frames:
+        frame = frames[-1]
+        child = next(frame[1], _END)
+        if child is _END:
+            frames.pop()
+            active.discard(id(frame[0]))
+            sizes[id(frame[0])] = frame[2]
+            if frames:
+                frames[-1][2] += frame[2]
+            continue
+        work += 1
+        grand = _children(child)
+        if grand is None:
+            frame[2] += 1
+            continue
+        cid = id(child)
+        if cid in sizes:
+            frame[2] += sizes[cid]
+            continue
+        if cid in active:
+            raise TreeTooLarge(f"{where}: the pickle holds a {type(child).__name__} that contains itself; "
+                               "a checkpoint never does (corrupt or hostile file)")
+        if len(frames) >= max_depth:
+            raise TreeTooLarge(f"{where}: the pickle nests deeper than {max_depth} levels; a checkpoint "
+                               "never does (corrupt or hostile file)")
+        active.add(cid)
+        frames.append([child, iter(grand), 1])
+    total = sizes[id(tree)]
+    if total > max(MAX_EXPANDED, RATIO * work):
+        raise TreeTooLarge(f"{where}: the pickle reuses shared objects to stand for {_magnitude(total)} nodes "
+                           f"from {work} ({'a billion laughs' if total > 1 << 40 else 'far more than a checkpoint'}); "
+                           "refusing it (corrupt or hostile file)")
+
+
+def distinct_nodes(tree: Any) -> Iterator[Any]:
+    """Every node of ``tree`` once (containers by identity), iteratively; for a walker that only
+    asks "is there a node of this kind" of a tree :func:`check_tree` has passed."""
+    seen: set[int] = set()
+    todo = [tree]
+    while todo:
+        x = todo.pop()
+        yield x
+        kids = _children(x)
+        if kids is not None and id(x) not in seen:
+            seen.add(id(x))
+            todo.extend(kids)
+
+
+def _magnitude(n: int) -> str:
+    return f"about 2^{n.bit_length() - 1}" if n > 1 << 40 else f"{n:,}"
