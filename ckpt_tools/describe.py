@@ -113,6 +113,9 @@ class Checkpoint:
     details: dict[str, Any] = field(default_factory=dict, compare=False)
     # Parameter FQNs in the order an int-keyed optimizer state dict numbers them.
     param_order: tuple[str, ...] = ()
+    # the source files as they were before they were described (safefs.stamps): an output is
+    # published only if they are still the same when it is complete
+    stamps: dict[str, tuple[int, int, int, int]] | None = field(default=None, compare=False, repr=False)
 
     def base_dir(self) -> Path:
         return self.root if self.root.is_dir() else self.root.parent

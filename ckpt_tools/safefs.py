@@ -133,3 +133,61 @@ def check_dims(values: Any, *, what: str, rank: int | None = None) -> tuple[int,
         raise BadInput(f"{what}: {shown} is not a list of {rank if rank is not None else 'some'} non-negative "
                        "integers; the metadata is corrupt")
     return dims
+
+
+# -- sources that change while they are read ---------------------------------------------------
+
+Stamp = tuple[int, int, int, int]  # inode, size, mtime_ns, ctime_ns
+
+
+def _stamp(st: os.stat_result) -> Stamp:
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def stamps(root: Path | str) -> dict[str, Stamp]:
+    """Identity, size and times of the regular files of a checkpoint (``root`` itself when it is
+    a file; else its files and those one directory down), keyed by path relative to ``root``'s
+    directory. Taken before a checkpoint is described, compared before its output is published."""
+    root = Path(root)
+    out: dict[str, Stamp] = {}
+    if not root.is_dir():
+        with _suppress_os():
+            out[root.name] = _stamp(os.stat(root))
+        return out
+    todo = [(root, "", 0)]
+    while todo:
+        d, rel, depth = todo.pop()
+        with _suppress_os(), os.scandir(d) as it:
+            for e in it:
+                name = f"{rel}{e.name}"
+                with _suppress_os():
+                    if e.is_dir():
+                        if depth < 1:
+                            todo.append((Path(e.path), f"{name}/", depth + 1))
+                    elif e.is_file():
+                        out[name] = _stamp(e.stat())
+    return out
+
+
+def check_unchanged(base: Path | str, before: dict[str, Stamp], *, names: Any = None) -> None:
+    """Raise BadInput if any file of ``before`` (only ``names``, when given) was modified,
+    replaced or removed since: the output read from it cannot be published as a faithful copy."""
+    base = Path(base)
+    for name in (before if names is None else [n for n in names if n in before]):
+        try:
+            now = _stamp(os.stat(base / name))
+        except OSError:
+            now = None
+        if now != before[name]:
+            how = "was removed" if now is None else "was replaced" if now[0] != before[name][0] else \
+                f"changed size ({before[name][1]} -> {now[1]} bytes)" if now[1] != before[name][1] else "was modified"
+            raise BadInput(f"{base / name}: {how} while it was read; nothing was written. Re-run once the "
+                           "source is no longer being written")
+
+
+class _suppress_os:  # noqa: N801 - a tiny contextlib.suppress(OSError) that stays cheap in loops
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, *_: Any) -> bool:
+        return exc_type is not None and issubclass(exc_type, OSError)

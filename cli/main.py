@@ -186,6 +186,23 @@ def verify_cmd(a, b, as_json, atol, rtol, nan_check, progress):
         sys.exit(1)
 
 
+@main.command("clean")
+@click.argument("dst", type=click.Path())
+@command
+def clean_cmd(dst, progress):
+    """Remove what interrupted runs writing DST left beside it (hidden .DST.ckpt-tmp-* staging);
+    staging a live run is writing is kept."""
+    from ckpt_tools.atomic import clean_staging
+
+    result = clean_staging(dst)
+    for p in result["removed"]:
+        click.echo(f"removed {p}")
+    for p in result["in_use"]:
+        click.echo(f"kept {p} (a running ckpt is writing it)")
+    if not result["removed"] and not result["in_use"]:
+        click.echo(f"nothing to clean beside {dst}")
+
+
 @main.command("estimate")
 @click.argument("model")
 @click.option("--ranks", required=True, type=click.IntRange(min=1), help="Number of GPUs.")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from ..describe import Checkpoint, check_coverage
@@ -44,7 +45,8 @@ def describe(path: Path | str, *, check: bool = True) -> Checkpoint:
     path = Path(path)
     name = detect(path)
     module = dict(_ORDER)[name]
-    ckpt = module.describe(path)
+    before = safefs.stamps(path)  # before reading a byte: what is described is what is copied
+    ckpt = replace(module.describe(path), stamps=before)
     if check:
         check_coverage(ckpt)
     return ckpt
