@@ -8,7 +8,7 @@ second of start-up) nor lets the pickle reach any code. Writing uses torch's own
 
 from __future__ import annotations
 
-import io
+import os
 import pickle
 from enum import Enum
 from pathlib import Path
@@ -163,11 +163,15 @@ def load_dcp_metadata(path: Path) -> Any:
     """Read a DCP ``.metadata`` file through :class:`MetadataUnpickler`: refused unless a
     regular file under :data:`~ckpt_tools.safefs.MAX_METADATA_BYTES`, and its objects must pass
     :func:`~ckpt_tools.bounded.check_tree` (no runaway depth or sharing) before anything uses them."""
-    # the size is checked before reading: a sparse multi-GB file is refused, not read
-    data = safefs.read_capped(path, safefs.MAX_METADATA_BYTES)
     try:
-        # from memory: a corrupt length prefix then reads as truncated, never as a huge read
-        meta = MetadataUnpickler(io.BytesIO(data)).load()
+        with safefs.open_file(path) as f:
+            # the size is checked before reading: a sparse multi-GB file is refused, not read;
+            # under the cap the file is streamed, so memory follows what the pickle holds
+            size = os.fstat(f.fileno()).st_size
+            if size > safefs.MAX_METADATA_BYTES:
+                raise BadInput(f"{path}: {size} bytes, over the {safefs.MAX_METADATA_BYTES >> 20} MiB a DCP "
+                               ".metadata may hold; corrupt or not a checkpoint")
+            meta = MetadataUnpickler(f).load()
     except Forbidden as e:
         raise UnsafeInput(f"{path}: refused: {first_line(e)}; a DCP .metadata holds only DCP's own classes") from e
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, OSError,

@@ -57,6 +57,9 @@ def load_torch(path: Path | str, *, mmap: bool = True) -> Any:
             f"{path} is a TorchScript archive, which carries code; "
             "save the state dict with torch.save(model.state_dict()) instead"
         )
+    if _is_zip(path):
+        with safefs.open_file(path) as f:
+            stored_only(f, where=str(path))
     import torch.distributed.tensor  # noqa: F401  (registers DTensor for weights_only loading)
 
     from .fsdp1 import safe_globals as fsdp1_globals
@@ -74,6 +77,7 @@ def load_torch(path: Path | str, *, mmap: bool = True) -> Any:
 
 def load_torch_bytes(data: bytes | memoryview, *, where: str) -> Any:
     """``torch.load`` an in-memory ``torch.save`` blob (a DCP item) safely."""
+    stored_only(io.BytesIO(data), where=where)
     try:
         with _quiet_device_mesh(), torch.serialization.safe_globals(_NUMPY_SAFE):
             obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -83,6 +87,25 @@ def load_torch_bytes(data: bytes | memoryview, *, where: str) -> Any:
         raise BadInput(f"{where}: corrupt or truncated item ({first_line(e)})") from e
     bounded.check_tree(obj, where=where)
     return obj
+
+
+def stored_only(f: Any, *, where: str) -> None:
+    """Refuse a torch.save zip (a path or file-like object) with a compressed record, or one
+    whose record claims more bytes than the zip holds: torch.save only stores, and a deflated
+    record is a decompression bomb waiting for torch's reader. Not a zip: nothing to check."""
+    try:
+        with zipfile.ZipFile(f) as z:
+            infos = z.infolist()
+            size = z.fp.seek(0, io.SEEK_END)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return  # torch's reader says what is wrong with it
+    finally:
+        if hasattr(f, "seek"):
+            f.seek(0)
+    for i in infos:
+        if i.compress_type != zipfile.ZIP_STORED or i.file_size > size:
+            raise BadInput(f"{where}: record {i.filename!r} is compressed or claims {i.file_size} bytes of a "
+                           f"{size}-byte file; torch.save writes neither (corrupt or hostile file)")
 
 
 def _refusal(where: str, e: pickle.UnpicklingError) -> BadInput:
@@ -105,6 +128,7 @@ def _refusal(where: str, e: pickle.UnpicklingError) -> BadInput:
 def load_torch_meta(f: Any, *, where: str) -> Any:
     """``torch.load`` a file-like ``torch.save`` blob onto the meta device: the structure,
     shapes, strides and offsets, without reading the data."""
+    stored_only(f, where=where)
     try:
         with _quiet_device_mesh():
             obj = torch.load(f, map_location="meta", weights_only=True)
