@@ -19,6 +19,8 @@ per DTensor, a ratio under 3).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -28,7 +30,6 @@ MAX_DEPTH = 100
 RATIO = 16
 MAX_EXPANDED = 1_000_000  # below this, sharing costs nothing worth refusing for
 
-_END = object()
 # node types of other modules whose children are not those of a container (torchfile's
 # Reduce/NewObj, dcpmeta's records): type -> children
 _NODES: dict[type, Callable[[Any], Iterable[Any]]] = {}
@@ -44,9 +45,16 @@ def register(cls: type, children: Callable[[Any], Iterable[Any]]) -> None:
     _NODES[cls] = children
 
 
+_LEAVES = frozenset({str, int, float, bool, bytes, type(None)})
+
+
 def _children(x: Any) -> Iterable[Any] | None:
     """The children of a container or registered node; None for a leaf."""
     t = type(x)
+    if t in _LEAVES:
+        return None
+    if t is tuple or t is list:
+        return x
     fn = _NODES.get(t)
     if fn is not None:
         return fn(x)
@@ -56,8 +64,9 @@ def _children(x: Any) -> Iterable[Any] | None:
         return [*items, extra] if extra else items
     if isinstance(x, (list, tuple, set, frozenset)):
         return x
-    for cls, fn in _NODES.items():
+    for cls, fn in list(_NODES.items()):
         if isinstance(x, cls):
+            _NODES[t] = fn  # a subclass: found directly next time
             return fn(x)
     return None
 
@@ -69,40 +78,44 @@ def check_tree(tree: Any, *, where: str, max_depth: int = MAX_DEPTH) -> None:
     if kids is None:
         return
     sizes: dict[int, int] = {}  # id -> size walked as a tree, for finished containers
-    active = {id(tree)}
-    frames = [[tree, iter(kids), 1]]  # node, its children left, its size so far
-    work = 1
-    while frames:
-        frame = frames[-1]
-        child = next(frame[1], _END)
-        if child is _END:
-            frames.pop()
-            active.discard(id(frame[0]))
-            sizes[id(frame[0])] = frame[2]
-            if frames:
-                frames[-1][2] += frame[2]
-            continue
-        work += 1
-        grand = _children(child)
-        if grand is None:
-            frame[2] += 1
-            continue
-        cid = id(child)
-        if cid in sizes:
-            frame[2] += sizes[cid]
-            continue
-        if cid in active:
-            raise TreeTooLarge(f"{where}: the pickle holds a {type(child).__name__} that contains itself; "
-                               "a checkpoint never does (corrupt or hostile file)")
-        if len(frames) >= max_depth:
-            raise TreeTooLarge(f"{where}: the pickle nests deeper than {max_depth} levels; a checkpoint "
-                               "never does (corrupt or hostile file)")
-        active.add(cid)
-        frames.append([child, iter(grand), 1])
-    total = sizes[id(tree)]
-    if total > max(MAX_EXPANDED, RATIO * work):
+    active: set[int] = set()
+    work = 0
+
+    # recursion, bounded by max_depth (far below Python's limit): the fastest walk in Python
+    def size(node: Any, kids: Iterable[Any], depth: int) -> int:
+        nonlocal work
+        nid = id(node)
+        active.add(nid)
+        total = 1
+        for child in kids:
+            work += 1
+            if type(child) in _LEAVES:
+                total += 1
+                continue
+            cid = id(child)
+            known = sizes.get(cid)
+            if known is not None:
+                total += known
+                continue
+            grand = _children(child)
+            if grand is None:
+                total += 1
+                continue
+            if cid in active:
+                raise TreeTooLarge(f"{where}: the pickle holds a {type(child).__name__} that contains itself; "
+                                   "a checkpoint never does (corrupt or hostile file)")
+            if depth >= max_depth:
+                raise TreeTooLarge(f"{where}: the pickle nests deeper than {max_depth} levels; a checkpoint "
+                                   "never does (corrupt or hostile file)")
+            total += size(child, grand, depth + 1)
+        active.discard(nid)
+        sizes[nid] = total
+        return total
+
+    total = size(tree, kids, 1)
+    if total > max(MAX_EXPANDED, RATIO * (work + 1)):
         raise TreeTooLarge(f"{where}: the pickle reuses shared objects to stand for {_magnitude(total)} nodes "
-                           f"from {work} ({'a billion laughs' if total > 1 << 40 else 'far more than a checkpoint'}); "
+                           f"from {work + 1} ({'a billion laughs' if total > 1 << 40 else 'far more than a checkpoint'}); "
                            "refusing it (corrupt or hostile file)")
 
 
@@ -122,3 +135,17 @@ def distinct_nodes(tree: Any) -> Iterator[Any]:
 
 def _magnitude(n: int) -> str:
     return f"about 2^{n.bit_length() - 1}" if n > 1 << 40 else f"{n:,}"
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection while a file's many small objects are built: each pass of
+    the collector walks the whole growing heap, which makes building N objects cost N^2
+    (10^5 DCP items: 3.4 s instead of 1.1 s). Pickles and descriptions hold no cycles to free."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()

@@ -156,7 +156,7 @@ class MetadataUnpickler(pickle.Unpickler):
         raise Forbidden(f"global {module}.{name} is not a DCP metadata class")
 
 
-bounded.register(_Record, lambda r: list(vars(r).values()))
+bounded.register(_Record, lambda r: vars(r).values())
 
 
 def load_dcp_metadata(path: Path) -> Any:
@@ -171,13 +171,15 @@ def load_dcp_metadata(path: Path) -> Any:
             if size > safefs.MAX_METADATA_BYTES:
                 raise BadInput(f"{path}: {size} bytes, over the {safefs.MAX_METADATA_BYTES >> 20} MiB a DCP "
                                ".metadata may hold; corrupt or not a checkpoint")
-            meta = MetadataUnpickler(f).load()
+            with bounded.gc_paused():
+                meta = MetadataUnpickler(f).load()
     except Forbidden as e:
         raise UnsafeInput(f"{path}: refused: {first_line(e)}; a DCP .metadata holds only DCP's own classes") from e
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, OSError,
             OverflowError, MemoryError, RecursionError) as e:
         raise BadInput(f"{path}: corrupt or truncated DCP metadata ({first_line(e)})") from e
-    bounded.check_tree(meta, where=str(path))
+    with bounded.gc_paused():
+        bounded.check_tree(meta, where=str(path))
     if not isinstance(meta, Metadata):
         raise BadInput(f"{path}: holds a {type(meta).__name__}, not DCP Metadata")
     return meta

@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..describe import Checkpoint, check_coverage
-from .. import safefs
+from .. import bounded, safefs
 from ..errors import BadInput
 from . import dcp, hf, sharded, torchsave
 
@@ -46,7 +46,8 @@ def describe(path: Path | str, *, check: bool = True) -> Checkpoint:
     name = detect(path)
     module = dict(_ORDER)[name]
     before = safefs.stamps(path)  # before reading a byte: what is described is what is copied
-    ckpt = replace(module.describe(path), stamps=before)
+    with bounded.gc_paused():  # a description is many small objects: linear without the collector
+        ckpt = replace(module.describe(path), stamps=before)
     if check:
         check_coverage(ckpt)
     return ckpt

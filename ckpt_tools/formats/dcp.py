@@ -88,13 +88,16 @@ def _describe_one(path: Path, prefix: str):
     paths = meta.planner_data if isinstance(meta.planner_data, dict) else {}
     where = str(path / METADATA)
     tensors, objects, files = [], [], set()
+    inside: set[str] = set()  # relative paths already resolved inside the root (few, reused)
 
     def location(fqn: str, offset=None, kind: str = "torch_item") -> Location:
         try:
             info = storage[MetadataIndex(fqn=fqn, offset=offset)]
         except KeyError:
             raise BadInput(f"{path / METADATA}: no storage entry for {fqn!r} at {offset}; the metadata is incomplete") from None
-        safefs.resolve_inside(path, info.relative_path, what=f"{where}: item {fqn!r}")
+        if info.relative_path not in inside:
+            safefs.resolve_inside(path, info.relative_path, what=f"{where}: item {fqn!r}")
+            inside.add(info.relative_path)
         file = prefix + info.relative_path
         if getattr(info, "transform_descriptors", None):
             raise BadInput(f"{where}: item {fqn!r} is stored with transforms "
