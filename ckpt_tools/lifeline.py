@@ -44,6 +44,18 @@ def tie_to_parent(parent: int | None = None, *, kernel_signal: bool = True) -> N
     threading.Thread(target=_watch, args=(parent,), name="ckpt-lifeline", daemon=True).start()
 
 
+def tie_to_launcher() -> None:
+    """In a process of a ``torchrun`` launch, :func:`tie_to_parent` on the launcher's agent, as
+    early as possible. One already re-parented to init (``getppid() == 1``: the agent died
+    before this process got here) ends at once."""
+    from .scaleout import torchrun_world
+
+    if torchrun_world() > 1:
+        if os.getppid() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        tie_to_parent(kernel_signal=False)
+
+
 def _watch(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(POLL_SECONDS)

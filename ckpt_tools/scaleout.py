@@ -81,7 +81,7 @@ def execute_torchrun(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], d
     import torch.distributed as dist
 
     # a process of the launch ends with torchrun's agent: killed, it can no longer stop us
-    lifeline.tie_to_parent(kernel_signal=False)
+    lifeline.tie_to_launcher()
     own = not dist.is_initialized()
     if own:
         dist.init_process_group("gloo")
