@@ -8,7 +8,7 @@ RecursionError. :func:`check_tree` is the one gate every loader passes its resul
 
 - it visits each distinct container once (iteratively, no recursion), so its own cost is linear
   in what the file holds;
-- it refuses (:class:`TreeTooLarge`, a BadInput) a tree deeper than :data:`MAX_DEPTH`, a
+- it refuses (:class:`HostileTree`, a BadInput) a tree deeper than :data:`MAX_DEPTH`, a
   container that contains itself, or a tree whose size walked as a tree (shared nodes counted
   each time they are reached) is more than :data:`RATIO` times the work of walking it once, so
   any later walk costs at most a constant factor more than reading the file did.
@@ -24,7 +24,7 @@ import gc
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from .errors import BadInput
+from .errors import BadInput, brief
 
 MAX_DEPTH = 100
 RATIO = 16
@@ -35,8 +35,10 @@ MAX_EXPANDED = 1_000_000  # below this, sharing costs nothing worth refusing for
 _NODES: dict[type, Callable[[Any], Iterable[Any]]] = {}
 
 
-class TreeTooLarge(BadInput):
-    """A pickled tree too deep, cyclic, or sharing nodes enough to blow up any walk of it."""
+class HostileTree(BadInput):
+    """A pickled tree too deep, cyclic, or sharing nodes enough to blow up any walk of it; or
+    keyed by values whose hash would (Python does not cache a tuple's hash, and computes it
+    recursively in C: a shared or deeply nested tuple key hangs or crashes the process)."""
 
 
 def register(cls: type, children: Callable[[Any], Iterable[Any]]) -> None:
@@ -72,7 +74,7 @@ def _children(x: Any) -> Iterable[Any] | None:
 
 
 def check_tree(tree: Any, *, where: str, max_depth: int = MAX_DEPTH) -> None:
-    """Raise :class:`TreeTooLarge` naming ``where`` if ``tree`` is too deep, cyclic, or blows up
+    """Raise :class:`HostileTree` naming ``where`` if ``tree`` is too deep, cyclic, or blows up
     when walked as a tree; else return, having touched each distinct container once."""
     kids = _children(tree)
     if kids is None:
@@ -102,10 +104,10 @@ def check_tree(tree: Any, *, where: str, max_depth: int = MAX_DEPTH) -> None:
                 total += 1
                 continue
             if cid in active:
-                raise TreeTooLarge(f"{where}: the pickle holds a {type(child).__name__} that contains itself; "
+                raise HostileTree(f"{where}: the pickle holds a {type(child).__name__} that contains itself; "
                                    "a checkpoint never does (corrupt or hostile file)")
             if depth >= max_depth:
-                raise TreeTooLarge(f"{where}: the pickle nests deeper than {max_depth} levels; a checkpoint "
+                raise HostileTree(f"{where}: the pickle nests deeper than {max_depth} levels; a checkpoint "
                                    "never does (corrupt or hostile file)")
             total += size(child, grand, depth + 1)
         active.discard(nid)
@@ -114,7 +116,7 @@ def check_tree(tree: Any, *, where: str, max_depth: int = MAX_DEPTH) -> None:
 
     total = size(tree, kids, 1)
     if total > max(MAX_EXPANDED, RATIO * (work + 1)):
-        raise TreeTooLarge(f"{where}: the pickle reuses shared objects to stand for {_magnitude(total)} nodes "
+        raise HostileTree(f"{where}: the pickle reuses shared objects to stand for {_magnitude(total)} nodes "
                            f"from {work + 1} ({'a billion laughs' if total > 1 << 40 else 'far more than a checkpoint'}); "
                            "refusing it (corrupt or hostile file)")
 
@@ -149,3 +151,69 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
+
+
+MAX_KEY_ITEMS = 1024
+
+
+def check_key(key: Any) -> None:
+    """Refuse (HostileTree) a dict key or set member from a pickle whose hash is not cheap: only
+    names, numbers, flat tuples of them, and types that declare a safe hash of their own
+    (``_safe_hash = True``) are admitted. Called before the unpickler inserts it."""
+    t = type(key)
+    if t in _LEAVES or isinstance(key, (str, int, float, bytes)) and t.__hash__ in _PLAIN_HASHES:
+        return
+    if t is tuple and len(key) <= MAX_KEY_ITEMS and all(type(k) in _LEAVES or isinstance(k, str) for k in key):
+        return
+    if getattr(t, "_safe_hash", False):
+        return
+    raise HostileTree(f"the pickle keys a dict by a {t.__name__} ({brief(key)}); checkpoints key by names and numbers")
+
+
+_PLAIN_HASHES = frozenset({str.__hash__, int.__hash__, float.__hash__, bytes.__hash__})
+
+
+def guard_dispatch(dispatch: dict) -> dict:
+    """A pure-Python unpickler's dispatch table with every opcode that hashes a value it built
+    (SETITEM, SETITEMS, DICT) checking the key with :func:`check_key` first, and the set
+    opcodes (protocol 4: EMPTY_SET, ADDITEMS, FROZENSET; neither torch.save nor dcp.save writes
+    them) refused."""
+    import pickle
+
+    def load_setitem(self: Any) -> None:
+        value, key = self.stack.pop(), self.stack.pop()
+        check_key(key)
+        self.stack[-1][key] = value
+
+    def load_setitems(self: Any) -> None:
+        items = self.pop_mark()
+        target = self.stack[-1]
+        for i in range(0, len(items) - 1, 2):
+            check_key(items[i])
+            target[items[i]] = items[i + 1]
+
+    def load_dict(self: Any) -> None:
+        items = self.pop_mark()
+        for k in items[::2]:
+            check_key(k)
+        self.append({items[i]: items[i + 1] for i in range(0, len(items) - 1, 2)})
+
+    def refuse_set(self: Any) -> None:
+        raise HostileTree("the pickle builds a set with opcodes checkpoints never use")
+
+    out = dict(dispatch)
+    out.update({pickle.SETITEM[0]: load_setitem, pickle.SETITEMS[0]: load_setitems, pickle.DICT[0]: load_dict,
+                pickle.EMPTY_SET[0]: refuse_set, pickle.ADDITEMS[0]: refuse_set, pickle.FROZENSET[0]: refuse_set})
+    return out
+
+
+def safe_set(items: Any = ()) -> set:
+    """``set(items)`` for an unpickler's REDUCE, each member checked with :func:`check_key`."""
+    items = list(items)
+    for k in items:
+        check_key(k)
+    return set(items)
+
+
+def safe_frozenset(items: Any = ()) -> frozenset:
+    return frozenset(safe_set(items))

@@ -12,6 +12,7 @@ import io
 import logging
 import pickle
 import re
+import struct
 import warnings
 import zipfile
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 
 from . import bounded, safefs
 from .errors import BadInput, UnsafeInput, first_line
+from .torchfile import loads_blob
 
 # verl's extra-state files hold `np.random.get_state()`: arrays need numpy's reconstructor,
 # which builds an empty array and fills it from bytes; it runs no code of the file's choosing.
@@ -60,6 +62,9 @@ def load_torch(path: Path | str, *, mmap: bool = True) -> Any:
     if _is_zip(path):
         with safefs.open_file(path) as f:
             stored_only(f, where=str(path))
+        from .formats.shardtree import parsed
+
+        _gate(lambda: parsed(path))  # parsed once per process (the tree readers share it)
     import torch.distributed.tensor  # noqa: F401  (registers DTensor for weights_only loading)
 
     from .fsdp1 import safe_globals as fsdp1_globals
@@ -69,7 +74,7 @@ def load_torch(path: Path | str, *, mmap: bool = True) -> Any:
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and _is_zip(path))
     except pickle.UnpicklingError as e:
         raise _refusal(str(path), e) from e
-    except (RuntimeError, EOFError, ValueError, OSError, zipfile.BadZipFile, MemoryError) as e:
+    except _DAMAGED + (OSError,) as e:
         raise BadInput(f"{path}: not a readable torch.save file, corrupt or truncated ({first_line(e)})") from e
     bounded.check_tree(obj, where=str(path))
     return obj
@@ -78,15 +83,34 @@ def load_torch(path: Path | str, *, mmap: bool = True) -> Any:
 def load_torch_bytes(data: bytes | memoryview, *, where: str) -> Any:
     """``torch.load`` an in-memory ``torch.save`` blob (a DCP item) safely."""
     stored_only(io.BytesIO(data), where=where)
+    _gate(lambda: loads_blob(io.BytesIO(data), where=where))
     try:
         with _quiet_device_mesh(), torch.serialization.safe_globals(_NUMPY_SAFE):
             obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise _refusal(where, e) from e
-    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, MemoryError) as e:
+    except _DAMAGED as e:
         raise BadInput(f"{where}: corrupt or truncated item ({first_line(e)})") from e
     bounded.check_tree(obj, where=where)
     return obj
+
+
+# what torch.load raises for a damaged or hostile file (its unpickler is plain Python)
+_DAMAGED = (RuntimeError, EOFError, ValueError, IndexError, KeyError, TypeError, AttributeError, OverflowError,
+            RecursionError, MemoryError, zipfile.BadZipFile, struct.error)
+
+
+def _gate(parse: Any) -> None:
+    """Read the pickle first with ckpt's own tree reader, whose unpickler checks every dict key
+    before hashing it (torch's hashes a shared or 200,000-deep tuple key: a hang or a segfault,
+    before any check of ours could run). A structure it refuses is refused; anything else it
+    dislikes is left for torch's loader to accept or explain."""
+    try:
+        parse()
+    except bounded.HostileTree:
+        raise
+    except BadInput:
+        pass
 
 
 def stored_only(f: Any, *, where: str) -> None:
@@ -129,12 +153,14 @@ def load_torch_meta(f: Any, *, where: str) -> Any:
     """``torch.load`` a file-like ``torch.save`` blob onto the meta device: the structure,
     shapes, strides and offsets, without reading the data."""
     stored_only(f, where=where)
+    _gate(lambda: loads_blob(f, where=where))
+    f.seek(0)
     try:
         with _quiet_device_mesh():
             obj = torch.load(f, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as e:
         raise _refusal(where, e) from e
-    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, MemoryError) as e:
+    except _DAMAGED as e:
         raise BadInput(f"{where}: corrupt or truncated item ({first_line(e)})") from e
     bounded.check_tree(obj, where=where)
     return obj

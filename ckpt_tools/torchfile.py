@@ -183,6 +183,7 @@ class _Unpickler(pickle._Unpickler):
                 self.stack[-1] = _Str(self.stack[-1])
         return load_str
 
+    dispatch = bounded.guard_dispatch(dispatch)  # keys checked before they are hashed
     dispatch.update({pickle.REDUCE[0]: _load_reduce, pickle.NEWOBJ[0]: _load_newobj, pickle.BUILD[0]: _load_build})
     for _op in (pickle.INST, pickle.OBJ, pickle.NEWOBJ_EX, pickle.EXT1, pickle.EXT2, pickle.EXT4, pickle.PERSID):
         dispatch[_op[0]] = _refuse
@@ -199,6 +200,8 @@ def _parse(data: bytes, where: str = "the pickle") -> tuple[Any, dict[str, Stora
     unpickler = _Unpickler(data)
     try:
         tree = unpickler.load()
+    except bounded.HostileTree as e:
+        raise bounded.HostileTree(f"{where}: {e}") from None
     except BadInput:
         raise
     except Exception as e:  # noqa: BLE001 - any failure of a damaged or hostile pickle
@@ -210,7 +213,7 @@ def _parse(data: bytes, where: str = "the pickle") -> tuple[Any, dict[str, Stora
 
 def loads(data: bytes, *, where: str = "the pickle") -> Any:
     """Parse a torch pickle into a tree of containers, scalars and the nodes above. Raises
-    ``UnsafeInput`` for a global off the allowlist, ``TreeTooLarge`` for a tree no walker could
+    ``UnsafeInput`` for a global off the allowlist, ``HostileTree`` for a tree no walker could
     finish, ``BadInput`` for anything else amiss."""
     return _parse(data, where)[0]
 
@@ -218,7 +221,7 @@ def loads(data: bytes, *, where: str = "the pickle") -> Any:
 def loads_blob(f: Any, *, where: str = "a torch.save blob") -> Any:
     """The tree of a small in-file ``torch.save`` blob (a DCP item), given as a file-like object:
     only its ``data.pkl`` is read, and only when it is stored (not compressed) within the blob.
-    Raises ``BadInput`` (``UnsafeInput``, ``TreeTooLarge``) like :func:`loads`."""
+    Raises ``BadInput`` (``UnsafeInput``, ``HostileTree``) like :func:`loads`."""
     try:
         size = f.seek(0, os.SEEK_END)
         f.seek(0)

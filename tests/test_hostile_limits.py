@@ -37,6 +37,13 @@ def _deep_pickle(n: int = DEEP) -> bytes:
     return b"\x80\x02" + b"]" * n + b"a" * (n - 1) + b"."
 
 
+# dicts keyed by tuples whose hash never ends: Python hashes a tuple recursively, in C, every
+# time; 200,000 deep overflows the C stack (a segfault), shared 60 levels deep takes 2**60 steps
+_DEEP_KEY = b"}K\x01" + b"\x85" * DEEP + b"K\x02s"
+_SHARED_KEY = (b"})r\xf0\xff\xff\x7f0" + b"(j\xf0\xff\xff\x7fj\xf0\xff\xff\x7ftr\xf0\xff\xff\x7f0" * 60
+               + b"j\xf0\xff\xff\x7fK\x02s")
+
+
 def _laughs(levels: int = 60) -> list:
     """A "billion laughs": each level a list holding the previous one twice. Pickled with a memo
     it is ~1 KB; walked as a tree, 2**levels nodes."""
@@ -106,13 +113,15 @@ def _dcp_planner(d: Path, value) -> Path:
     return _edit_metadata(_dcp(d), lambda m: m.planner_data.__setitem__("model.lm_head.weight", value))
 
 
-def _dcp_planner_deep(d: Path) -> Path:
+def _dcp_planner_deep(d: Path, ops: bytes | None = None) -> Path:
+    """planner_data of one item replaced by the pickle opcodes ``ops`` (default: a list nested
+    200,000 deep), spliced into the file dcp.save wrote."""
     mark = "ZZ-PLACEHOLDER-ZZ"
     op = b"X" + len(mark).to_bytes(4, "little") + mark.encode()  # BINUNICODE, as protocol 2 writes it
 
     def splice(data: bytes) -> bytes:
         assert data.count(op) == 1
-        return data.replace(op, _deep_pickle()[2:-1])
+        return data.replace(op, ops if ops is not None else _deep_pickle()[2:-1])
 
     return _edit_metadata(_dcp(d), lambda m: m.planner_data.__setitem__("model.lm_head.weight", mark), raw=splice)
 
@@ -216,6 +225,11 @@ def _verl_pickled(obj) -> bytes:
     return buf.getvalue()
 
 
+def _write(p: Path, content: bytes) -> Path:
+    p.write_bytes(content)
+    return p
+
+
 def _hf_fifo(d: Path) -> Path:
     os.mkfifo(_mkdir(d) / "model.safetensors")
     return d
@@ -243,7 +257,7 @@ def _zip_bomb_item(d: Path) -> Path:
 
 CASES: dict[str, tuple[Callable[[Path], Path], tuple[str, ...]]] = {
     # reading outside the checkpoint
-    "dcp-relative-path-through-dir-symlink": (_dcp_dir_symlink, ("inspect", "export")),
+    "dcp-relative-path-through-dir-symlink": (_dcp_dir_symlink, ("inspect", "export", "reshard", "verify")),
     "dcp-relative-path-symlink-loop": (_dcp_symlink_loop, ("inspect", "export")),
     "hf-index-shard-through-dir-symlink": (lambda t: _hf_index(t, "sub/model-00001-of-00001.safetensors"),
                                            ("inspect", "export")),
@@ -251,25 +265,33 @@ CASES: dict[str, tuple[Callable[[Path], Path], tuple[str, ...]]] = {
     "verl-rank-file-symlink-out": (lambda t: _verl(t / "src", lambda f: f.symlink_to(
         _verl(t / "outside").joinpath("model_world_size_1_rank_0.pt"))), ("inspect", "export")),
     # files that block
-    "verl-rank-file-is-fifo": (lambda t: _verl(t / "src", os.mkfifo), ("inspect", "export")),
+    "verl-rank-file-is-fifo": (lambda t: _verl(t / "src", os.mkfifo), ("inspect", "export", "reshard", "verify")),
     "dcp-data-file-is-fifo": (lambda t: _dcp_fifo(t / "src", "__0_0.distcp"), ("inspect", "export")),
     "hf-single-file-is-fifo": (lambda t: _hf_fifo(t / "src"), ("inspect", "export")),
     "path-is-fifo": (_path_fifo, ("inspect", "export")),
     # pickles that blow up when walked
     "dcp-bytes-item-billion-laughs": (lambda t: _dcp_item(t / "src", _blob(pickle.dumps(_laughs(), 2))),
-                                      ("inspect", "export")),
+                                      ("inspect", "export", "reshard", "verify")),
     "dcp-bytes-item-nested-200k": (lambda t: _dcp_item(t / "src", _blob(_deep_pickle())), ("inspect", "export")),
     "dcp-bytes-item-cycle": (lambda t: _dcp_item(t / "src", _blob(b"\x80\x02]q\x00h\x00a.")), ("inspect", "export")),
     "dcp-metadata-planner-billion-laughs": (lambda t: _dcp_planner(t / "src", _laughs()), ("inspect", "export")),
     "dcp-metadata-planner-nested-200k": (lambda t: _dcp_planner_deep(t / "src"), ("inspect", "export")),
     "dcp-metadata-planner-not-a-path": (lambda t: _dcp_planner(t / "src", [["a", ["b"]], {"c": 1}]), ("inspect",)),
     "verl-rank-file-billion-laughs": (lambda t: _verl(t / "src", _verl_pickled({"w": torch.ones(2), "x": _laughs()})),
-                                      ("inspect", "export")),
+                                      ("inspect", "export", "reshard", "verify")),
     "verl-rank-file-nested-200k": (lambda t: _verl(t / "src", _blob(_deep_pickle())), ("inspect", "export")),
+    "dcp-metadata-dict-keyed-by-200k-deep-tuple": (lambda t: _dcp_planner_deep(t / "src", _DEEP_KEY), ("inspect",)),
+    "dcp-metadata-dict-keyed-by-shared-tuple": (lambda t: _dcp_planner_deep(t / "src", _SHARED_KEY), ("inspect",)),
+    "dcp-bytes-item-dict-keyed-by-200k-deep-tuple": (
+        lambda t: _dcp_item(t / "src", _blob(b"\x80\x02" + _DEEP_KEY + b".")), ("inspect", "export")),
+    "pt-file-dict-keyed-by-shared-tuple": (
+        lambda t: _write(t / "model.pt", _blob(b"\x80\x02" + _SHARED_KEY + b".")), ("inspect", "export")),
+    "verl-rank-file-dict-keyed-by-200k-deep-tuple": (
+        lambda t: _verl(t / "src", _blob(b"\x80\x02" + _DEEP_KEY + b".")), ("inspect", "export")),
     # sizes, offsets and lengths that lie
     "dcp-metadata-sparse-1.5GiB": (lambda t: _dcp_sparse_metadata(t / "src"), ("inspect", "export")),
     "dcp-negative-storage-offset": (lambda t: _edit_metadata(_dcp(t / "src"), lambda m: _storage(
-        m, lambda k, v: (v.relative_path, -8, v.length))), ("inspect", "export")),
+        m, lambda k, v: (v.relative_path, -8, v.length))), ("inspect", "export", "reshard", "verify")),
     "dcp-negative-length": (lambda t: _edit_metadata(_dcp(t / "src"), lambda m: _storage(
         m, lambda k, v: (v.relative_path, v.offset, -v.length))), ("inspect", "export")),
     "dcp-negative-chunk-sizes-over-a-hole": (lambda t: _edit_metadata(_dcp(t / "src"), _negative_chunk),
@@ -283,6 +305,8 @@ CASES: dict[str, tuple[Callable[[Path], Path], tuple[str, ...]]] = {
 COMMANDS = {
     "inspect": lambda src, dst: ["inspect", str(src)],
     "export": lambda src, dst: ["export", str(src), str(dst)],
+    "reshard": lambda src, dst: ["reshard", str(src), str(dst), "--to", "2"],
+    "verify": lambda src, dst: ["verify", str(src)],  # not damage a manifest explains: exit 3 too
 }
 
 

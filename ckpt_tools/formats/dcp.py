@@ -180,7 +180,7 @@ def _load_item(blob: bytes, *, where: str) -> Any:
         tree = loads_blob(io.BytesIO(blob), where=where)
         if not any(isinstance(n, (Global, NewObj, Reduce, StorageRef)) for n in bounded.distinct_nodes(tree)):
             return tree
-    except bounded.TreeTooLarge:
+    except bounded.HostileTree:
         raise  # torch's loader would build the same runaway tree
     except BadInput:
         pass

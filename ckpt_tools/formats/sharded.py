@@ -181,7 +181,7 @@ def _tree_of(file: Path) -> TorchZip:
     to the torch path, which is the one that refuses (weights_only) and explains."""
     try:
         return shardtree.parsed(file)
-    except bounded.TreeTooLarge:
+    except bounded.HostileTree:
         raise  # torch's loader would build the same runaway tree
     except BadInput as e:
         raise NotSimple(str(e)) from e
