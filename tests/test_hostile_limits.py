@@ -230,6 +230,22 @@ def _write(p: Path, content: bytes) -> Path:
     return p
 
 
+def _verl_assets(t: Path, *, link_dir: bool) -> Path:
+    """A verl checkpoint whose huggingface/ folder (or its tokenizer.json) is a symlink out:
+    exporting it would copy an outside file into the output."""
+    secret = _mkdir(t / "outside")
+    (secret / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (secret / "tokenizer.json").write_text("{}")
+    d = _verl(t / "src")
+    if link_dir:
+        (d / "huggingface").symlink_to(secret, target_is_directory=True)
+    else:
+        _mkdir(d / "huggingface")
+        (d / "huggingface" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+        (d / "huggingface" / "tokenizer.json").symlink_to(secret / "tokenizer.json")
+    return d
+
+
 def _hf_fifo(d: Path) -> Path:
     os.mkfifo(_mkdir(d) / "model.safetensors")
     return d
@@ -264,6 +280,8 @@ CASES: dict[str, tuple[Callable[[Path], Path], tuple[str, ...]]] = {
     "bin-index-shard-through-dir-symlink": (_bin_index_dir_symlink, ("inspect", "export")),
     "verl-rank-file-symlink-out": (lambda t: _verl(t / "src", lambda f: f.symlink_to(
         _verl(t / "outside").joinpath("model_world_size_1_rank_0.pt"))), ("inspect", "export")),
+    "verl-huggingface-tokenizer-symlink-out": (lambda t: _verl_assets(t, link_dir=False), ("export",)),
+    "verl-huggingface-dir-symlink-out": (lambda t: _verl_assets(t, link_dir=True), ("export",)),
     # files that block
     "verl-rank-file-is-fifo": (lambda t: _verl(t / "src", os.mkfifo), ("inspect", "export", "reshard", "verify")),
     "dcp-data-file-is-fifo": (lambda t: _dcp_fifo(t / "src", "__0_0.distcp"), ("inspect", "export")),
