@@ -13,6 +13,7 @@ import logging
 import pickle
 import re
 import struct
+import tarfile
 import warnings
 import zipfile
 from pathlib import Path
@@ -23,7 +24,7 @@ import torch
 
 from . import bounded, safefs
 from .errors import BadInput, UnsafeInput, first_line
-from .torchfile import loads_blob
+from .torchfile import check_structure
 
 # verl's extra-state files hold `np.random.get_state()`: arrays need numpy's reconstructor,
 # which builds an empty array and fills it from bytes; it runs no code of the file's choosing.
@@ -59,12 +60,15 @@ def load_torch(path: Path | str, *, mmap: bool = True) -> Any:
             f"{path} is a TorchScript archive, which carries code; "
             "save the state dict with torch.save(model.state_dict()) instead"
         )
-    if _is_zip(path):
-        with safefs.open_file(path) as f:
+    with safefs.open_file(path) as f:
+        if _is_zip(path):
             stored_only(f, where=str(path))
-        from .formats.shardtree import parsed
-
-        _gate(lambda: parsed(path))  # parsed once per process (the tree readers share it)
+            _gate(f, where=str(path))
+        elif tarfile.is_tarfile(path):
+            raise BadInput(f"{path}: a tar-format torch checkpoint (PyTorch before 1.0), which ckpt does not read; "
+                           "re-save it with a current torch.save")
+        else:  # legacy torch.save: magic number, protocol, sys info, the object, storage keys
+            check_structure(f, where=str(path), pickles=5)
     import torch.distributed.tensor  # noqa: F401  (registers DTensor for weights_only loading)
 
     from .fsdp1 import safe_globals as fsdp1_globals
@@ -83,7 +87,7 @@ def load_torch(path: Path | str, *, mmap: bool = True) -> Any:
 def load_torch_bytes(data: bytes | memoryview, *, where: str) -> Any:
     """``torch.load`` an in-memory ``torch.save`` blob (a DCP item) safely."""
     stored_only(io.BytesIO(data), where=where)
-    _gate(lambda: loads_blob(io.BytesIO(data), where=where))
+    _gate(io.BytesIO(data), where=where)
     try:
         with _quiet_device_mesh(), torch.serialization.safe_globals(_NUMPY_SAFE):
             obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -100,17 +104,21 @@ _DAMAGED = (RuntimeError, EOFError, ValueError, IndexError, KeyError, TypeError,
             RecursionError, MemoryError, zipfile.BadZipFile, struct.error)
 
 
-def _gate(parse: Any) -> None:
-    """Read the pickle first with ckpt's own tree reader, whose unpickler checks every dict key
-    before hashing it (torch's hashes a shared or 200,000-deep tuple key: a hang or a segfault,
-    before any check of ours could run). A structure it refuses is refused; anything else it
-    dislikes is left for torch's loader to accept or explain."""
+def _gate(f: Any, *, where: str) -> None:
+    """Check the zip's ``data.pkl`` with ckpt's own unpickler (:func:`torchfile.check_structure`)
+    before torch's reads it: torch's hashes a shared or 200,000-deep tuple key (a hang or a
+    segfault) before any check could run. Only a hostile structure is refused here; a zip or
+    pickle that is merely damaged is left for torch's loader to explain."""
     try:
-        parse()
-    except bounded.HostileTree:
-        raise
-    except BadInput:
-        pass
+        with zipfile.ZipFile(f) as z:
+            names = [i for i in z.infolist() if i.filename.endswith("/data.pkl")]
+            data = z.read(names[0]) if len(names) == 1 and names[0].file_size <= safefs.MAX_METADATA_BYTES else None
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, KeyError):
+        data = None
+    finally:
+        f.seek(0)
+    if data is not None:
+        check_structure(data, where=where)
 
 
 def stored_only(f: Any, *, where: str) -> None:
@@ -153,8 +161,7 @@ def load_torch_meta(f: Any, *, where: str) -> Any:
     """``torch.load`` a file-like ``torch.save`` blob onto the meta device: the structure,
     shapes, strides and offsets, without reading the data."""
     stored_only(f, where=where)
-    _gate(lambda: loads_blob(f, where=where))
-    f.seek(0)
+    _gate(f, where=where)
     try:
         with _quiet_device_mesh():
             obj = torch.load(f, map_location="meta", weights_only=True)

@@ -129,8 +129,8 @@ class _Unpickler(pickle._Unpickler):
 
     dispatch = dict(pickle._Unpickler.dispatch)
 
-    def __init__(self, data: bytes) -> None:
-        super().__init__(io.BytesIO(data))
+    def __init__(self, data: bytes | Any) -> None:
+        super().__init__(data if hasattr(data, "read") else io.BytesIO(data))
         self.storages: dict[str, StorageRef] = {}
 
     def find_class(self, module: str, name: str) -> Global:
@@ -190,6 +190,34 @@ class _Unpickler(pickle._Unpickler):
     for _op in (pickle.BINUNICODE, pickle.SHORT_BINUNICODE, pickle.BINUNICODE8, pickle.UNICODE):
         dispatch[_op[0]] = _keep_apart(dispatch[_op[0]])
     del _op, _keep_apart
+
+
+class _Gate(_Unpickler):
+    """Reads a pickle only to check its shape before torch's loader reads it: any global and any
+    persistent id is kept as an inert node (torch's loader decides what it admits), while dict
+    keys are checked before they are hashed and the tree must pass the bounded walk."""
+
+    def find_class(self, module: str, name: str) -> Global:
+        return Global(str(module), str(name))
+
+    def persistent_load(self, pid: Any) -> None:
+        return None
+
+
+def check_structure(f: Any, *, where: str, pickles: int = 1) -> None:
+    """Raise ``HostileTree`` if any of the next ``pickles`` pickles in ``f`` (bytes or a binary
+    file) holds a structure no reader could get through (runaway depth, sharing, or a dict key
+    whose hash never ends); return quietly on anything else, which torch's loader explains.
+    Legacy (non-zip) torch.save files are five pickles in a row."""
+    f = f if hasattr(f, "read") else io.BytesIO(f)
+    for _ in range(pickles):
+        try:
+            tree = _Gate(f).load()
+        except bounded.HostileTree as e:
+            raise bounded.HostileTree(f"{where}: {e}") from None
+        except Exception:  # noqa: BLE001 - damaged, not hostile: torch's reader says what is wrong
+            return
+        bounded.check_tree(tree, where=where)
 
 
 bounded.register(Reduce, lambda n: (n.func, n.args, n.state))

@@ -225,6 +225,15 @@ def _verl_pickled(obj) -> bytes:
     return buf.getvalue()
 
 
+def _legacy(ops: bytes) -> bytes:
+    """A legacy (pre-zip) torch.save file whose object pickle is ``ops``: magic number, protocol,
+    sys info, the object, storage keys, five pickles in a row."""
+    from torch.serialization import MAGIC_NUMBER, PROTOCOL_VERSION
+
+    return (pickle.dumps(MAGIC_NUMBER, 2) + pickle.dumps(PROTOCOL_VERSION, 2) + pickle.dumps({}, 2)
+            + b"\x80\x02" + ops + b"." + pickle.dumps([], 2))
+
+
 def _write(p: Path, content: bytes) -> Path:
     p.write_bytes(content)
     return p
@@ -304,6 +313,8 @@ CASES: dict[str, tuple[Callable[[Path], Path], tuple[str, ...]]] = {
         lambda t: _dcp_item(t / "src", _blob(b"\x80\x02" + _DEEP_KEY + b".")), ("inspect", "export")),
     "pt-file-dict-keyed-by-shared-tuple": (
         lambda t: _write(t / "model.pt", _blob(b"\x80\x02" + _SHARED_KEY + b".")), ("inspect", "export")),
+    "legacy-pt-file-dict-keyed-by-200k-deep-tuple": (lambda t: _write(t / "model.pt", _legacy(_DEEP_KEY)),
+                                                     ("inspect", "export")),
     "verl-rank-file-dict-keyed-by-200k-deep-tuple": (
         lambda t: _verl(t / "src", _blob(b"\x80\x02" + _DEEP_KEY + b".")), ("inspect", "export")),
     # sizes, offsets and lengths that lie
