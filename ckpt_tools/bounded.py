@@ -6,8 +6,8 @@ it as a tree (``str()``, ``==``, a recursive visitor). A pickle also nests 200,0
 without its (iterative) unpickler noticing, and every recursive walker then raises
 RecursionError. :func:`check_tree` is the one gate every loader passes its result through:
 
-- it visits each distinct container once (iteratively, no recursion), so its own cost is linear
-  in what the file holds;
+- it visits each distinct container once (recursing no deeper than :data:`MAX_DEPTH`, far
+  inside Python's limit), so its own cost is linear in what the file holds;
 - it refuses (:class:`HostileTree`, a BadInput) a tree deeper than :data:`MAX_DEPTH`, a
   container that contains itself, or a tree whose size walked as a tree (shared nodes counted
   each time they are reached) is more than :data:`RATIO` times the work of walking it once, so
@@ -15,6 +15,10 @@ RecursionError. :func:`check_tree` is the one gate every loader passes its resul
 
 Real checkpoints are far inside these bounds (depth under 30; sharing limited to a device mesh
 per DTensor, a ratio under 3).
+
+Hashing is the other walk: an unpickler inserting a dict key hashes it at once, recursively and
+in C (a shared tuple key hangs, one nested 200,000 deep segfaults). :func:`guard_dispatch` gives a
+pure-Python unpickler key checks (:func:`check_key`) that run before any hash does.
 """
 
 from __future__ import annotations
