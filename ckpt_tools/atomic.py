@@ -1,14 +1,20 @@
 """Never a partial destination: write into a temporary sibling of DST, fsync, rename.
 
 Ctrl-C, SIGTERM, a crash or a full disk leave DST as it was (absent, or the old one); the
-temporary sibling is removed on every exit the process lives through.
+temporary sibling is removed on every exit the process lives through. One it cannot live
+through (SIGKILL, power loss) leaves the sibling behind: while a run writes into it, the run
+holds an ``flock`` on it, which the kernel drops when the process dies, so the next run to the
+same DST tells a stale sibling from a live one, reports it, and removes it with ``--overwrite``
+(or ``ckpt clean DST``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
+import sys
 import shutil
 import signal
 import tempfile
@@ -16,7 +22,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import DestinationError, UsageError
+from .errors import DestinationError, UsageError, one_line
 
 TMP_MARK = ".ckpt-tmp-"
 
@@ -33,6 +39,95 @@ def check_destination(src: Path | None, dst: Path, *, overwrite: bool) -> None:
     parent = d.parent
     if parent.exists() and not os.access(parent, os.W_OK):
         raise DestinationError(f"{parent}: not writable")
+    report_stale(dst, remove=overwrite)
+
+
+def stale_staging(dst: Path) -> list[Path]:
+    """Temporary siblings of ``dst`` that ckpt runs left behind: ones no live run holds locked."""
+    dst = Path(dst)
+    prefix = f".{dst.name}{TMP_MARK}"
+    try:
+        names = sorted(p for p in dst.parent.iterdir() if p.name.startswith(prefix))
+    except OSError:
+        return []
+    return [p for p in names if not _in_use(p)]
+
+
+def _in_use(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # drops the probe's lock with it
+    return False
+
+
+def _size(path: Path) -> int:
+    if not path.is_dir() or path.is_symlink():
+        return path.lstat().st_size
+    return sum(f.lstat().st_size for f in path.rglob("*") if not f.is_dir())
+
+
+_reported: set[Path] = set()  # said once per process (convert and a torchrun commit both check)
+
+
+def report_stale(dst: Path, *, remove: bool) -> list[Path]:
+    """Say on stderr which stale temporary siblings of ``dst`` were left by interrupted runs;
+    remove them when ``remove``. Returns them. Rank 0 alone speaks for a torchrun launch."""
+    from .scaleout import torchrun_rank
+
+    if torchrun_rank() != 0:
+        return []
+    found = stale_staging(dst)
+    for p in found:
+        what = "the previous DST, moved aside by an interrupted commit" if f"{TMP_MARK}old-" in p.name else \
+            "the unfinished output of an interrupted run"
+        with contextlib.suppress(OSError):
+            size = _size(p)
+            if remove:
+                remove_path(p)
+                print(f"note: removed {one_line(str(p))} ({what}, {size:,} bytes)", file=sys.stderr)
+            elif p not in _reported:
+                print(f"note: {one_line(str(p))} is {what} ({size:,} bytes); --overwrite or "
+                      f"`ckpt clean {one_line(str(dst))}` removes it", file=sys.stderr)
+        _reported.add(p)
+    return found
+
+
+def clean_staging(dst: str | Path) -> dict[str, list[str]]:
+    """``ckpt clean DST``: remove the temporary siblings of ``dst`` that interrupted runs left;
+    ones a live run is writing are kept. Returns ``{"removed": [...], "in_use": [...]}``."""
+    dst = Path(dst)
+    prefix = f".{dst.name}{TMP_MARK}"
+    removed, in_use = [], []
+    siblings = sorted(p for p in dst.parent.iterdir() if p.name.startswith(prefix)) if dst.parent.is_dir() else []
+    for p in siblings:
+        if _in_use(p):
+            in_use.append(str(p))
+        else:
+            remove_path(p)
+            removed.append(str(p))
+    return {"removed": removed, "in_use": in_use}
+
+
+@contextlib.contextmanager
+def holding(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (a staging directory or file) while writing into
+    it: the mark of a live run, dropped by the kernel however the process ends."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        with contextlib.suppress(OSError):  # a file system without flock: staging is still atomic
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -44,22 +139,30 @@ def staged(dst: Path, *, overwrite: bool, is_dir: bool = True) -> Iterator[Path]
         dst.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DestinationError(f"{dst.parent}: cannot create it ({e.strerror})") from e
-    tmp = make_staging(dst) if is_dir else dst.parent / f".{dst.name}{TMP_MARK}{uuid.uuid4().hex[:8]}"
+    tmp = make_staging(dst) if is_dir else _make_staging_file(dst)
     try:
-        with _sigterm_as_interrupt():
+        with holding(tmp), _sigterm_as_interrupt():
             yield tmp
             fsync_tree(tmp)
             commit_into(tmp, dst, overwrite=overwrite)
     except OSError as e:
         remove_path(tmp)
-        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise DestinationError(f"{dst}: out of space ({e.strerror}); nothing was written, free space and re-run") from e
-        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise DestinationError(f"{dst}: not writable ({e.strerror})") from e
+        mapped = destination_error(e, dst)
+        if mapped is not None:
+            raise mapped from e
         raise
     except BaseException:
         remove_path(tmp)
         raise
+
+
+def destination_error(e: OSError, dst: Path) -> DestinationError | None:
+    """The exit-4 error a failed write to ``dst`` stands for (full disk, not writable), if any."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return DestinationError(f"{dst}: out of space ({e.strerror}); nothing was written, free space and re-run")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return DestinationError(f"{dst}: not writable ({e.strerror})")
+    return None
 
 
 def make_staging(dst: Path) -> Path:
@@ -70,6 +173,17 @@ def make_staging(dst: Path) -> Path:
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would make DST private
+    except OSError as e:
+        raise DestinationError(f"{dst.parent}: cannot write there ({e.strerror})") from e
+    return tmp
+
+
+def _make_staging_file(dst: Path) -> Path:
+    """An empty hidden sibling file of ``dst``, created here so it can be locked; the writer
+    then truncates and fills the same file."""
+    tmp = dst.parent / f".{dst.name}{TMP_MARK}{uuid.uuid4().hex[:8]}"
+    try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
     except OSError as e:
         raise DestinationError(f"{dst.parent}: cannot write there ({e.strerror})") from e
     return tmp

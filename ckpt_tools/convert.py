@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import hfassets, layouts
+from . import hfassets, layouts, safefs
 from .atomic import check_destination
 from .describe import Checkpoint, ObjectInfo, TensorInfo
 from .dtypes import DType
@@ -137,7 +137,10 @@ def copy_side_files(src: Path, files: tuple[str, ...], tmp: Path) -> None:
     for rel in files:
         out = tmp / rel
         out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src / rel, out)
+        # resolved whole and required inside the checkpoint: never a file from elsewhere
+        path = safefs.resolve_inside(src, rel, what=f"{src}: side file")
+        safefs.require_regular(path)
+        shutil.copyfile(path, out)
 
 
 # -- public operations ---------------------------------------------------------------------

@@ -117,6 +117,9 @@ class Checkpoint:
     details: dict[str, Any] = field(default_factory=dict, compare=False)
     # Parameter FQNs in the order an int-keyed optimizer state dict numbers them.
     param_order: tuple[str, ...] = ()
+    # the source files as they were before they were described (safefs.stamps): an output is
+    # published only if they are still the same when it is complete
+    stamps: dict[str, tuple[int, int, int, int]] | None = field(default=None, compare=False, repr=False)
 
     def base_dir(self) -> Path:
         return self.root if self.root.is_dir() else self.root.parent
@@ -157,8 +160,8 @@ def check_coverage(ckpt: Checkpoint) -> None:
     for t in ckpt.tensors:
         boxes = {}
         for c in t.chunks:
-            if len(c.offsets) != len(t.shape) or any(
-                o < 0 or o + s > d for o, s, d in zip(c.offsets, c.sizes, t.shape)
+            if len(c.offsets) != len(t.shape) or len(c.sizes) != len(t.shape) or any(
+                o < 0 or s < 0 or o + s > d for o, s, d in zip(c.offsets, c.sizes, t.shape)
             ):
                 raise BadInput(
                     f"{ckpt.root}: tensor {t.name!r}: chunk at {c.offsets} of size {c.sizes} "

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tqdm import tqdm
 
-from . import manifest
+from . import manifest, safefs
 from .atomic import check_destination, staged
 from .describe import Checkpoint, ObjectInfo
 from .dtypes import as_torch
@@ -174,6 +174,10 @@ def execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path,
     sealed: dict[Path, tuple[int, str]] = {}
 
     def complete(tmp: Path, written: dict[str, Any]) -> None:
+        if src.stamps is not None:
+            # a source rewritten while it was read (a training job saving over it) gives an
+            # output that is no faithful copy of anything: it is not published
+            safefs.check_unchanged(src.base_dir(), src.stamps, names=[f.path for f in src.files])
         writer.finish(tmp, jobs, written)
         if after is not None:
             after(tmp)

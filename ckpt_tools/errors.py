@@ -6,11 +6,18 @@ them as a single ``error: ...`` line.
 
 from __future__ import annotations
 
+import reprlib
+from typing import Any
+
 
 class CkptError(Exception):
-    """Base class: anything the tool reports to its user on purpose."""
+    """Base class: anything the tool reports to its user on purpose. Its text is always one
+    line: control characters from file names or pickled values are escaped (:func:`one_line`)."""
 
     exit_code = 5
+
+    def __str__(self) -> str:
+        return one_line(super().__str__())
 
 
 class VerifyFailed(CkptError):
@@ -45,3 +52,31 @@ def first_line(e: BaseException) -> str:
     """The first line of an exception's message (at most 300 characters), for one-line errors."""
     text = str(e).strip().splitlines()
     return text[0][:300] if text else type(e).__name__
+
+
+_ESCAPES = {i: f"\\x{i:02x}" for i in [*range(0x20), 0x7F, *range(0x80, 0xA0)]}
+_ESCAPES.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t",
+                 0x2028: "\\u2028", 0x2029: "\\u2029", 0x85: "\\x85"})
+
+
+def one_line(text: str) -> str:
+    """``text`` with every control character (newline, carriage return, escape sequences, Unicode
+    line separators) written as a backslash escape: a file named ``"a\\nerror: forged"`` cannot
+    start a second line on the user's terminal, nor move its cursor."""
+    return text.translate(_ESCAPES)
+
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel, _BRIEF.maxstring, _BRIEF.maxother, _BRIEF.maxlong = 3, 60, 60, 40
+for _attr in ("maxtuple", "maxlist", "maxarray", "maxdict", "maxset", "maxfrozenset", "maxdeque"):
+    setattr(_BRIEF, _attr, 4)
+del _attr
+
+
+def brief(value: Any) -> str:
+    """A short ``repr`` for messages, bounded however deep or shared the value is (a plain
+    ``repr`` of a pickled "billion laughs" list never ends)."""
+    try:
+        return _BRIEF.repr(value)[:200]
+    except Exception:  # noqa: BLE001 - a stand-in whose repr fails
+        return f"<{type(value).__name__}>"

@@ -28,8 +28,22 @@ def find_assets(src: Path, base: str | None) -> Path | None:
     root = src if src.is_dir() else src.parent
     for candidate in (root / "huggingface", root):
         if (candidate / "config.json").is_file():
+            _inside(root, candidate)
             return candidate
     return None
+
+
+def _inside(root: Path, assets: Path) -> None:
+    """The source's own asset files are part of the checkpoint: each must be a regular file
+    that resolves inside it (a symlinked ``huggingface/`` or ``tokenizer.json`` leading out
+    would copy an outside file into the output). ``--base`` folders are the user's choice."""
+    from . import safefs
+
+    rel = assets.relative_to(root)
+    for name in ASSET_PATTERNS:
+        f = assets / name
+        if f.exists() or f.is_symlink():
+            safefs.require_regular(safefs.resolve_inside(root, str(rel / name), what=str(root)))
 
 
 def read_config(assets: Path | None) -> dict:

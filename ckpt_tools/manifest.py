@@ -168,7 +168,17 @@ def write(out: Path, *, source: str, source_format: str, format: str,
 
 
 def read(root: Path) -> dict[str, Any] | None:
+    """The manifest of ``root`` (None without one). Raises ValueError for one that is not
+    JSON, nests too deeply to parse, or is not a small regular file."""
+    from . import safefs
+    from .errors import BadInput
+
     p = root / NAME
-    if not p.is_file():
+    if not p.exists() and not p.is_symlink():
         return None
-    return json.loads(p.read_text())
+    try:
+        return json.loads(safefs.read_capped(p, safefs.MAX_JSON_BYTES))
+    except RecursionError:
+        raise ValueError("it nests too deeply to be a manifest") from None
+    except BadInput as e:
+        raise ValueError(str(e)) from None

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .describe import Checkpoint, Chunk, Location, ObjectInfo, TensorInfo
 from .dtypes import as_torch
+from . import safefs
 from .errors import BadInput
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ class Reader:
         m = self._maps.get(file)
         if m is None:
             path = self.ckpt.base_dir() / file
-            with open(path, "rb") as f:
+            with safefs.open_file(path) as f:
                 size = os.fstat(f.fileno()).st_size
                 if size == 0:
                     raise BadInput(f"{path}: empty file")
@@ -77,9 +78,7 @@ class Reader:
 
     def _bytes(self, loc: Location) -> memoryview:
         m = self._map(loc.file)
-        if loc.offset + loc.length > len(m):
-            raise BadInput(f"{self.ckpt.base_dir() / loc.file}: item at {loc.offset}+{loc.length} "
-                           f"runs past the end of the file ({len(m)} bytes); truncated")
+        safefs.check_span(loc.offset, loc.length, len(m), what=str(self.ckpt.base_dir() / loc.file))
         return memoryview(m)[loc.offset: loc.offset + loc.length]
 
     def _pickled(self, file: str) -> Any:
@@ -161,8 +160,7 @@ class Reader:
 
         where = f"{self.ckpt.base_dir() / loc.file} ({name})"
         m = self._map(loc.file)
-        if loc.offset + loc.length > len(m):
-            raise BadInput(f"{where}: item runs past the end of the file; truncated")
+        safefs.check_span(loc.offset, loc.length, len(m), what=where)
         meta = load_torch_meta(_MapSlice(m, loc.offset, loc.length), where=where)
         start, size = _storage_record(m, loc.offset, loc.length)
         if not isinstance(meta, torch.Tensor) or start is None:

@@ -5,13 +5,15 @@ written by exactly one process, so the result is byte-identical to a single proc
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .atomic import TMP_MARK, check_destination, commit_into, fsync_tree, remove_path
+from .atomic import TMP_MARK, check_destination, commit_into, destination_error, fsync_tree, holding, remove_path
+from . import lifeline
 from .describe import Checkpoint
 from .engine import Writer, progress_bar, run_jobs
 from .errors import CkptError
@@ -43,7 +45,9 @@ def run_parallel(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: 
     shares = balance(jobs, workers)
     written: dict[str, Any] = {}
     ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool, \
+    # each worker dies with this process: a SIGKILL here must not leave them waiting forever
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=lifeline.tie_to_parent,
+                                                initargs=(os.getpid(),)) as pool, \
             progress_bar(sum(j.nbytes for j in jobs), desc, progress) as bar:
         futures = {pool.submit(_run_share, src, writer, share, out): share for share in shares if share}
         for fut in concurrent.futures.as_completed(futures):
@@ -76,12 +80,15 @@ def execute_torchrun(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], d
     rank 0 then writes the describing files and commits. Any process's error fails all."""
     import torch.distributed as dist
 
+    # a process of the launch ends with torchrun's agent: killed, it can no longer stop us
+    lifeline.tie_to_launcher()
     own = not dist.is_initialized()
     if own:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     tmp = dst.parent / f".{dst.name}{TMP_MARK}run-{run_id}"
+    lock = contextlib.ExitStack()
     try:
         error = None
         if rank == 0:
@@ -89,6 +96,7 @@ def execute_torchrun(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], d
                 check_destination(src.root, dst, overwrite=overwrite)
                 remove_path(tmp)
                 tmp.mkdir(parents=True)
+                lock.enter_context(holding(tmp))  # marks the staging live until this process ends
             except CkptError as e:
                 error = e
         (error,) = _bcast(error)
@@ -114,6 +122,12 @@ def execute_torchrun(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], d
                     complete(tmp, merged)
                     fsync_tree(tmp)
                     commit_into(tmp, dst, overwrite=overwrite)
+                except OSError as e:
+                    remove_path(tmp)
+                    mapped = destination_error(e, dst)
+                    if mapped is not None:
+                        raise mapped from e
+                    raise
                 except BaseException:
                     remove_path(tmp)
                     raise
@@ -121,6 +135,7 @@ def execute_torchrun(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], d
         if failed:
             raise failed[0]
     finally:
+        lock.close()
         if own:
             dist.destroy_process_group()
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import BadInput, UnsafeInput
+from . import bounded, safefs
+from .errors import BadInput, UnsafeInput, brief
 
 # Legacy typed storages torch.save names in persistent ids, with element sizes (torch.load checks
 # that a record holds numel * itemsize bytes; so do we).
@@ -128,8 +129,8 @@ class _Unpickler(pickle._Unpickler):
 
     dispatch = dict(pickle._Unpickler.dispatch)
 
-    def __init__(self, data: bytes) -> None:
-        super().__init__(io.BytesIO(data))
+    def __init__(self, data: bytes | Any) -> None:
+        super().__init__(data if hasattr(data, "read") else io.BytesIO(data))
         self.storages: dict[str, StorageRef] = {}
 
     def find_class(self, module: str, name: str) -> Global:
@@ -142,7 +143,7 @@ class _Unpickler(pickle._Unpickler):
         if not (type(pid) is tuple and len(pid) == 5 and pid[0] == _STORAGE and type(pid[1]) is Global
                 and pid[1].name in STORAGE_ITEMSIZE and isinstance(pid[2], str) and isinstance(pid[3], str)
                 and type(pid[4]) is int and pid[4] >= 0):
-            raise BadInput(f"unexpected persistent id in the pickle: {pid!r:.200}")
+            raise BadInput(f"unexpected persistent id in the pickle: {brief(pid)}")
         _, typ, key, location, numel = pid
         ref = self.storages.get(key)
         if ref is None:
@@ -182,6 +183,7 @@ class _Unpickler(pickle._Unpickler):
                 self.stack[-1] = _Str(self.stack[-1])
         return load_str
 
+    dispatch = bounded.guard_dispatch(dispatch)  # keys checked before they are hashed
     dispatch.update({pickle.REDUCE[0]: _load_reduce, pickle.NEWOBJ[0]: _load_newobj, pickle.BUILD[0]: _load_build})
     for _op in (pickle.INST, pickle.OBJ, pickle.NEWOBJ_EX, pickle.EXT1, pickle.EXT2, pickle.EXT4, pickle.PERSID):
         dispatch[_op[0]] = _refuse
@@ -190,34 +192,78 @@ class _Unpickler(pickle._Unpickler):
     del _op, _keep_apart
 
 
-def _parse(data: bytes) -> tuple[Any, dict[str, StorageRef]]:
+class _Gate(_Unpickler):
+    """Reads a pickle only to check its shape before torch's loader reads it: any global and any
+    persistent id is kept as an inert node (torch's loader decides what it admits), while dict
+    keys are checked before they are hashed and the tree must pass the bounded walk."""
+
+    def find_class(self, module: str, name: str) -> Global:
+        return Global(str(module), str(name))
+
+    def persistent_load(self, pid: Any) -> None:
+        return None
+
+
+def check_structure(f: Any, *, where: str, pickles: int = 1) -> None:
+    """Raise ``HostileTree`` if any of the next ``pickles`` pickles in ``f`` (bytes or a binary
+    file) holds a structure no reader could get through (runaway depth, sharing, or a dict key
+    whose hash never ends); return quietly on anything else, which torch's loader explains.
+    Legacy (non-zip) torch.save files are five pickles in a row."""
+    f = f if hasattr(f, "read") else io.BytesIO(f)
+    for _ in range(pickles):
+        try:
+            tree = _Gate(f).load()
+        except bounded.HostileTree as e:
+            raise bounded.HostileTree(f"{where}: {e}") from None
+        except Exception:  # noqa: BLE001 - damaged, not hostile: torch's reader says what is wrong
+            return
+        bounded.check_tree(tree, where=where)
+
+
+bounded.register(Reduce, lambda n: (n.func, n.args, n.state))
+bounded.register(NewObj, lambda n: (n.func, n.args, n.state))
+
+
+def _parse(data: bytes, where: str = "the pickle") -> tuple[Any, dict[str, StorageRef]]:
     unpickler = _Unpickler(data)
     try:
-        return unpickler.load(), unpickler.storages
+        tree = unpickler.load()
+    except bounded.HostileTree as e:
+        raise bounded.HostileTree(f"{where}: {e}") from None
     except BadInput:
         raise
     except Exception as e:  # noqa: BLE001 - any failure of a damaged or hostile pickle
-        raise BadInput(f"damaged pickle: {type(e).__name__}: {e}") from None
+        raise BadInput(f"{where}: damaged pickle: {type(e).__name__}: {e}") from None
+    # before anything walks it: not too deep, no cycle, no exponential sharing
+    bounded.check_tree(tree, where=where)
+    return tree, unpickler.storages
 
 
-def loads(data: bytes) -> Any:
+def loads(data: bytes, *, where: str = "the pickle") -> Any:
     """Parse a torch pickle into a tree of containers, scalars and the nodes above. Raises
-    ``UnsafeInput`` for a global off the allowlist, ``BadInput`` for anything else amiss."""
-    return _parse(data)[0]
+    ``UnsafeInput`` for a global off the allowlist, ``HostileTree`` for a tree no walker could
+    finish, ``BadInput`` for anything else amiss."""
+    return _parse(data, where)[0]
 
 
-def loads_blob(f: Any) -> Any:
+def loads_blob(f: Any, *, where: str = "a torch.save blob") -> Any:
     """The tree of a small in-file ``torch.save`` blob (a DCP item), given as a file-like object:
-    only its ``data.pkl`` is read. Raises ``BadInput`` (``UnsafeInput``) like :func:`loads`."""
+    only its ``data.pkl`` is read, and only when it is stored (not compressed) within the blob.
+    Raises ``BadInput`` (``UnsafeInput``, ``HostileTree``) like :func:`loads`."""
     try:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(0)
         with zipfile.ZipFile(f) as z:
-            names = [n for n in z.namelist() if n.endswith("/data.pkl")]
-            if len(names) != 1:
-                raise BadInput(f"{len(names)} data.pkl records in a torch.save blob")
-            data = z.read(names[0])
+            infos = [i for i in z.infolist() if i.filename.endswith("/data.pkl")]
+            if len(infos) != 1:
+                raise BadInput(f"{where}: {len(infos)} data.pkl records in a torch.save blob")
+            # the zip's own sizes are claims: a deflated record could expand without bound
+            if infos[0].compress_type != zipfile.ZIP_STORED or not 0 <= infos[0].file_size <= size:
+                raise BadInput(f"{where}: its data.pkl is compressed or claims more bytes than the blob holds")
+            data = z.read(infos[0])
     except (zipfile.BadZipFile, ValueError, OSError, KeyError, EOFError) as e:
-        raise BadInput(f"not a readable torch.save blob ({e})") from None
-    return loads(data)
+        raise BadInput(f"{where}: not a readable torch.save blob ({e})") from None
+    return loads(data, where=where)
 
 
 class _Emitter(pickle._Pickler):
@@ -314,23 +360,23 @@ class TorchZip:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        try:
-            with zipfile.ZipFile(self.path) as zf:
-                infos = zf.infolist()
-            fd = os.open(self.path, os.O_RDONLY)
-        except (OSError, zipfile.BadZipFile, ValueError, EOFError) as e:
-            raise BadInput(f"{self.path}: not a readable torch.save (zip) file: {e}") from None
-        try:
-            self.records = self._scan(infos, fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
+        with safefs.open_file(self.path) as f:  # a FIFO or device is refused, never waited on
+            try:
+                with zipfile.ZipFile(f) as zf:
+                    infos = zf.infolist()
+            except (OSError, zipfile.BadZipFile, ValueError, EOFError) as e:
+                raise BadInput(f"{self.path}: not a readable torch.save (zip) file: {e}") from None
+            self.records = self._scan(infos, f.fileno(), os.fstat(f.fileno()).st_size)
         names = self.records.keys()
         if "constants.pkl" in names or any(n.startswith("code/") for n in names):
             raise UnsafeInput(f"{self.path} is a TorchScript archive (it contains code); refusing to read it")
         if "data.pkl" not in names or not {"version", ".data/version"} & names:
             raise BadInput(f"{self.path}: no {self.prefix}/data.pkl or version record; not a torch.save file")
+        if self.records["data.pkl"].size > safefs.MAX_METADATA_BYTES:
+            raise BadInput(f"{self.path}: its pickle claims {self.records['data.pkl'].size} bytes; "
+                           "corrupt or not a checkpoint file")
         self.pickle = self.read("data.pkl")
-        self.tree, self.storages = _parse(self.pickle)
+        self.tree, self.storages = _parse(self.pickle, str(self.path))
         for key, ref in self.storages.items():
             rec = self.records.get(f"data/{key}")
             if rec is None or rec.size != ref.nbytes:
@@ -360,7 +406,7 @@ class TorchZip:
     def read(self, name: str) -> bytes:
         """A (small) record's bytes, CRC-checked."""
         rec = self.records[name]
-        with open(self.path, "rb") as f:
+        with safefs.open_file(self.path) as f:
             data = os.pread(f.fileno(), rec.size, rec.offset)
         if len(data) != rec.size or zlib.crc32(data) != rec.crc32:
             raise BadInput(f"{self.path}: record {name} fails its CRC check (damaged file)")
@@ -478,8 +524,7 @@ class TorchZipWriter:
             path, start, length = part[0], part[1], part[2]
             with open(path, "rb") as src:
                 fd = src.fileno()
-                if start < 0 or length < 0 or os.fstat(fd).st_size < start + length:
-                    raise BadInput(f"{path}: has no byte range {start}+{length} to copy")
+                safefs.check_span(start, length, os.fstat(fd).st_size, what=str(path))
                 if len(head) < 8:
                     head += os.pread(fd, min(length, 8 - len(head)), start)
                 crc = crc32_combine(crc, part[3], length) if known else _crc_of_range(fd, start, length, crc)

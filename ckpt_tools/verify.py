@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import manifest
+from . import manifest, safefs
 from .convert import normalize_name
 from .describe import Checkpoint, Chunk, TensorInfo, dtype_name, dtype_size
 from .dtypes import as_torch
@@ -155,13 +155,17 @@ def _check_manifest(path: Path, found: _Findings, progress: bool) -> bool:
         found.problems.append(f"{path / manifest.NAME}: malformed manifest (no 'files' object)")
         return True
     before = len(found.problems)
-    root = path.resolve()
     todo = []
     for rel, entry in sorted(files.items()):
         full = path / rel
+        try:
+            safefs.resolve_inside(path, rel, what=str(path / manifest.NAME))
+            inside = True
+        except BadInput:
+            inside = False
         if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or not isinstance(entry.get("xxh3_64"), str):
             found.problems.append(f"{path / manifest.NAME}: malformed entry for {rel!r}")
-        elif Path(rel).is_absolute() or ".." in Path(rel).parts or not full.resolve().is_relative_to(root):
+        elif not inside:
             found.problems.append(f"{path / manifest.NAME}: names {rel!r}, outside the checkpoint directory")
         elif not full.is_file():
             found.problems.append(f"{full}: missing (the manifest lists it); the checkpoint is incomplete")

@@ -12,11 +12,12 @@ from typing import Any
 import click
 
 import ckpt_tools
-from ckpt_tools.errors import CkptError
+from ckpt_tools.errors import CkptError, one_line
 
 
 def _fail(message: str, code: int) -> None:
-    click.echo(f"error: {message}", err=True)
+    # one line, whatever the file names or foreign exception texts in it hold
+    click.echo(f"error: {one_line(message)}", err=True)
     sys.exit(code)
 
 
@@ -183,6 +184,23 @@ def verify_cmd(a, b, as_json, atol, rtol, nan_check, progress):
     emit_json(report) if as_json else click.echo(format_report(report))
     if not report["ok"]:
         sys.exit(1)
+
+
+@main.command("clean")
+@click.argument("dst", type=click.Path())
+@command
+def clean_cmd(dst, progress):
+    """Remove what interrupted runs writing DST left beside it (hidden .DST.ckpt-tmp-* staging);
+    staging a live run is writing is kept."""
+    from ckpt_tools.atomic import clean_staging
+
+    result = clean_staging(dst)
+    for p in result["removed"]:
+        click.echo(f"removed {p}")
+    for p in result["in_use"]:
+        click.echo(f"kept {p} (a running ckpt is writing it)")
+    if not result["removed"] and not result["in_use"]:
+        click.echo(f"nothing to clean beside {dst}")
 
 
 @main.command("estimate")

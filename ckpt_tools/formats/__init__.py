@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from ..describe import Checkpoint, check_coverage
+from .. import bounded, safefs
 from ..errors import BadInput
 from . import dcp, hf, sharded, torchsave
 
@@ -18,6 +20,8 @@ def detect(path: Path | str) -> str:
     path = Path(path)
     if not path.exists():
         raise BadInput(f"{path}: no such file or directory")
+    if not path.is_dir():
+        safefs.require_regular(path)  # a FIFO or device: refused before any reader waits on it
     if path.is_dir():
         if not any(path.iterdir()):
             raise BadInput(f"{path}: the directory is empty; expected a checkpoint "
@@ -41,7 +45,9 @@ def describe(path: Path | str, *, check: bool = True) -> Checkpoint:
     path = Path(path)
     name = detect(path)
     module = dict(_ORDER)[name]
-    ckpt = module.describe(path)
+    before = safefs.stamps(path)  # before reading a byte: what is described is what is copied
+    with bounded.gc_paused():  # a description is many small objects: linear without the collector
+        ckpt = replace(module.describe(path), stamps=before)
     if check:
         check_coverage(ckpt)
     return ckpt

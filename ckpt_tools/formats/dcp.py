@@ -10,9 +10,9 @@ from typing import Any
 
 from ..describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo
 from ..dtypes import as_torch
-from ..errors import BadInput
+from .. import bounded, safefs
+from ..errors import BadInput, brief
 from ..dcpmeta import load_dcp_metadata
-from .hf import safe_relative
 
 METADATA = ".metadata"
 ACCELERATE_MODEL = re.compile(r"^pytorch_model_fsdp_(\d+)$")
@@ -47,6 +47,8 @@ def describe(path: Path) -> Checkpoint:
     if len(parts) > 1 or parts[0][1]:
         # accelerate's save_state keeps the LR scheduler beside the DCP dirs, as a torch.save
         for f in sorted(path.glob("scheduler*.bin")):
+            safefs.resolve_inside(path, f.name, what=str(path))
+            safefs.require_regular(f)
             objects.append(ObjectInfo("extra", "lr_scheduler" if f.stem == "scheduler" else f.stem,
                                       Location(f.name, "pickled", key=()),
                                       path=("lr_scheduler" if f.stem == "scheduler" else f.stem,)))
@@ -66,7 +68,7 @@ def _param_order(path: Path, tensors: list[TensorInfo], objects: list[ObjectInfo
                      and o.path[1] == "param_groups"), key=lambda o: int(o.path[2]))
     order: list[str] = []
     for o in groups:
-        with open(path / o.location.file, "rb") as f:
+        with safefs.open_file(path / o.location.file) as f:
             f.seek(o.location.offset)
             params = _load_item(f.read(o.location.length), where=f"{path / o.location.file} ({o.name})")
         if isinstance(params, list) and all(isinstance(p, str) for p in params):
@@ -83,20 +85,25 @@ def _describe_one(path: Path, prefix: str):
     meta = load_dcp_metadata(path / METADATA)
     storage = meta.storage_data or {}
     paths = meta.planner_data if isinstance(meta.planner_data, dict) else {}
+    where = str(path / METADATA)
     tensors, objects, files = [], [], set()
+    inside: set[str] = set()  # relative paths already resolved inside the root (few, reused)
 
     def location(fqn: str, offset=None, kind: str = "torch_item") -> Location:
         try:
             info = storage[MetadataIndex(fqn=fqn, offset=offset)]
         except KeyError:
             raise BadInput(f"{path / METADATA}: no storage entry for {fqn!r} at {offset}; the metadata is incomplete") from None
+        if info.relative_path not in inside:
+            safefs.resolve_inside(path, info.relative_path, what=f"{where}: item {fqn!r}")
+            inside.add(info.relative_path)
         file = prefix + info.relative_path
-        safe_relative(path, info.relative_path, what=f"{path / METADATA}: item {fqn!r}")
         if getattr(info, "transform_descriptors", None):
-            raise BadInput(f"{path / METADATA}: item {fqn!r} is stored with transforms "
-                           f"{info.transform_descriptors}, which ckpt cannot read yet")
+            raise BadInput(f"{where}: item {fqn!r} is stored with transforms "
+                           f"{brief(info.transform_descriptors)}, which ckpt cannot read yet")
+        offset, length = safefs.check_span(info.offset, info.length, None, what=f"{where}: item {fqn!r}")
         files.add(info.relative_path)
-        return Location(file, kind, int(info.offset), int(info.length))
+        return Location(file, kind, offset, length)
 
     try:
         items = list(meta.state_dict_metadata.items())
@@ -104,17 +111,23 @@ def _describe_one(path: Path, prefix: str):
         raise BadInput(f"{path / METADATA}: malformed DCP metadata ({e})") from e
     try:
         for fqn, md in items:
-            group, name, param, state = _classify(fqn, paths.get(fqn), isinstance(md, TensorStorageMetadata))
+            if not isinstance(fqn, str):
+                raise BadInput(f"{where}: an item is keyed by a {type(fqn).__name__}, not a name")
+            group, name, param, state = _classify(fqn, _obj_path(paths.get(fqn), fqn, where),
+                                                  isinstance(md, TensorStorageMetadata))
             if isinstance(md, TensorStorageMetadata):
-                shape = tuple(md.size)
+                what = f"{where}: tensor {fqn!r}"
+                shape = safefs.check_dims(md.size, what=f"{what} size")
                 chunks = tuple(
-                    Chunk(tuple(c.offsets), tuple(c.sizes), location(fqn, c.offsets), None)
+                    Chunk(safefs.check_dims(c.offsets, what=f"{what} chunk offsets", rank=len(shape)),
+                          safefs.check_dims(c.sizes, what=f"{what} chunk sizes", rank=len(shape)),
+                          location(fqn, c.offsets), None)
                     for c in md.chunks
                 )
                 tensors.append(TensorInfo(group, name, shape, md.properties.dtype, chunks, param, state,
                                           path=tuple(paths.get(fqn) or (fqn,))))
             elif isinstance(md, BytesStorageMetadata):
-                path_ = tuple(paths.get(fqn) or fqn.split("."))
+                path_ = _obj_path(paths.get(fqn), fqn, where) or tuple(fqn.split("."))
                 objects.append(ObjectInfo(group, name, location(fqn, None, "bytes_item"), path=path_))
             else:
                 raise BadInput(f"{path / METADATA}: item {fqn!r} has unknown metadata {type(md).__name__}")
@@ -124,11 +137,9 @@ def _describe_one(path: Path, prefix: str):
     ranks = set()
     sizes = {}
     for f in sorted(files):
-        full = path / f
-        if not full.is_file():
-            raise BadInput(f"{path / METADATA}: names data file {f!r}, which is missing")
-        sizes[prefix + f] = full.stat().st_size
-        entries.append(FileEntry(prefix + f, full.stat().st_size))
+        size = safefs.require_regular(path / f, what=f"{where}: data file {f!r}").st_size
+        sizes[prefix + f] = size
+        entries.append(FileEntry(prefix + f, size))
         m = RANK_FILE.match(f)
         if m:
             ranks.add(int(m.group(1)))
@@ -148,7 +159,8 @@ def _describe_one(path: Path, prefix: str):
     handles: dict[str, Any] = {}
     try:
         for o in objects:
-            f = handles.get(o.location.file) or handles.setdefault(o.location.file, open(path / o.location.file.removeprefix(prefix), "rb"))
+            f = handles.get(o.location.file) or handles.setdefault(
+                o.location.file, safefs.open_file(path / o.location.file.removeprefix(prefix)))
             f.seek(o.location.offset)
             _load_item(f.read(o.location.length), where=f"{path / o.location.file.removeprefix(prefix)} ({o.name})")
     finally:
@@ -165,9 +177,11 @@ def _load_item(blob: bytes, *, where: str) -> Any:
     from ..torchfile import Global, NewObj, Reduce, StorageRef, loads_blob
 
     try:
-        tree = loads_blob(io.BytesIO(blob))
-        if not _has_node(tree, (Global, NewObj, Reduce, StorageRef)):
+        tree = loads_blob(io.BytesIO(blob), where=where)
+        if not any(isinstance(n, (Global, NewObj, Reduce, StorageRef)) for n in bounded.distinct_nodes(tree)):
             return tree
+    except bounded.HostileTree:
+        raise  # torch's loader would build the same runaway tree
     except BadInput:
         pass
     from ..safeload import load_torch_bytes
@@ -175,14 +189,16 @@ def _load_item(blob: bytes, *, where: str) -> Any:
     return load_torch_bytes(blob, where=where)
 
 
-def _has_node(tree: Any, kinds: tuple[type, ...]) -> bool:
-    if isinstance(tree, kinds):
-        return True
-    if isinstance(tree, dict):
-        return any(_has_node(k, kinds) or _has_node(v, kinds) for k, v in tree.items())
-    if isinstance(tree, (list, tuple)):
-        return any(_has_node(v, kinds) for v in tree)
-    return False
+def _obj_path(value: Any, fqn: str, where: str) -> tuple | None:
+    """A ``planner_data`` entry: DCP's nesting path of ``fqn``, a short sequence of names and
+    indices (anything else, e.g. nested lists, is corrupt metadata)."""
+    if value is None:
+        return None
+    if not isinstance(value, (tuple, list)) or len(value) > 64 or not all(
+            type(p) in (str, int) for p in value):
+        raise BadInput(f"{where}: the nesting path of {fqn!r} is {brief(value)}, not a list of names; "
+                       "the metadata is corrupt")
+    return tuple(value)
 
 
 def _classify(fqn: str, obj_path: tuple | None, is_tensor: bool) -> tuple[str, str, str | None, str | None]:

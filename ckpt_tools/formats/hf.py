@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..describe import Checkpoint, Chunk, FileEntry, Location, TensorInfo
 from ..dtypes import DType
+from .. import safefs
 from ..errors import BadInput
 
 if TYPE_CHECKING:
@@ -46,8 +47,8 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
     non-UTF-8 or duplicate keys, offsets out of range or overlapping, a byte range that does
     not match shape × dtype, holes or trailing bytes.
     """
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    with safefs.open_file(path) as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
             raise BadInput(f"{path}: truncated safetensors file ({size} bytes, no header)")
@@ -119,8 +120,9 @@ def shard_files(path: Path) -> tuple[Path, list[str], dict[str, str] | None]:
 
 
 def read_index(index: Path) -> dict[str, str]:
+    raw = safefs.read_capped(index, safefs.MAX_JSON_BYTES)
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = json.loads(raw)["weight_map"]
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise BadInput(f"{index}: not a valid safetensors index ({type(e).__name__}: {str(e)[:200]})") from e
     if not isinstance(weight_map, dict):
@@ -131,13 +133,9 @@ def read_index(index: Path) -> dict[str, str]:
 
 
 def safe_relative(base: Path, name: str, *, what: str) -> Path:
-    """Resolve ``name`` under ``base``; refuse absolute paths, ``..`` and symlinks leaving base."""
-    if not isinstance(name, str) or not name or os.path.isabs(name) or ".." in Path(name).parts:
-        raise BadInput(f"{what}: file name {name!r} escapes the checkpoint directory")
-    full = base / name
-    if full.is_symlink() and not full.resolve().is_relative_to(base.resolve()):
-        raise BadInput(f"{what}: {name!r} is a symlink out of the checkpoint directory")
-    return full
+    """``base / name``, refused unless it resolves inside ``base`` (see
+    :func:`ckpt_tools.safefs.resolve_inside`, which this is)."""
+    return safefs.resolve_inside(base, name, what=what)
 
 
 def describe(path: Path) -> Checkpoint:
@@ -146,8 +144,10 @@ def describe(path: Path) -> Checkpoint:
     entries: list[FileEntry] = []
     seen: dict[str, str] = {}
     for name in files:
-        file = safe_relative(base, name, what=str(base))
+        # a file the user named is the checkpoint; one a directory lists must stay inside it
+        file = safe_relative(base, name, what=str(base)) if path.is_dir() else path
         if not file.is_file():
+            safefs.require_regular(file, what=f"{base / INDEX_NAME}: shard {name!r}")
             raise BadInput(f"{base / INDEX_NAME}: names shard {name!r}, which is missing")
         header, data_start = read_header(file)
         entries.append(FileEntry(name, file.stat().st_size))

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo, chunk_rows
 from ..dtypes import DType
+from .. import bounded, safefs
 from ..errors import BadInput
 from ..torchfile import TorchZip
 from . import shardtree
@@ -40,9 +41,10 @@ def read_config(path: Path) -> dict:
     config = path / CONFIG_NAME
     if not config.is_file():
         return {}
+    raw = safefs.read_capped(config, safefs.MAX_JSON_BYTES)
     try:
-        value = json.loads(config.read_text())
-    except (OSError, ValueError) as e:
+        value = json.loads(raw)
+    except (ValueError, RecursionError) as e:
         raise BadInput(f"{config}: not valid JSON ({e})") from e
     if not isinstance(value, dict):
         raise BadInput(f"{config}: holds a {type(value).__name__}, expected an object")
@@ -60,6 +62,9 @@ def _inventory(path: Path) -> tuple[int, dict[str, dict[int, str]]]:
             found[kind][rank] = p.name
     if len(sizes) != 1:
         raise BadInput(f"{path}: rank files of several world sizes {sorted(sizes)}; keep one save per directory")
+    for names in found.values():
+        for name in names.values():
+            safefs.require_regular(safefs.resolve_inside(path, name, what=str(path)))
     (ws,) = sizes
     cfg_ws = read_config(path).get("world_size")
     if cfg_ws is not None and cfg_ws != ws:
@@ -212,6 +217,8 @@ def _tree_of(file: Path) -> TorchZip:
     to the torch path, which is the one that refuses (weights_only) and explains."""
     try:
         return shardtree.parsed(file)
+    except bounded.HostileTree:
+        raise  # torch's loader would build the same runaway tree
     except BadInput as e:
         raise NotSimple(str(e)) from e
 

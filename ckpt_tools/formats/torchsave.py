@@ -14,6 +14,7 @@ from ..describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, Tenso
 from ..dtypes import DType
 from ..errors import BadInput
 from . import optim
+from .. import safefs
 from .hf import safe_relative
 
 if TYPE_CHECKING:
@@ -36,10 +37,13 @@ def _files(path: Path) -> tuple[Path, list[str], dict[str, str] | None]:
         return path.parent, [path.name], None
     index = path / INDEX_NAME
     if index.is_file():
+        raw = safefs.read_capped(index, safefs.MAX_JSON_BYTES)
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            weight_map = json.loads(raw)["weight_map"]
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise BadInput(f"{index}: not a valid index ({e})") from e
+        if not isinstance(weight_map, dict):
+            raise BadInput(f"{index}: weight_map is not an object")
         for name, file in weight_map.items():
             safe_relative(path, file, what=f"{index}: tensor {name!r}")
         return path, sorted(set(weight_map.values())), weight_map
@@ -61,10 +65,10 @@ def describe(path: Path) -> Checkpoint:
     details: dict[str, Any] = {}
     param_order: tuple[str, ...] = ()
     for name in files:
-        file = base / name
-        if not file.is_file():
-            raise BadInput(f"{base / INDEX_NAME}: names shard {name!r}, which is missing")
-        entries.append(FileEntry(name, file.stat().st_size))
+        # a file the user named is the checkpoint; one a directory lists must stay inside it
+        file = safe_relative(base, name, what=str(base)) if path.is_dir() else path
+        size = safefs.require_regular(file, what=f"{base / INDEX_NAME}: shard {name!r}" if weight_map else None).st_size
+        entries.append(FileEntry(name, size))
         obj = load_torch(file)
         if not isinstance(obj, dict):
             raise BadInput(f"{file}: holds a {type(obj).__name__}, not a state dict")
