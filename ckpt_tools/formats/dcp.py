@@ -231,8 +231,10 @@ class Writer:
 
     single_file = False
 
-    def __init__(self, *, param_order: tuple[str, ...] = ()) -> None:
+    def __init__(self, *, param_order: tuple[str, ...] = (), top_level_model: bool = False) -> None:
         self.param_order = param_order
+        # torchtitan's layout: model keys at the top level, no "model." prefix
+        self.top_level_model = top_level_model
 
     def write(self, path: Path, job, pieces, objects) -> None:
         import io
@@ -287,6 +289,8 @@ class Writer:
                 if kind == "tensor":
                     p = job.pieces[what]
                     path_ = dcp_key(p.target)
+                    if self.top_level_model and path_[0] == "model":
+                        path_ = path_[1:]
                     fqn = ".".join(map(str, path_))
                     md = state.setdefault(fqn, TensorStorageMetadata(
                         properties=TensorProperties(dtype=as_torch(p.target.dtype)), size=torch.Size(p.target.shape), chunks=[]))
