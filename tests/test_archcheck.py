@@ -139,3 +139,22 @@ def test_shard_still_refuses_what_from_pretrained_would_not_load(tmp_path):
     r = _cli("shard", tmp_path / "bert", tmp_path / "ws2", "--ranks", "2")
     assert r.exit_code == 3, r.output
     assert "bert.encoder.layer.0.surprise.weight" in r.output
+
+
+@pytest.mark.parametrize("fixture", ["llama_dcp", "llama_sharded_ws2", "llama_accelerate", "llama_torch",
+                                     "llama_hf_sharded"])
+def test_every_layout_refuses_weights_its_config_does_not_load(tmp_path, fixture):
+    """Plain DCP, verl, accelerate, torch.save and sharded HF sources all pass the check; one
+    layer too many in the config is refused (exit 3, nothing written) for each."""
+    config = json.loads((FIX / "llama_hf" / "config.json").read_text())
+    config["num_hidden_layers"] += 1
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps(config))
+    r = _cli("export", FIX / fixture, tmp_path / "out", "--base", base)
+    assert r.exit_code == 3, r.output
+    assert "missing (model.layers.2." in r.output
+    assert not (tmp_path / "out").exists()
+    ok = _cli("export", FIX / fixture, tmp_path / "good", "--base", FIX / "llama_hf")
+    assert ok.exit_code == 0, ok.output
+    _loads_clean(tmp_path / "good")
