@@ -12,7 +12,9 @@ memory is used beyond the meta model's bookkeeping.
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from .dtypes import DType, as_torch
 
 SHOWN = 3  # names quoted per kind in a message
@@ -92,6 +94,19 @@ def load_report(config: dict, tensors: dict[str, tuple[tuple[int, ...], DType]])
     mismatched = tuple(sorted((n, tuple(given), tuple(wanted)) for n, given, wanted in info.get("mismatched_keys", ())))
     return LoadReport(cls.__name__, tuple(sorted(info.get("missing_keys", ()))),
                       tuple(sorted(info.get("unexpected_keys", ()))), mismatched)
+
+
+def ignored(config_file: Path, tensors: dict[str, tuple[tuple[int, ...], str]], unused: set[str]) -> list[str]:
+    """Of ``unused`` (names a model has no place for), those ``from_pretrained`` skips without
+    calling them unexpected; none when the architecture cannot be checked."""
+    if not unused:
+        return []
+    try:
+        config = json.loads(config_file.read_text())
+        report = load_report(config, {k: (shape, DType(dtype)) for k, (shape, dtype) in tensors.items()})
+    except (Unchecked, ValueError, OSError):
+        return []
+    return sorted(unused - set(report.unexpected))
 
 
 @contextlib.contextmanager

@@ -66,7 +66,8 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
     if found is not None and lora == "adapter":
         peft_lora.check_alpha(found, src)
         pieces = [whole(target(t, n, cast)) for n, t in peft_lora.adapter_names(found, names)]
-        return ExportPlan(ckpt, pieces, peft_lora.adapter_config(found, base_model=base, config=config))
+        notes = check_adapter(found, config, src)
+        return ExportPlan(ckpt, pieces, peft_lora.adapter_config(found, base_model=base, config=config), notes)
     if found is not None:
         base_tensors = None
         if found.adapter_only and base:
@@ -143,6 +144,23 @@ def check(pieces: list[Piece], config: dict, src: Path) -> list[str]:
     if not report.ok:
         raise BadInput(f"{src}: {report.architecture} (config.json) would not load these weights: {report.describe()}; "
                        f"{archcheck.likely_fix(report)}")
+    return []
+
+
+def check_adapter(found: peft_lora.Lora, config: dict, src: Path) -> list[str]:
+    """Every LoRA target must be a weight of the base architecture with the shape ``B @ A`` has
+    (the base weights themselves need not be in the checkpoint)."""
+    if not config:
+        return ["the adapter's targets were not checked against a base architecture (no config.json; pass --base)"]
+    wanted = {f"{t.module}.weight": ((t.b.shape[0], t.a.shape[1]), t.a.dtype) for t in found.targets}
+    try:
+        report = archcheck.load_report(config, wanted)
+    except archcheck.Unchecked as e:
+        return [f"the adapter's targets were not checked against the base architecture: {e}"]
+    if report.unexpected or report.mismatched:
+        bad = archcheck.LoadReport(report.architecture, (), report.unexpected, report.mismatched)
+        raise BadInput(f"{src}: the LoRA targets are not weights of {report.architecture} (config.json): "
+                       f"{bad.describe()}; pass --base with the model the adapter was trained on")
     return []
 
 

@@ -130,8 +130,7 @@ def shard(model: str, dst: str | Path, *, ranks: int, format: str = "sharded", d
     ignored = ignored_on_load(model_dir, config, sources)
     if ignored:
         if progress and torchrun_rank() == 0:
-            print(f"note: leaving out {', '.join(ignored)}: from_pretrained ignores {'it' if len(ignored) == 1 else 'them'} "
-                  "too (a buffer transformers now computes)", file=sys.stderr)
+            print(f"note: leaving out {', '.join(ignored)}, which from_pretrained ignores too", file=sys.stderr)
         sources = {k: v for k, v in sources.items() if k not in ignored}
     # On meta, cheap: a config that does not fit the weights fails here, before any rank starts.
     build_meta_model(config, sources)
@@ -254,27 +253,17 @@ def model_class(config) -> type:
 
 def ignored_on_load(model_dir: Path, config, sources: dict[str, SourceTensor]) -> list[str]:
     """Source tensors the model has no place for that ``from_pretrained`` skips without a word
-    (BERT's old ``position_ids``, rotary ``inv_freq``, ``_keys_to_ignore_on_load_unexpected``):
-    asked of ``from_pretrained`` itself (:mod:`.archcheck`). What it would call unexpected is
-    not among them, and :func:`plan_reads` refuses it."""
+    (BERT's old ``position_ids``, rotary ``inv_freq``): asked of ``from_pretrained`` itself
+    (:mod:`.archcheck`). What it would call unexpected stays, for :func:`plan_reads` to refuse."""
     import torch
 
     from . import archcheck
-    from .dtypes import DType
 
     with torch.device("meta"):
         model = model_class(config)._from_config(config)
     used = {r.source.name for r in plan_reads(model, sources, world_size=1, rank=0, check_extra=False)}
-    unused = set(sources) - used
-    if not unused:
-        return []
-    try:
-        raw = json.loads((model_dir / "config.json").read_text())
-        report = archcheck.load_report(raw, {k: (s.shape, DType(str(s.dtype).removeprefix("torch.")))
-                                             for k, s in sources.items()})
-    except (archcheck.Unchecked, ValueError):
-        return []
-    return sorted(unused - set(report.unexpected))
+    shapes = {k: (s.shape, str(s.dtype).removeprefix("torch.")) for k, s in sources.items()}
+    return archcheck.ignored(model_dir / "config.json", shapes, set(sources) - used)
 
 
 def build_meta_model(config, sources: dict[str, SourceTensor]) -> nn.Module:

@@ -202,3 +202,13 @@ def test_verify_says_what_an_adapter_only_checkpoint_is(saves):
 def test_adapter_of_a_checkpoint_without_lora_is_refused(tmp_path, fixtures_dir):
     r = _cli("export", fixtures_dir / "llama_hf", tmp_path / "out", "--lora", "adapter")
     assert r.exit_code == 3 and "no LoRA" in r.output, r.output
+
+
+def test_adapter_for_another_base_is_refused(saves, tmp_path):
+    config = json.loads((saves / "verl" / "huggingface" / "config.json").read_text())
+    config["num_key_value_heads"] = config["num_attention_heads"]  # v_proj grows: not the trained base
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps(config))
+    r = _cli("export", saves / "verl_lora_only", tmp_path / "out", "--lora", "adapter", "--base", tmp_path / "other")
+    assert r.exit_code == 3 and "v_proj.weight" in r.output and "misshapen" in r.output, r.output
+    assert not (tmp_path / "out").exists()

@@ -138,7 +138,9 @@ def _side_alpha(ckpt: Checkpoint) -> tuple[dict, float | None, str | None]:
     """adapter_config.json (PEFT) or lora_train_meta.json (verl) in the checkpoint directory or
     its ``huggingface/`` folder: (adapter config, alpha, which file)."""
     root = ckpt.base_dir()
-    for folder in (root, root / "huggingface", root.parent):
+    # not the parent folder: an adapter_config.json there may belong to another run, and a
+    # wrong alpha would merge silently wrong weights
+    for folder in (root, root / "huggingface"):
         for name in (ADAPTER_CONFIG, VERL_META):
             f = folder / name
             if not f.is_file():
