@@ -225,16 +225,20 @@ def _export(ckpt: Checkpoint, src_path: Path, dst: Path, keep: list[TensorInfo],
     dtypes = {t.dtype for t in targets if t.dtype.is_floating_point}
     written = cast or (max(dtypes, key=lambda d: sum(t.numel for t in targets if t.dtype == d)) if dtypes else None)
 
+    notes: list[str] = []
+
     def after(tmp: Path) -> None:
+        notes.extend(wait_for_check())  # a refusal here leaves nothing at DST
         if adapter:
             (tmp / hfnames.peft_lora.ADAPTER_CONFIG).write_text(json.dumps(plan.adapter_config, indent=2) + "\n")
             report["assets"] = [hfnames.peft_lora.ADAPTER_CONFIG]
         elif not single:
             report["assets"] = hfassets.copy_assets(assets, tmp, dtype=written)
 
-    execute(plan.ckpt, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=f"hf → {dst.name}", fmt="hf",
-            after=after)
-    hfnames.say(plan.notes, progress)
+    with hfnames.checked_in_background(plan) as wait_for_check:
+        execute(plan.ckpt, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=f"hf → {dst.name}",
+                fmt="hf", after=after)
+    hfnames.say(notes, progress)
     if left_out:
         _say(f"note: the export holds the model only; left out {', '.join(left_out)} state", progress)
     if assets is None and not single and not adapter:

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from . import manifest
 from .atomic import check_destination, staged
-from .describe import Checkpoint, ObjectInfo
+from .describe import Checkpoint, Chunk, ObjectInfo
 from .dtypes import as_torch
 from .errors import BadInput
 from .plan import FileJob, Piece
@@ -72,10 +72,13 @@ def spans_of(reader: Reader, piece: Piece) -> Span | None:
         return None
     row = math.prod(piece.sizes[1:]) * target.dtype.itemsize
     parts = []
+    found: dict[Chunk, tuple | None] = {}  # a row-permuted piece copies from each chunk many times
     for c in sorted(piece.copies, key=lambda c: c.dst_start):
         if c.sizes[1:] != piece.sizes[1:] or c.chunk.sizes[1:] != piece.sizes[1:]:
             return None
-        span = reader.span(target.source, c.chunk)
+        if c.chunk not in found:
+            found[c.chunk] = reader.span(target.source, c.chunk)
+        span = found[c.chunk]
         if span is None:
             return None
         path, offset, _ = span

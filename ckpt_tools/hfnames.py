@@ -11,8 +11,11 @@ Order of work (pure planning, no tensor data except the tied-embedding compariso
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import sys
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +33,16 @@ LORA_MODES = ("merge", "adapter")
 
 @dataclass
 class ExportPlan:
-    """What to write: whole pieces under their HF names; ``adapter_config`` for a PEFT adapter."""
+    """What to write: whole pieces under their HF names; ``adapter_config`` for a PEFT adapter.
+
+    ``check`` asks the architecture (it raises BadInput, or returns notes); it costs an import
+    of transformers, so the caller may run it while the files are written, as long as it waits
+    for it before the commit (:func:`checked_in_background`)."""
 
     ckpt: Checkpoint  # the source, plus --base's weights when an adapter-only save is merged
     pieces: list[Piece]
     adapter_config: dict[str, Any] | None = None
-    notes: list[str] = field(default_factory=list)
+    check: Callable[[], list[str]] = lambda: []
 
 
 def target(t: TensorInfo, name: str, cast: DType | None) -> Target:
@@ -66,8 +73,8 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
     if found is not None and lora == "adapter":
         peft_lora.check_alpha(found, src)
         pieces = [whole(target(t, n, cast)) for n, t in peft_lora.adapter_names(found, names)]
-        notes = check_adapter(found, config, src)
-        return ExportPlan(ckpt, pieces, peft_lora.adapter_config(found, base_model=base, config=config), notes)
+        return ExportPlan(ckpt, pieces, peft_lora.adapter_config(found, base_model=base, config=config),
+                          lambda: check_adapter(found, config, src))
     if found is not None:
         base_tensors = None
         if found.adapter_only and base:
@@ -81,8 +88,7 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
     if torchtitan.detect(p.target.name for p in pieces):
         pieces = torchtitan.to_hf_pieces(pieces, config, src)
     pieces = untie(ckpt, pieces, config, src)
-    notes = check(pieces, config, src)
-    return ExportPlan(ckpt, pieces, None, notes)
+    return ExportPlan(ckpt, pieces, None, lambda: check(pieces, config, src))
 
 
 def _with_base_weights(ckpt: Checkpoint, base: str) -> tuple[Checkpoint, dict[str, TensorInfo]]:
@@ -162,6 +168,20 @@ def check_adapter(found: peft_lora.Lora, config: dict, src: Path) -> list[str]:
         raise BadInput(f"{src}: the LoRA targets are not weights of {report.architecture} (config.json): "
                        f"{bad.describe()}; pass --base with the model the adapter was trained on")
     return []
+
+
+@contextlib.contextmanager
+def checked_in_background(plan: ExportPlan):
+    """Run ``plan.check`` in a thread while the caller writes; the yielded ``wait()`` returns its
+    notes or raises its BadInput, and must be called before the commit (so a refusal leaves
+    nothing at DST). Importing transformers mostly holds the GIL, copying files mostly not."""
+    # torch first, here: the writer may import it too, and two threads importing the same
+    # package tree at once can deadlock on the import locks
+    import torch  # noqa: F401
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-archcheck") as pool:
+        future = pool.submit(plan.check)
+        yield future.result
 
 
 def say(notes: list[str], progress: bool) -> None:
