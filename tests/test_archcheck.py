@@ -158,3 +158,18 @@ def test_every_layout_refuses_weights_its_config_does_not_load(tmp_path, fixture
     ok = _cli("export", FIX / fixture, tmp_path / "good", "--base", FIX / "llama_hf")
     assert ok.exit_code == 0, ok.output
     _loads_clean(tmp_path / "good")
+
+
+def test_a_refused_overwrite_leaves_the_old_destination(tmp_path):
+    """The check runs while files are written; its refusal comes before the commit."""
+    src = _hf_copy(tmp_path)
+    out = tmp_path / "out"
+    assert _cli("export", src, out).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    sd = load_file(src / "model.safetensors")
+    sd["model.surprise"] = torch.zeros(2)
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    r = _cli("export", src, out, "--overwrite")
+    assert r.exit_code == 3 and "model.surprise" in r.output, r.output
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir() if p.name not in ("src", "out")] == []  # no staging left

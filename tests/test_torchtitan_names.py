@@ -164,3 +164,49 @@ def test_hf_to_torchtitan_loads_in_checkpoint_manager(tmp_path, world_size):
         assert torch.equal(got[name], t), name
     with torch.no_grad():
         assert torch.allclose(_tt_logits(model), hf(input_ids=IDS).logits, atol=1e-4)
+
+
+def _qwen3():
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers, _qwen3_norm
+
+    head_dim = 8
+    return Qwen3Model.Config(
+        vocab_size=VOCAB, dim=DIM, norm=_qwen3_norm(DIM),
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB),
+        layers=_build_qwen3_layers(n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=head_dim,
+                                   hidden_dim=FFN, attn_backend="flex",
+                                   rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=64, theta=1000000.0)))
+
+
+def test_qwen3_both_ways_match_torchtitans_adapter(tmp_path):
+    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = _qwen3().build()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    _manager(model, tmp_path / "job", last_save_model_only=True).save(curr_step=2, last_step=True)
+    Qwen3Config(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=8, max_position_embeddings=64,
+                rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                architectures=["Qwen3ForCausalLM"]).save_pretrained(tmp_path / "cfg")
+    r = _cli("export", tmp_path / "job" / "checkpoint" / "step-2", tmp_path / "hf", "--base", tmp_path / "cfg")
+    assert r.exit_code == 0, r.output
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    want = Qwen3StateDictAdapter(_qwen3(), None).to_hf(sd)
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+    _, info = Qwen3ForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    back = tmp_path / "back"
+    assert _cli("convert", tmp_path / "hf", back, "--to", "dcp", "--layout", "torchtitan").exit_code == 0
+    other = _qwen3().build()
+    _manager(other, tmp_path / "job2", initial_load_path=str(back), initial_load_model_only=True).load(step=-1)
+    for name, t in sd.items():
+        assert torch.equal(other.state_dict()[name], t), name
