@@ -115,9 +115,7 @@ def materialize(reader: Reader, piece: Piece, *, spans: bool = False) -> torch.T
 
 def _plus_low_rank(reader: Reader, piece: Piece) -> torch.Tensor:
     """``W + scale * (B @ A)`` computed in fp32 (as PEFT merges on CPU), then cast."""
-    import torch
-
-    from .plan import replace
+    from dataclasses import replace
 
     base = materialize(reader, replace(piece, add=None, target=replace(piece.target, dtype=piece.target.source.dtype)))
     lr = piece.add

@@ -43,6 +43,7 @@ class ExportPlan:
     pieces: list[Piece]
     adapter_config: dict[str, Any] | None = None
     check: Callable[[], list[str]] = lambda: []
+    asks_transformers: bool = False  # whether ``check`` builds the architecture (imports torch)
 
 
 def target(t: TensorInfo, name: str, cast: DType | None) -> Target:
@@ -74,7 +75,7 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
         peft_lora.check_alpha(found, src)
         pieces = [whole(target(t, n, cast)) for n, t in peft_lora.adapter_names(found, names)]
         return ExportPlan(ckpt, pieces, peft_lora.adapter_config(found, base_model=base, config=config),
-                          lambda: check_adapter(found, config, src))
+                          lambda: check_adapter(found, config, src), bool(config))
     if found is not None:
         base_tensors = None
         if found.adapter_only and base:
@@ -88,7 +89,7 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
     if torchtitan.detect(p.target.name for p in pieces):
         pieces = torchtitan.to_hf_pieces(pieces, config, src)
     pieces = untie(ckpt, pieces, config, src)
-    return ExportPlan(ckpt, pieces, None, lambda: check(pieces, config, src))
+    return ExportPlan(ckpt, pieces, None, lambda: check(pieces, config, src), bool(config))
 
 
 def _with_base_weights(ckpt: Checkpoint, base: str) -> tuple[Checkpoint, dict[str, TensorInfo]]:
@@ -175,9 +176,10 @@ def checked_in_background(plan: ExportPlan):
     """Run ``plan.check`` in a thread while the caller writes; the yielded ``wait()`` returns its
     notes or raises its BadInput, and must be called before the commit (so a refusal leaves
     nothing at DST). Importing transformers mostly holds the GIL, copying files mostly not."""
-    # torch first, here: the writer may import it too, and two threads importing the same
-    # package tree at once can deadlock on the import locks
-    import torch  # noqa: F401
+    if plan.asks_transformers:
+        # torch first, here: the writer may import it too, and two threads importing the same
+        # package tree at once can deadlock on the import locks
+        import torch  # noqa: F401
 
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-archcheck") as pool:
         future = pool.submit(plan.check)
