@@ -111,15 +111,20 @@ def ignored(config_file: Path, tensors: dict[str, tuple[tuple[int, ...], str]], 
 
 @contextlib.contextmanager
 def _quiet():
-    """transformers logs its loading report as a warning; here the report is ours to word."""
+    """transformers logs its loading report as a warning and shows a progress bar while it
+    "loads" the meta tensors; here the report is ours to word, and nothing is loaded."""
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     try:
         yield
     finally:
         hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def likely_fix(report: LoadReport) -> str:
