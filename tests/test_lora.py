@@ -4,8 +4,10 @@ adapter ``PeftModel.from_pretrained`` loads, or refuses.
 One real 2-rank ``fully_shard`` job (tests/dist.py, gloo on CPU) trains a tiny Llama wrapped by
 ``peft.get_peft_model`` for two AdamW steps (so lora_B is not zero) and saves it three ways:
 verl's per-rank files (``model.state_dict()`` of each rank, + ``lora_train_meta.json``), the
-LoRA-only variant of those files (verl's ``save_lora_only``) and a plain ``dcp.save`` of
-``get_model_state_dict`` with PEFT's own ``adapter_config.json`` beside it. Rank 0 also saves the
+LoRA-only variant of those files (verl's ``save_lora_only``), a plain ``dcp.save`` of
+``get_model_state_dict`` with PEFT's own ``adapter_config.json`` beside it, and accelerate's
+``save_state`` layout (``pytorch_model_fsdp_0/``, written as fixtures/make_fixtures.py mirrors
+``save_fsdp_model``; not by accelerate itself). Rank 0 also saves the
 full trained state dict: the reference is PEFT itself, run on it in the test process.
 """
 
@@ -69,6 +71,10 @@ def _train_and_save(rank: int, world_size: int, out: str) -> None:
     torch.save({k: v for k, v in sd.items() if ".lora_" in k},
                out / "verl_lora_only" / f"model_world_size_{world_size}_rank_{rank}.pt")
     dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(out / "dcp"))
+    # accelerate's save_state layout, as fixtures/make_fixtures.py mirrors it (save_fsdp_model's options)
+    options = StateDictOptions(full_state_dict=False, cpu_offload=True, broadcast_from_rank0=False)
+    dcp.save({"model": get_model_state_dict(model, options=options)},
+             checkpoint_id=str(out / "accelerate" / "pytorch_model_fsdp_0"))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save(full, out / "trained.pt")
@@ -79,15 +85,16 @@ def saves(tmp_path_factory):
     from make_fixtures import tiny_llama_config
 
     out = tmp_path_factory.mktemp("lora")
-    for d in ("verl", "verl_lora_only", "dcp"):
+    for d in ("verl", "verl_lora_only", "dcp", "accelerate"):
         (out / d).mkdir()
     run_ranks(_train_and_save, WS, out / "rdv", str(out))
     for d in ("verl", "verl_lora_only"):
         (out / d / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": WS}))
         tiny_llama_config().save_pretrained(out / d / "huggingface")
         (out / d / "lora_train_meta.json").write_text(json.dumps({"r": R, "lora_alpha": ALPHA, "task_type": "CAUSAL_LM"}))
-    _peft_model().peft_config["default"].save_pretrained(out / "dcp")  # PEFT's own adapter_config.json
-    tiny_llama_config().save_pretrained(out / "dcp")
+    for d in ("dcp", "accelerate"):  # PEFT's own adapter_config.json, as Trainer saves it beside the state
+        _peft_model().peft_config["default"].save_pretrained(out / d)
+        tiny_llama_config().save_pretrained(out / d)
     torch.manual_seed(0)
     from transformers import LlamaForCausalLM
 
@@ -104,7 +111,7 @@ def _trained(saves: Path):
 IDS = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
 
 
-@pytest.mark.parametrize("layout", ["verl", "dcp"])
+@pytest.mark.parametrize("layout", ["verl", "dcp", "accelerate"])
 def test_merge_equals_peft_merge_and_unload(saves, tmp_path, layout):
     from transformers import LlamaForCausalLM
 
@@ -125,7 +132,7 @@ def test_merge_equals_peft_merge_and_unload(saves, tmp_path, layout):
         assert torch.allclose(got(input_ids=IDS).logits, want_logits, atol=1e-4)
 
 
-@pytest.mark.parametrize("layout", ["verl", "dcp", "verl_lora_only"])
+@pytest.mark.parametrize("layout", ["verl", "dcp", "accelerate", "verl_lora_only"])
 def test_adapter_loads_with_peft(saves, tmp_path, layout):
     from peft import PeftModel
     from transformers import LlamaForCausalLM
