@@ -219,3 +219,32 @@ def test_adapter_for_another_base_is_refused(saves, tmp_path):
     r = _cli("export", saves / "verl_lora_only", tmp_path / "out", "--lora", "adapter", "--base", tmp_path / "other")
     assert r.exit_code == 3 and "v_proj.weight" in r.output and "misshapen" in r.output, r.output
     assert not (tmp_path / "out").exists()
+
+
+def test_modules_to_save_replace_their_original_when_merged(tmp_path):
+    """PEFT's trained copy of a whole module (``modules_to_save``) is what merge_and_unload keeps."""
+    from make_fixtures import tiny_llama_config
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = get_peft_model(LlamaForCausalLM(tiny_llama_config()),
+                           LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS, modules_to_save=["lm_head"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:  # stands in for training: lora_B and the lm_head copy change
+                p.add_(torch.randn_like(p) * 0.1)
+    src = tmp_path / "src"
+    src.mkdir()
+    torch.save(model.state_dict(), src / "model.pt")
+    model.peft_config["default"].save_pretrained(src)
+    tiny_llama_config().save_pretrained(src)
+    r = _cli("export", src / "model.pt", tmp_path / "out", "--base", src)
+    assert r.exit_code == 0, r.output
+    got, info = LlamaForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    want = model.merge_and_unload().state_dict()
+    for name, t in got.state_dict().items():
+        assert torch.allclose(t, want[name], atol=1e-5, rtol=0), name
+    r = _cli("export", src / "model.pt", tmp_path / "adapter", "--base", src, "--lora", "adapter")
+    assert r.exit_code == 3 and "modules_to_save" in r.output, r.output
