@@ -3,6 +3,7 @@ the engine carry the plan out. The layout functions are pure: descriptions in, j
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import sys
@@ -71,12 +72,13 @@ def _replicated(t: TensorInfo, src: Checkpoint) -> bool:
 
 
 def layout_dcp(targets: list[Target], objects: tuple[ObjectInfo, ...], world_size: int,
-               extra: dict | None = None, part_of=None) -> list[FileJob]:
+               extra: dict | None = None, part_of=None, *, piece_of=rows_of) -> list[FileJob]:
     """``__{r}_0.distcp`` per rank: rank r's rows of every tensor with rows; scalars and
     objects once, on rank 0 (as dcp.save deduplicates replicated entries).
 
     ``part_of(target or object)`` names the part directory an entry belongs to (accelerate's
-    ``pytorch_model_fsdp_0``, ``optimizer_0``; ``""`` for the root): each part is a DCP of its own."""
+    ``pytorch_model_fsdp_0``, ``optimizer_0``; ``""`` for the root): each part is a DCP of its own.
+    ``piece_of`` gives a target's rows for a rank (a naming scheme may reorder them)."""
     part_of = part_of or (lambda item: "")
     parts = list(dict.fromkeys([part_of(t) for t in targets] + [part_of(o) for o in objects])) or [""]
     home = "" if "" in parts else parts[0]  # where merged extra state goes
@@ -86,7 +88,7 @@ def layout_dcp(targets: list[Target], objects: tuple[ObjectInfo, ...], world_siz
         objs = tuple(o for o in objects if part_of(o) == part)
         prefix = f"{part}/" if part else ""
         for r in range(world_size):
-            pieces = tuple(rows_of(t, world_size, r) for t in mine if t.shape and rows_of(t, world_size, r).numel)
+            pieces = tuple(p for t in mine if t.shape for p in [piece_of(t, world_size, r)] if p.numel)
             if r == 0:
                 pieces += tuple(whole(t) for t in mine if not t.shape)
             jobs.append(FileJob(f"{prefix}__{r}_0.distcp", pieces, objs if r == 0 else (), r,
@@ -148,13 +150,16 @@ def copy_side_files(src: Path, files: tuple[str, ...], tmp: Path) -> None:
 def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None = None,
             dtype: str | None = None, max_shard_size: str | int = "5GB", model_only: bool = False,
             base: str | None = None, overwrite: bool = False, progress: bool = True,
-            rank_local: str = "drop", workers: int = 1, _ckpt: Checkpoint | None = None) -> dict[str, Any]:
+            rank_local: str = "drop", workers: int = 1, layout: str | None = None, lora: str | None = None,
+            lora_alpha: float | None = None, _ckpt: Checkpoint | None = None) -> dict[str, Any]:
     """Convert the checkpoint at ``src`` to format ``to`` at ``dst``.
 
     Carries model, optimizer and extra state into every format that can hold them (``hf``
     holds the model only). ``dtype`` ("bf16", "fp16", "fp32") casts floating-point tensors;
     without it every tensor is kept bit for bit. ``world_size`` applies to ``sharded`` and
-    ``dcp`` output (default: the source's, else 1).
+    ``dcp`` output (default: the source's, else 1). ``layout="torchtitan"`` with ``to="dcp"``
+    writes torchtitan's names (from a Hugging Face source), so torchtitan starts from it.
+    ``lora``/``lora_alpha``: see :func:`export`.
 
     Example: ``ckpt_tools.convert("ckpt/actor", "out.pt", to="torch", model_only=True)``
     """
@@ -162,6 +167,8 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
         raise UsageError(f"--to must be one of {', '.join(FORMATS)}, not {to!r}")
     if dtype is not None and dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if layout not in (None, "plain", "torchtitan") or layout == "torchtitan" and to != "dcp":
+        raise UsageError(f"--layout {layout} is not written by convert --to {to} (only --to dcp --layout torchtitan)")
     if world_size is not None and world_size < 1:
         raise UsageError(f"--world-size must be at least 1, not {world_size}")
     src_path, dst = Path(src), Path(dst)
@@ -185,13 +192,21 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
     report: dict[str, Any] = {"src": str(src_path), "dst": str(dst), "format": to, "world_size": ws if to in ("sharded", "dcp") else None}
     after: Any = None
     if to == "hf":
-        return _export(ckpt, src_path, dst, keep, cast, max_shard_size, base, overwrite, progress, report, left_out)
+        return _export(ckpt, src_path, dst, keep, cast, max_shard_size, base, overwrite, progress, report, left_out,
+                       lora, lora_alpha)
     targets = targets_from(keep, dtype=cast)
     carry = None
-    if to == ckpt.format and to in ("dcp", "sharded") and not model_only:
+    if to == ckpt.format and to in ("dcp", "sharded") and not model_only and layout is None:
         # a copy in the source's own format keeps its framework's layout (reshard)
         lay, objects, carry = keep_layout(ckpt, objects, ws, rank_local)
         report["layout"] = lay.name
+    piece_of = rows_of
+    if layout == "torchtitan":
+        from .naming import torchtitan
+
+        targets, row_maps = torchtitan.from_hf_targets([t for t in targets if t.group == "model"],
+                                                       hfassets.read_config(hfassets.find_assets(src_path, base)), src_path)
+        piece_of, objects = torchtitan.rank_piece(row_maps), ()
     shared = tuple(o for o in objects if o.rank is None)
     rank_objs = [o for o in objects if o.rank is not None]
     if to in ("torch", "dcp") and rank_objs:
@@ -206,8 +221,10 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
         jobs = [FileJob(dst.name, tuple(whole(t) for t in targets), shared, meta={"extra": merged})]
     elif to == "dcp":
         source_dcp = ckpt.format == "dcp"
-        writer = dcp.Writer(param_order=ckpt.param_order, source=ckpt.base_dir() if source_dcp else None)
-        jobs = layout_dcp(targets, shared, ws, merged, part_of=dcp_part if carry is not None else None)
+        writer = dcp.Writer(param_order=ckpt.param_order, source=ckpt.base_dir() if source_dcp else None,
+                            top_level_model=layout == "torchtitan")
+        jobs = layout_dcp(targets, shared, ws, merged, part_of=dcp_part if carry is not None else None,
+                          piece_of=piece_of)
     else:
         writer, jobs = _sharded_plan(ckpt, targets, objects, ws, rank_local)
     if carry is not None:
@@ -263,70 +280,70 @@ def _sharded_plan(ckpt: Checkpoint, targets: list[Target], objects: tuple[Object
 
 
 def _export(ckpt: Checkpoint, src_path: Path, dst: Path, keep: list[TensorInfo], cast, max_shard_size,
-            base: str | None, overwrite: bool, progress: bool, report: dict, left_out: list[str]) -> dict:
+            base: str | None, overwrite: bool, progress: bool, report: dict, left_out: list[str],
+            lora: str | None = None, lora_alpha: float | None = None) -> dict:
+    from . import hfnames
+
     assets = hfassets.find_assets(src_path, base)
     config = hfassets.read_config(assets)
-    targets = targets_from(keep, dtype=cast, rename=lambda t: normalize_name(t.name))
-    names = [t.name for t in targets]
-    if len(set(names)) != len(names):
-        dup = sorted({n for n in names if names.count(n) > 1})[0]
-        raise BadInput(f"{src_path}: two tensors become {dup!r} once wrapper prefixes are removed")
-    targets = _untie(ckpt, targets, config, src_path)
+    plan = hfnames.plan_export(ckpt, src_path, keep, cast=cast, config=config, lora=lora, lora_alpha=lora_alpha,
+                               base=base)
+    pieces, adapter = plan.pieces, plan.adapter_config is not None
     single = dst.suffix == ".safetensors"
+    if adapter and single:
+        raise UsageError(f"{dst}: a PEFT adapter is a directory (adapter_model.safetensors + adapter_config.json)")
     writer = hf.Writer(single_file=single, max_shard_size=max_shard_size)
-    pieces = [whole(t) for t in targets]
-    jobs = writer.plan(pieces) if not single else [FileJob(dst.name, tuple(pieces))]
+    if adapter:
+        jobs = [FileJob(hfnames.peft_lora.ADAPTER_WEIGHTS, tuple(pieces))]
+    else:
+        jobs = writer.plan(pieces) if not single else [FileJob(dst.name, tuple(pieces))]
+    targets = [p.target for p in pieces]
     dtypes = {t.dtype for t in targets if t.dtype.is_floating_point}
     written = cast or (max(dtypes, key=lambda d: sum(t.numel for t in targets if t.dtype == d)) if dtypes else None)
 
+    notes: list[str] = []
+
     def after(tmp: Path) -> None:
-        if not single:
+        notes.extend(wait_for_check())  # a refusal here leaves nothing at DST
+        if adapter:
+            (tmp / hfnames.peft_lora.ADAPTER_CONFIG).write_text(json.dumps(plan.adapter_config, indent=2) + "\n")
+            report["assets"] = [hfnames.peft_lora.ADAPTER_CONFIG]
+        elif not single:
             report["assets"] = hfassets.copy_assets(assets, tmp, dtype=written)
 
-    execute(ckpt, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=f"hf → {dst.name}", fmt="hf", after=after)
+    with hfnames.checked_in_background(plan) as wait_for_check:
+        execute(plan.ckpt, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=f"hf → {dst.name}",
+                fmt="hf", after=after)
+    hfnames.say(notes, progress)
     if left_out:
         _say(f"note: the export holds the model only; left out {', '.join(left_out)} state", progress)
-    if assets is None and not single:
+    if assets is None and not single and not adapter:
         _say("note: no config.json or tokenizer found (no huggingface/ folder); pass --base MODEL to add them", progress)
     report.update(num_tensors=len(targets), total_bytes=sum(t.nbytes for t in targets), left_out=left_out,
-                  dtype=str(written) if written else None)
+                  dtype=str(written) if written else None,
+                  lora="adapter" if adapter else ("merge" if any(p.add for p in pieces) else None))
     return report
 
 
-def _untie(ckpt: Checkpoint, targets: list[Target], config: dict, src_path: Path) -> list[Target]:
-    """Tied embeddings: write the input embedding once (after checking the output copy
-    equals it); untied: both must be there."""
-    by_name = {t.name: t for t in targets}
-    head = by_name.get("lm_head.weight")
-    embed = next((by_name[n] for n in by_name if n.endswith(("embed_tokens.weight", "wte.weight", "word_embeddings.weight"))), None)
-    if not config or "lm_head.weight" not in by_name and embed is None:
-        return targets
-    if hfassets.tied(config):
-        if head is not None and embed is not None:
-            import torch
-
-            with Reader(ckpt) as r:
-                if not torch.equal(r.full(head.source), r.full(embed.source)):
-                    raise BadInput(f"{src_path}: the config ties lm_head.weight to {embed.name}, but they differ; "
-                                   "fix tie_word_embeddings in config.json (or pass --base) and re-run")
-            return [t for t in targets if t is not head]
-        return targets
-    if head is None and config.get("architectures", [""])[0].endswith("ForCausalLM"):
-        raise BadInput(f"{src_path}: the config does not tie embeddings, but there is no lm_head.weight; "
-                       "the checkpoint is incomplete, or config.json should say tie_word_embeddings: true")
-    return targets
-
-
 def export(src: str | Path, dst: str | Path, *, base: str | None = None, dtype: str | None = None,
-           max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
+           max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = True,
+           lora: str = "merge", lora_alpha: float | None = None) -> dict[str, Any]:
     """Export ``src`` as an HF directory ready for ``from_pretrained`` and serving: weights
-    (names normalised, tied weights once), config with its dtype set, generation config and
-    tokenizer (from the source's ``huggingface/`` folder or ``base``). Optimizer state is left out.
+    under the names of the architecture in config.json (wrapper prefixes removed, torchtitan
+    names mapped, tied weights once; checked against that architecture before anything is
+    written), config with its dtype set, generation config and tokenizer (from the source's
+    ``huggingface/`` folder or ``base``). Optimizer state is left out.
+
+    PEFT LoRA: ``lora="merge"`` folds ``B @ A * alpha / r`` into the base weights (as
+    ``merge_and_unload``); ``lora="adapter"`` writes ``adapter_model.safetensors`` +
+    ``adapter_config.json`` for ``PeftModel.from_pretrained``. alpha comes from the
+    checkpoint's ``adapter_config.json`` / ``lora_train_meta.json`` or ``lora_alpha``. An
+    adapter-only checkpoint merges only into ``base``'s full weights.
 
     Example: ``ckpt_tools.export("ckpt/global_step_500/actor", "hf_out", dtype="bf16")``
     """
     return convert(src, dst, to="hf", dtype=dtype, max_shard_size=max_shard_size, model_only=True,
-                   base=base, overwrite=overwrite, progress=progress)
+                   base=base, overwrite=overwrite, progress=progress, lora=lora, lora_alpha=lora_alpha)
 
 
 def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = None,

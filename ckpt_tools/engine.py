@@ -23,8 +23,9 @@ from tqdm import tqdm
 
 from . import manifest, safefs
 from .atomic import check_destination, staged
-from .describe import Checkpoint, ObjectInfo
+from .describe import Checkpoint, Chunk, ObjectInfo
 from .dtypes import as_torch
+from .errors import BadInput
 from .plan import FileJob, Piece
 from .reader import Reader
 
@@ -67,14 +68,17 @@ def spans_of(reader: Reader, piece: Piece) -> Span | None:
     """The byte ranges that make ``piece``, when no cast is asked and every copy takes whole
     rows of a chunk stored contiguously (Shard(0) pieces of safetensors and DCP items)."""
     target = piece.target
-    if target.dtype != target.source.dtype:
+    if target.dtype != target.source.dtype or piece.add is not None:
         return None
     row = math.prod(piece.sizes[1:]) * target.dtype.itemsize
     parts = []
+    found: dict[Chunk, tuple | None] = {}  # a row-permuted piece copies from each chunk many times
     for c in sorted(piece.copies, key=lambda c: c.dst_start):
         if c.sizes[1:] != piece.sizes[1:] or c.chunk.sizes[1:] != piece.sizes[1:]:
             return None
-        span = reader.span(target.source, c.chunk)
+        if c.chunk not in found:
+            found[c.chunk] = reader.span(target.source, c.chunk)
+        span = found[c.chunk]
         if span is None:
             return None
         path, offset, _ = span
@@ -89,6 +93,8 @@ def materialize(reader: Reader, piece: Piece, *, spans: bool = False) -> torch.T
     """The values of ``piece`` in its target dtype (or, with ``spans``, where its bytes lie
     when they can be copied straight from the source files)."""
     target = piece.target
+    if piece.add is not None:
+        return _plus_low_rank(reader, piece)
     if spans:
         found = spans_of(reader, piece)
         if found is not None:
@@ -105,6 +111,20 @@ def materialize(reader: Reader, piece: Piece, *, spans: bool = False) -> torch.T
         src = reader.chunk(target.source, c.chunk)
         narrow(out, c.dst_start, c.sizes).copy_(narrow(src, c.src_start, c.sizes))
     return out
+
+
+def _plus_low_rank(reader: Reader, piece: Piece) -> torch.Tensor:
+    """``W + scale * (B @ A)`` computed in fp32 (as PEFT merges on CPU), then cast."""
+    from dataclasses import replace
+
+    base = materialize(reader, replace(piece, add=None, target=replace(piece.target, dtype=piece.target.source.dtype)))
+    lr = piece.add
+    delta = reader.full(lr.b).float() @ reader.full(lr.a).float()
+    if tuple(delta.shape) != tuple(piece.sizes):
+        raise BadInput(f"tensor {piece.target.source.name!r}: its LoRA update {lr.b.name!r} @ {lr.a.name!r} is "
+                       f"{list(delta.shape)}, the weight is {list(piece.sizes)}")
+    out = base.float() + delta * lr.scale
+    return out.to(as_torch(piece.target.dtype))
 
 
 def stream(reader: Reader, pieces: Sequence[Piece], bar: tqdm | None = None,

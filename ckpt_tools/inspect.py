@@ -43,6 +43,7 @@ def summarize(ckpt: Checkpoint, *, tensors: bool = False) -> dict[str, Any]:
     }
     if ckpt.mesh_shape:
         out["mesh_shape"] = list(ckpt.mesh_shape)
+    out["lora"] = lora_summary(ckpt)
     if ckpt.details.get("fsdp"):
         out["fsdp"] = ckpt.details["fsdp"]
     out.update(layout_of(ckpt).to_json())
@@ -62,6 +63,20 @@ def summarize(ckpt: Checkpoint, *, tensors: bool = False) -> dict[str, Any]:
         out["tensors"] = [{"name": t.name, "group": t.group, "shape": list(t.shape), "dtype": dtype_name(t.dtype)}
                           for t in ckpt.tensors]
     return out
+
+
+def lora_summary(ckpt: Checkpoint) -> dict[str, Any] | None:
+    """PEFT LoRA in the model tensors: rank, alpha (None when no side file says), targets."""
+    from .errors import BadInput
+    from .naming import lora
+
+    if not any(".lora_" in t.name for t in ckpt.tensors if t.group == "model"):
+        return None
+    try:
+        found = lora.find(ckpt)
+    except BadInput as e:
+        return {"rank": None, "alpha": None, "target_modules": [], "adapter_only": None, "unsupported": str(e)}
+    return found.summary() if found else None
 
 
 def _optimizer(ckpt: Checkpoint) -> dict[str, Any]:
@@ -107,6 +122,11 @@ def format_summary(info: dict[str, Any]) -> str:
     if info.get("side_files"):
         files = info["side_files"]
         lines.append(f"  side files  {', '.join(files[:6])}" + (f" ... ({len(files)} in all)" if len(files) > 6 else ""))
+    if info.get("lora"):
+        lo = info["lora"]
+        lines.append(f"  LoRA        rank {lo['rank']}, alpha {lo['alpha'] if lo['alpha'] is not None else 'unknown'}, "
+                     f"targets {', '.join(lo['target_modules'])}"
+                     + ("; adapter weights only (no base model)" if lo["adapter_only"] else ""))
     if info.get("bytes_per_rank"):
         b = info["bytes_per_rank"]
         lines.append(f"  per rank    {human_bytes(min(b))} .. {human_bytes(max(b))} of tensors")

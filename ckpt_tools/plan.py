@@ -53,13 +53,25 @@ class Copy:
 
 
 @dataclass(frozen=True)
+class LowRank:
+    """``scale * (b @ a)`` added to a whole 2-D piece: a low-rank update (LoRA) folded into
+    its base weight. ``a`` and ``b`` are small; they are read whole."""
+
+    a: TensorInfo
+    b: TensorInfo
+    scale: float
+
+
+@dataclass(frozen=True)
 class Piece:
-    """The rectangle ``offsets``/``sizes`` of ``target`` that one destination file holds."""
+    """The rectangle ``offsets``/``sizes`` of ``target`` that one destination file holds,
+    filled by ``copies`` (plus ``add``, when a low-rank update is folded in)."""
 
     target: Target
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     copies: tuple[Copy, ...]
+    add: LowRank | None = None
 
     @property
     def numel(self) -> int:
@@ -142,6 +154,28 @@ def rows_of(target: Target, world_size: int, rank: int) -> Piece:
         return whole(target)
     start, stop = chunk_rows(shape[0], world_size, rank)
     return piece(target, (start, *([0] * (len(shape) - 1))), (stop - start, *shape[1:]))
+
+
+def permuted_rows(target: Target, rows, *, rank: int = 0, world_size: int = 1) -> Piece:
+    """``target`` with its rows reordered (row ``i`` of the result is row ``rows[i]`` of the
+    source), whole or as rank ``rank``'s ``Shard(0)`` rows at ``world_size``. One copy per
+    row, so the engine streams it like any piece."""
+    shape = target.shape
+    if len(rows) != shape[0] or sorted(rows) != list(range(shape[0])):
+        raise ValueError(f"{target.name}: {len(rows)} rows is not a permutation of {shape[0]}")
+    rest = tuple(shape[1:])
+    owner = {}
+    for c in target.source.chunks:
+        if c.numel and c.sizes[1:] == rest:
+            for r in range(c.offsets[0], c.offsets[0] + c.sizes[0]):
+                owner.setdefault(r, c)
+    if len(owner) != shape[0]:  # chunks that split columns: whole rows are not stored together
+        raise BadInput(f"tensor {target.source.name!r}: its chunks do not hold whole rows; cannot reorder them")
+    start, stop = chunk_rows(shape[0], world_size, rank)
+    zeros = (0,) * len(rest)
+    copies = tuple(Copy(owner[src], (src - owner[src].offsets[0], *zeros), (dst - start, *zeros), (1, *rest))
+                   for dst, src in enumerate(rows) if start <= dst < stop)
+    return Piece(target, (start, *zeros), (stop - start, *rest), copies)
 
 
 def rename_piece(p: Piece, **changes) -> Piece:

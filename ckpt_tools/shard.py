@@ -37,6 +37,7 @@ from .errors import BadInput, CkptError, DestinationError, UsageError
 from .formats import hf
 from .formats.sharded import CONFIG_NAME, file_name
 from .hfassets import ASSET_PATTERNS
+from .scaleout import torchrun_rank
 
 if TYPE_CHECKING:
     import torch
@@ -125,8 +126,14 @@ def shard(model: str, dst: str | Path, *, ranks: int, format: str = "sharded", d
     model_dir = fetch_model(model)
     atomic.check_destination(model_dir, dst, overwrite=overwrite)
     sources = read_sources(model_dir)
+    config = _load_config(model_dir)
+    ignored = ignored_on_load(model_dir, config, sources)
+    if ignored:
+        if progress and torchrun_rank() == 0:
+            print(f"note: leaving out {', '.join(ignored)}, which from_pretrained ignores too", file=sys.stderr)
+        sources = {k: v for k, v in sources.items() if k not in ignored}
     # On meta, cheap: a config that does not fit the weights fails here, before any rank starts.
-    build_meta_model(_load_config(model_dir), sources)
+    build_meta_model(config, sources)
     tmp = atomic.make_staging(dst) if launch.will_spawn() else None
     job = ShardJob(str(model_dir), str(dst), str(tmp) if tmp else None, ranks, format, device,
                    mixed_precision, cpu_offload, with_optimizer, overwrite, check, progress,
@@ -244,6 +251,21 @@ def model_class(config) -> type:
     return mapping[type(config)]
 
 
+def ignored_on_load(model_dir: Path, config, sources: dict[str, SourceTensor]) -> list[str]:
+    """Source tensors the model has no place for that ``from_pretrained`` skips without a word
+    (BERT's old ``position_ids``, rotary ``inv_freq``): asked of ``from_pretrained`` itself
+    (:mod:`.archcheck`). What it would call unexpected stays, for :func:`plan_reads` to refuse."""
+    import torch
+
+    from . import archcheck
+
+    with torch.device("meta"):
+        model = model_class(config)._from_config(config)
+    used = {r.source.name for r in plan_reads(model, sources, world_size=1, rank=0, check_extra=False)}
+    shapes = {k: (s.shape, str(s.dtype).removeprefix("torch.")) for k, s in sources.items()}
+    return archcheck.ignored(model_dir / "config.json", shapes, set(sources) - used)
+
+
 def build_meta_model(config, sources: dict[str, SourceTensor]) -> nn.Module:
     """The model on the meta device, each parameter in its safetensors dtype."""
     import torch
@@ -303,7 +325,8 @@ def wrap(model: nn.Module, mesh, *, mixed_precision: str | None, cpu_offload: bo
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
 
 
-def plan_reads(model: nn.Module, sources: dict[str, SourceTensor], *, world_size: int, rank: int) -> list[Read]:
+def plan_reads(model: nn.Module, sources: dict[str, SourceTensor], *, world_size: int, rank: int,
+               check_extra: bool = True) -> list[Read]:
     """What ``rank`` reads: for each parameter (tied ones once) and persistent buffer, its
     source tensor and, for parameters, the ``Shard(0)`` rows ``fully_shard`` gives the rank.
 
@@ -343,7 +366,7 @@ def plan_reads(model: nn.Module, sources: dict[str, SourceTensor], *, world_size
     ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
     extra = [k for k in sources if k not in used and not _IGNORED_SOURCE_KEYS.search(k)
              and not any(p.search(k) for p in ignore)]
-    if extra:
+    if extra and check_extra:
         raise BadInput(f"{sources[extra[0]].file}: tensor {extra[0]!r} (and {len(extra) - 1} more) has no place in "
                        f"{type(model).__name__}; check config.json's architectures")
     return reads

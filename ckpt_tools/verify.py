@@ -115,7 +115,21 @@ def verify(a: str | Path, b: str | Path | None = None, *, atol: float = 0.0, rto
 def _summary(path: str | Path, ckpt: Checkpoint | None) -> dict[str, Any]:
     if ckpt is None:
         return {"path": str(path), "format": None, "world_size": None, "num_tensors": None}
-    return {"path": str(path), "format": ckpt.format, "world_size": ckpt.world_size, "num_tensors": len(ckpt.tensors)}
+    from .inspect import lora_summary
+
+    return {"path": str(path), "format": ckpt.format, "world_size": ckpt.world_size, "num_tensors": len(ckpt.tensors),
+            "lora": lora_summary(ckpt)}
+
+
+def _what(side: dict[str, Any]) -> str:
+    """What a checkpoint holds, when "OK" alone would mislead (a LoRA adapter is no model)."""
+    lora = side.get("lora")
+    if not lora:
+        return ""
+    if lora.get("adapter_only"):
+        return (f" - PEFT LoRA adapter weights only (rank {lora['rank']}, {', '.join(lora['target_modules'])}), "
+                "not a model: load it with its base model, or `ckpt export --lora adapter` / `--base MODEL`")
+    return f" - a base model with a PEFT LoRA adapter (rank {lora['rank']}, {', '.join(lora['target_modules'])})"
 
 
 # -- files ----------------------------------------------------------------------------------
@@ -445,7 +459,7 @@ def format_report(report: dict[str, Any], *, limit: int = 20) -> str:
     head = f"{a['path']} ({a['format']})" + (f" vs {b['path']} ({b['format']})" if b else "")
     verdict = "OK" if report["ok"] else "FAILED"
     what = "compared" if b else "read"
-    lines = [f"{head}: {verdict}, {report['checked']} tensors {what}"]
+    lines = [f"{head}: {verdict}, {report['checked']} tensors {what}{'' if b else _what(a)}"]
     if b and (report["atol"] or report["rtol"]):
         lines.append(f"  tolerance: atol {report['atol']:g}, rtol {report['rtol']:g}")
     for p in report["problems"][:limit]:

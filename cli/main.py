@@ -98,28 +98,34 @@ _RANK_LOCAL = click.option("--rank-local", type=click.Choice(["drop", "keep-firs
 @_SIZE
 @click.option("--model-only", is_flag=True, help="Leave out optimizer and extra state.")
 @click.option("--base", help="HF model dir or hub id to take config and tokenizer from (hf output).")
+@click.option("--layout", help="Framework layout of the output: torchtitan (with --to dcp, from an HF source).")
 @_RANK_LOCAL
 @_OVERWRITE
 @command
-def convert_cmd(src, dst, to, world_size, dtype, max_shard_size, model_only, base, rank_local, overwrite, progress):
+def convert_cmd(src, dst, to, world_size, dtype, max_shard_size, model_only, base, layout, rank_local, overwrite, progress):
     """Convert SRC (any format) to DST in format --to."""
     _report(ckpt_tools.convert(src, dst, to=to, world_size=world_size, dtype=dtype, max_shard_size=max_shard_size,
                                model_only=model_only, base=base, overwrite=overwrite, progress=progress,
-                               rank_local=rank_local), progress)
+                               rank_local=rank_local, layout=layout), progress)
 
 
 @main.command("export")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
-@click.option("--base", help="HF model dir or hub id to take config and tokenizer from.")
+@click.option("--base", help="HF model dir or hub id to take config and tokenizer from (and, for an "
+              "adapter-only LoRA save with --lora merge, the base weights).")
 @_DTYPE
 @_SIZE
+@click.option("--lora", type=click.Choice(["merge", "adapter"]), default="merge", show_default=True,
+              help="PEFT LoRA: fold it into the base weights, or write a PEFT adapter directory.")
+@click.option("--lora-alpha", type=float, help="LoRA alpha, when the checkpoint has no adapter_config.json / "
+              "lora_train_meta.json.")
 @_OVERWRITE
 @command
-def export_cmd(src, dst, base, dtype, max_shard_size, overwrite, progress):
+def export_cmd(src, dst, base, dtype, max_shard_size, lora, lora_alpha, overwrite, progress):
     """Export SRC as a Hugging Face directory (safetensors, config, tokenizer) at DST."""
     _report(ckpt_tools.export(src, dst, base=base, dtype=dtype, max_shard_size=max_shard_size,
-                              overwrite=overwrite, progress=progress), progress)
+                              overwrite=overwrite, progress=progress, lora=lora, lora_alpha=lora_alpha), progress)
 
 
 @main.command("reshard")

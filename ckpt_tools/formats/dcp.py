@@ -262,9 +262,12 @@ class Writer:
 
     single_file = False
 
-    def __init__(self, *, param_order: tuple[str, ...] = (), source: Path | None = None) -> None:
+    def __init__(self, *, param_order: tuple[str, ...] = (), source: Path | None = None,
+                 top_level_model: bool = False) -> None:
         self.param_order = param_order
         self.source = source
+        # torchtitan's layout: model keys at the top level, no "model." prefix
+        self.top_level_model = top_level_model
 
     def _blob(self, o) -> bytes | None:
         if self.source is None or o.location.kind != "bytes_item" or not o.path:
@@ -340,7 +343,10 @@ class Writer:
             for kind, what, start, length in written.get(job.path) or []:
                 if kind == "tensor":
                     p = job.pieces[what]
-                    path_ = _canonical(dcp_key(p.target))
+                    path_ = dcp_key(p.target)
+                    if self.top_level_model and path_[0] == "model":
+                        path_ = path_[1:]
+                    path_ = _canonical(path_)
                     fqn = sys.intern(".".join(map(str, path_)))
                     md = state.setdefault(fqn, TensorStorageMetadata(
                         properties=TensorProperties(dtype=as_torch(p.target.dtype)), size=torch.Size(p.target.shape), chunks=[]))

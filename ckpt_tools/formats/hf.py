@@ -280,8 +280,8 @@ class Writer:
         return None
 
     def finish(self, out: Path, jobs: list, written: dict) -> None:
-        if self.single_file or len(jobs) == 1 and jobs[0].path == SINGLE_NAME:
-            return
+        if self.single_file or len(jobs) == 1 and not jobs[0].meta.get("sharded"):
+            return  # one file (model.safetensors, or a PEFT adapter's): no index
         index = {"metadata": {"total_size": sum(j.nbytes for j in jobs)},
                  "weight_map": {p.target.name: j.path for j in jobs for p in j.pieces}}
         # the index is written last: a reader that finds it knows every shard is complete

@@ -1,0 +1,175 @@
+"""Export is right or refuses: names and shapes are checked against ``from_pretrained`` of the
+config's architecture before anything is written; ``shard`` ignores exactly what
+``from_pretrained`` ignores.
+
+Each refusal is exit 3 with nothing at DST; each acceptance is checked by loading DST with
+``from_pretrained(..., output_loading_info=True)``: no missing, no unexpected keys.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from ckpt_tools import archcheck
+from ckpt_tools.cli.main import main as cli
+from ckpt_tools.dtypes import DType
+
+FIX = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+def _cli(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def _hf_copy(tmp_path: Path, name: str = "src") -> Path:
+    src = tmp_path / name
+    shutil.copytree(FIX / "llama_hf", src)
+    (src / ".ckpt-manifest.json").unlink(missing_ok=True)
+    return src
+
+
+def _loads_clean(path: Path, cls_name: str = "LlamaForCausalLM"):
+    import transformers
+
+    model, info = getattr(transformers, cls_name).from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model
+
+
+def test_report_names_missing_unexpected_and_misshapen():
+    config = json.loads((FIX / "llama_hf" / "config.json").read_text())
+    names = {k: (tuple(v.shape), DType(str(v.dtype).removeprefix("torch.")))
+             for k, v in load_file(FIX / "llama_hf" / "model.safetensors").items()}
+    assert archcheck.load_report(config, names).ok
+    names.pop("model.norm.weight")
+    names["model.layers.0.extra.weight"] = ((3,), DType("float32"))
+    names["lm_head.weight"] = ((7, 32), DType("float32"))
+    r = archcheck.load_report(config, names)
+    assert r.missing == ("model.norm.weight",)
+    assert r.unexpected == ("model.layers.0.extra.weight",)
+    assert [m[0] for m in r.mismatched] == ["lm_head.weight"]
+    assert "1 missing (model.norm.weight)" in r.describe() and "misshapen" in r.describe()
+
+
+def test_export_refuses_an_unexpected_name(tmp_path):
+    src = _hf_copy(tmp_path)
+    sd = load_file(src / "model.safetensors")
+    sd["model.layers.0.self_attn.q_proj.extra"] = torch.zeros(3)
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    r = _cli("export", src, tmp_path / "out")
+    assert r.exit_code == 3, r.output
+    assert "unexpected (model.layers.0.self_attn.q_proj.extra)" in r.output and "LlamaForCausalLM" in r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_a_config_that_does_not_fit(tmp_path):
+    src = _hf_copy(tmp_path)
+    base = tmp_path / "base"
+    base.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (base / "config.json").write_text(json.dumps(config))
+    (src / "config.json").unlink()
+    r = _cli("export", src, tmp_path / "out", "--base", base)
+    assert r.exit_code == 3, r.output
+    assert "misshapen" in r.output and "mlp.down_proj.weight" in r.output and "--base" in r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_of_an_unknown_architecture_is_written_with_a_note(tmp_path):
+    src = _hf_copy(tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    config["architectures"] = ["NotInTransformersForCausalLM"]
+    (src / "config.json").write_text(json.dumps(config))
+    r = CliRunner().invoke(cli, ["export", str(src), str(tmp_path / "out")], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "note: the names were not checked" in r.output and "NotInTransformersForCausalLM" in r.output
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def _tiny_bert(path: Path, *, with_position_ids: bool) -> dict[str, torch.Tensor]:
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=24)
+    model = BertForMaskedLM(config)
+    model.save_pretrained(path)
+    sd = load_file(path / "model.safetensors")
+    if with_position_ids:  # what older BERT files hold: a buffer transformers now computes
+        sd["bert.embeddings.position_ids"] = torch.arange(24).unsqueeze(0)
+        save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    return sd
+
+
+def test_export_keeps_what_from_pretrained_ignores(tmp_path):
+    _tiny_bert(tmp_path / "bert", with_position_ids=True)
+    r = _cli("export", tmp_path / "bert", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    _loads_clean(tmp_path / "out", "BertForMaskedLM")
+
+
+def test_shard_ignores_what_from_pretrained_ignores(tmp_path):
+    sd = _tiny_bert(tmp_path / "bert", with_position_ids=True)
+    r = _cli("shard", tmp_path / "bert", tmp_path / "ws2", "--ranks", "2")
+    assert r.exit_code == 0, r.output
+    assert "note:" in r.output and "bert.embeddings.position_ids" in r.output
+    back = tmp_path / "hf"
+    assert _cli("export", tmp_path / "ws2", back).exit_code == 0
+    out = load_file(back / "model.safetensors")
+    for name, want in sd.items():
+        if name == "bert.embeddings.position_ids":
+            continue
+        assert torch.equal(out[name], want), name
+    assert "bert.embeddings.position_ids" not in out
+
+
+def test_shard_still_refuses_what_from_pretrained_would_not_load(tmp_path):
+    _tiny_bert(tmp_path / "bert", with_position_ids=False)
+    sd = load_file(tmp_path / "bert" / "model.safetensors")
+    sd["bert.encoder.layer.0.surprise.weight"] = torch.zeros(4)
+    save_file(sd, tmp_path / "bert" / "model.safetensors", metadata={"format": "pt"})
+    r = _cli("shard", tmp_path / "bert", tmp_path / "ws2", "--ranks", "2")
+    assert r.exit_code == 3, r.output
+    assert "bert.encoder.layer.0.surprise.weight" in r.output
+
+
+@pytest.mark.parametrize("fixture", ["llama_dcp", "llama_sharded_ws2", "llama_accelerate", "llama_torch",
+                                     "llama_hf_sharded"])
+def test_every_layout_refuses_weights_its_config_does_not_load(tmp_path, fixture):
+    """Plain DCP, verl, accelerate, torch.save and sharded HF sources all pass the check; one
+    layer too many in the config is refused (exit 3, nothing written) for each."""
+    config = json.loads((FIX / "llama_hf" / "config.json").read_text())
+    config["num_hidden_layers"] += 1
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps(config))
+    r = _cli("export", FIX / fixture, tmp_path / "out", "--base", base)
+    assert r.exit_code == 3, r.output
+    assert "missing (model.layers.2." in r.output
+    assert not (tmp_path / "out").exists()
+    ok = _cli("export", FIX / fixture, tmp_path / "good", "--base", FIX / "llama_hf")
+    assert ok.exit_code == 0, ok.output
+    _loads_clean(tmp_path / "good")
+
+
+def test_a_refused_overwrite_leaves_the_old_destination(tmp_path):
+    """The check runs while files are written; its refusal comes before the commit."""
+    src = _hf_copy(tmp_path)
+    out = tmp_path / "out"
+    assert _cli("export", src, out).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    sd = load_file(src / "model.safetensors")
+    sd["model.surprise"] = torch.zeros(2)
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    r = _cli("export", src, out, "--overwrite")
+    assert r.exit_code == 3 and "model.surprise" in r.output, r.output
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir() if p.name not in ("src", "out")] == []  # no staging left
