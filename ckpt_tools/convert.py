@@ -14,7 +14,7 @@ from .describe import Checkpoint, ObjectInfo, TensorInfo
 from .dtypes import DType
 from .engine import execute
 from .errors import BadInput, UsageError
-from .formats import FORMATS, dcp, describe, hf, shardtree, sharded, torchsave
+from .formats import FORMATS, dcp, dcpnative, describe, hf, shardtree, sharded, torchsave
 from .plan import FileJob, Target, rows_of, targets_from, whole
 from .reader import Reader
 from .scaleout import torchrun_rank
@@ -136,8 +136,10 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
         writer: Any = torchsave.Writer(param_order=ckpt.param_order)
         jobs = [FileJob(dst.name, tuple(whole(t) for t in targets), shared, meta={"extra": merged})]
     elif to == "dcp":
-        writer = dcp.Writer(param_order=ckpt.param_order)
         jobs = layout_dcp(targets, shared, ws, merged)
+        # ckpt's own writer where it covers the plan (no torch, bytes copied by the kernel)
+        writer = dcpnative.native_writer(ckpt, jobs, param_order=ckpt.param_order) or dcp.Writer(
+            param_order=ckpt.param_order)
     else:
         writer, jobs = _sharded_plan(ckpt, targets, objects, ws, rank_local)
         assets = hfassets.find_assets(src_path, base)
