@@ -127,8 +127,22 @@ def _mixed_hf(tmp_path: Path) -> Path:
     return src
 
 
+def _sharded_with_moments(tmp_path: Path) -> Path:
+    """Sharded at 2 ranks with Adam-like moments and no param groups (as bench.py builds it)."""
+    from dataclasses import replace
+
+    from ckpt_tools.describe import TensorInfo
+
+    ck = describe(_mixed_hf(tmp_path))
+    moments = [TensorInfo("optimizer", f"state.{t.name}.exp_avg", t.shape, t.dtype, t.chunks, t.name, "exp_avg")
+               for t in ck.tensors if t.dtype.is_floating_point]
+    ck = replace(ck, tensors=ck.tensors + tuple(moments), param_order=tuple(t.name for t in ck.tensors))
+    ckpt_tools.convert(ck.root, tmp_path / "ws2", to="sharded", world_size=2, progress=False, _ckpt=ck)
+    return tmp_path / "ws2"
+
+
 SOURCES = {"hf": lambda tmp: FIX / "llama_hf", "mixed": _mixed_hf, "dcp": lambda tmp: FIX / "llama_dcp",
-           "sharded": lambda tmp: FIX / "llama_sharded_ws8"}
+           "sharded": lambda tmp: FIX / "llama_sharded_ws8", "sharded-moments": _sharded_with_moments}
 
 
 @pytest.mark.parametrize("dtype", [None, "bf16"], ids=["keep", "bf16"])

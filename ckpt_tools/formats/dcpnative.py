@@ -219,8 +219,8 @@ class Writer:
     def _keyed(self, groups: Any) -> list:
         """``state.param_groups_keyed(..., keyed="fqn")`` over leaves: each group copied, its
         ``params`` a new list (ints named by the parameter order)."""
-        if type(groups) is _Leaf:
-            groups = _expand(groups.value, None)
+        if type(groups) is _Leaf:  # a terminal list: empty, or of no dicts
+            groups = [_expand(g, None) for g in groups.value] if isinstance(groups.value, list) else None
         if not isinstance(groups, list):
             raise NotNative("param_groups that are not a list")
         out = []
