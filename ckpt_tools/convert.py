@@ -14,7 +14,7 @@ from .describe import Checkpoint, ObjectInfo, TensorInfo
 from .dtypes import DType
 from .engine import execute
 from .errors import BadInput, UsageError
-from .formats import FORMATS, dcp, dcpnative, describe, hf, shardtree, sharded, torchsave
+from .formats import FORMATS, dcp, dcpnative, describe, hf, shardsynth, shardtree, sharded, torchsave
 from .plan import FileJob, Target, rows_of, targets_from, whole
 from .reader import Reader
 from .scaleout import torchrun_rank
@@ -180,6 +180,19 @@ def _sharded_plan(ckpt: Checkpoint, targets: list[Target], objects: tuple[Object
             jobs = layout_sharded(ckpt, targets, ws, extras)
             for job in jobs:
                 writer.tree_for(job)  # a dry run: anything unusual falls back before a byte is written
+            return writer, jobs
+        except shardtree.NotSimple:
+            pass
+    elif ckpt.format != "sharded" and shardsynth.available():
+        # no source rank files to rebuild: each file's tree is built from the plan, no torch
+        writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed, synth=ckpt.base_dir())
+        try:
+            if any(o.rank is not None for o in extra_objs):
+                raise shardtree.NotSimple("rank-local extra state")
+            shared = shardsynth.object_values(ckpt.base_dir(), extra_objs)
+            jobs = layout_sharded(ckpt, targets, ws, [shared] * ws if shared else None)
+            for job in jobs:
+                writer.tree_for(job)  # a dry run, as above
             return writer, jobs
         except shardtree.NotSimple:
             pass

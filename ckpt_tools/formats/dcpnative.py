@@ -202,6 +202,14 @@ class Writer:
         order: nested by their paths, ``param_groups`` keyed by FQN, flattened as DCP does."""
         if not objects:
             return []
+        nested = self.nested(objects)
+        opt = nested.get("optimizer")
+        if isinstance(opt, Mapping) and "param_groups" in opt:
+            opt["param_groups"] = self._keyed(opt["param_groups"])
+        return _flatten(nested)
+
+    def nested(self, objects: tuple[ObjectInfo, ...]) -> dict:
+        """``state.gather`` without torch: the objects nested by their paths, as leaves."""
         flat: dict[str, tuple[tuple, Any]] = {}
         for o in objects:
             path = o.path or (o.group, o.name)
@@ -211,10 +219,11 @@ class Writer:
         nested: dict = {}
         for mapping, value in flat.values():
             _set_element(nested, mapping, value)
-        opt = nested.get("optimizer")
-        if isinstance(opt, Mapping) and "param_groups" in opt:
-            opt["param_groups"] = self._keyed(opt["param_groups"])
-        return _flatten(nested)
+        return nested
+
+    def values(self, objects: tuple[ObjectInfo, ...]) -> dict:
+        """The objects nested by their paths, as plain values (what ``state.gather`` returns)."""
+        return _unwrap(self.nested(objects)) if objects else {}
 
     def _keyed(self, groups: Any) -> list:
         """``state.param_groups_keyed(..., keyed="fqn")`` over leaves: each group copied, its

@@ -323,12 +323,14 @@ class Writer:
     single_file = False
 
     def __init__(self, *, world_size: int, param_order: tuple[str, ...], keyed: str = "int",
-                 template: Path | None = None, src_world: int | None = None) -> None:
+                 template: Path | None = None, src_world: int | None = None, synth: Path | None = None) -> None:
         self.world_size = world_size
         self.param_order = param_order
         self.keyed = keyed
         # a sharded source read without torch: each file is its source's tree, rebuilt
         self.template, self.src_world = template, src_world
+        # any other source (its base directory, for saved objects): trees built from the plan
+        self.synth = synth
         self._zips: dict[str, TorchZip] = {}
         self._crcs: dict[Path, dict[tuple[int, int], int]] = {}
 
@@ -338,7 +340,7 @@ class Writer:
 
     @property
     def accepts_spans(self) -> bool:
-        return self.template is not None
+        return self.template is not None or self.synth is not None
 
     def _zip(self, name: str) -> TorchZip:
         if name not in self._zips:
@@ -363,6 +365,10 @@ class Writer:
     def tree_for(self, job) -> tuple[Any, shardtree.Emitter, TorchZip]:
         """The tree of ``job``'s file, built from the source rank 0 file of its kind, and the
         storages that fill it. Raises NotSimple where only the torch path can write it."""
+        if self.synth is not None:
+            from . import shardsynth
+
+            return (*shardsynth.tree_for(self, job), None)
         emitter = shardtree.Emitter()
         if job.kind == "extra":
             tree = {}
@@ -423,10 +429,16 @@ class Writer:
             for _ in stream:  # the rest of the stream (none: every piece has its record)
                 pass
 
-        shardtree.write_file(path, tree, emitter, shardtree.small_records(source), fill())
+        if source is None:  # built from the plan: the records torch.save writes
+            from .shardsynth import SMALL_RECORDS
+
+            small = SMALL_RECORDS
+        else:
+            small = shardtree.small_records(source)
+        shardtree.write_file(path, tree, emitter, small, fill())
 
     def write(self, path: Path, job, pieces, objects) -> None:
-        if self.template is not None:
+        if self.template is not None or self.synth is not None:
             self._write_tree(path, job, pieces)
             return
         from ..state import gather, param_groups_keyed
