@@ -470,6 +470,21 @@ class TorchZipWriter:
             self._write(data)
             self._end(full, ofs, len(data), zlib.crc32(data), bytes(data[:8]))
 
+    def write_stream(self, name: str, size: int, chunks: Any) -> None:
+        """A record of ``size`` bytes from an iterable of buffers (a cast, block by block), its
+        CRC computed as they pass."""
+        full, ofs = self._begin(name, size)
+        crc, head, n = 0, b"", 0
+        for chunk in chunks:
+            if len(head) < 8:
+                head += bytes(chunk[:8 - len(head)])
+            crc = zlib.crc32(chunk, crc)
+            self._write(chunk)
+            n += len(chunk)
+        if n != size:
+            raise ValueError(f"record {name!r}: {n} bytes streamed, {size} announced")
+        self._end(full, ofs, size, crc, head)
+
     def copy_record(self, name: str, parts: Sequence[Part]) -> None:
         """A record made of byte ranges ``(path, offset, length)`` of other files, concatenated and
         copied kernel-side by ``os.copy_file_range`` (read/write in 1 MiB chunks where that fails).

@@ -159,6 +159,7 @@ class Writer:
 
     single_file = False
     accepts_spans = True
+    accepts_casts = True
 
     def __init__(self, *, root: Path, param_order: tuple[str, ...] = ()) -> None:
         self.root = Path(root)  # the source's base directory, for its saved objects
@@ -259,6 +260,7 @@ class Writer:
                     raise NotNative("an object that is not plain data")
 
     def write(self, path: Path, job, pieces, objects) -> list:
+        from ..castio import CastSpan, blocks
         from ..engine import Span
 
         records = []
@@ -276,6 +278,8 @@ class Writer:
                         z.write_record(name, data)
                     if isinstance(values, Span):
                         z.copy_record("data/0", values.parts)
+                    elif isinstance(values, CastSpan):
+                        z.write_stream("data/0", values.nbytes, blocks(values))
                     else:
                         from .hf import tensor_bytes
 

@@ -342,6 +342,10 @@ class Writer:
     def accepts_spans(self) -> bool:
         return self.template is not None or self.synth is not None
 
+    @property
+    def accepts_casts(self) -> bool:
+        return self.synth is not None  # a rebuilt source file never casts
+
     def _zip(self, name: str) -> TorchZip:
         if name not in self._zips:
             self._zips[name] = shardtree.parsed(self.template / name)
@@ -406,6 +410,7 @@ class Writer:
         return tree, emitter, source
 
     def _write_tree(self, path: Path, job, pieces) -> None:
+        from ..castio import CastSpan
         from ..engine import Span
         from ..plan import Piece
         from .hf import tensor_bytes
@@ -423,7 +428,10 @@ class Writer:
             for key, src in emitter.records:
                 if isinstance(src, Piece):
                     v = values(src)
-                    yield key, shardtree.with_crcs(v.parts, self._record_crc) if isinstance(v, Span) else tensor_bytes(v)
+                    if isinstance(v, Span):
+                        yield key, shardtree.with_crcs(v.parts, self._record_crc)
+                    else:
+                        yield key, v if isinstance(v, CastSpan) else tensor_bytes(v)
                 else:
                     yield key, src
             for _ in stream:  # the rest of the stream (none: every piece has its record)

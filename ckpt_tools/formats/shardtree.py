@@ -282,6 +282,10 @@ def write_file(path: Path, tree: Any, emitter: Emitter, small_records: list[tupl
         for key, source in fill:
             if isinstance(source, (bytes, bytearray, memoryview)):
                 out.write_record(f"data/{key}", bytes(source))
+            elif hasattr(source, "dst"):  # a castio.CastSpan: converted block by block
+                from ..castio import blocks
+
+                out.write_stream(f"data/{key}", source.nbytes, blocks(source))
             else:
                 out.copy_record(f"data/{key}", source)
 
