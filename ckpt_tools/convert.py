@@ -125,7 +125,10 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
     targets = targets_from(keep, dtype=cast)
     shared = tuple(o for o in objects if o.rank is None)
     rank_objs = [o for o in objects if o.rank is not None]
-    if to in ("torch", "dcp") and rank_objs:
+    native_extras = _native_extras(ckpt, rank_objs, rank_local) if to == "dcp" and rank_objs else None
+    if native_extras is not None:
+        merged = native_extras  # read as pickle trees, for ckpt's own DCP writer
+    elif to in ("torch", "dcp") and rank_objs:
         # one global copy: values equal on every rank; rank-local ones follow the policy
         with Reader(ckpt) as reader:
             (merged,) = per_rank_extras(rank_objs, reader.object, src_world=ckpt.world_size, dst_world=1,
@@ -138,8 +141,14 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
     elif to == "dcp":
         jobs = layout_dcp(targets, shared, ws, merged)
         # ckpt's own writer where it covers the plan (no torch, bytes copied by the kernel)
-        writer = dcpnative.native_writer(ckpt, jobs, param_order=ckpt.param_order) or dcp.Writer(
-            param_order=ckpt.param_order)
+        writer = dcpnative.native_writer(ckpt, jobs, param_order=ckpt.param_order, extras=native_extras is not None)
+        if writer is None:
+            if native_extras is not None:  # torch's writer takes the values as torch loads them
+                with Reader(ckpt) as reader:
+                    (merged,) = per_rank_extras(rank_objs, reader.object, src_world=ckpt.world_size, dst_world=1,
+                                                policy=rank_local, warn=lambda m: None)
+                jobs = layout_dcp(targets, shared, ws, merged)
+            writer = dcp.Writer(param_order=ckpt.param_order)
     else:
         writer, jobs = _sharded_plan(ckpt, targets, objects, ws, rank_local)
         assets = hfassets.find_assets(src_path, base)
@@ -157,6 +166,31 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
         _say(f"note: left out {', '.join(left_out)} state (model only)", progress)
     report.update(num_tensors=len(targets), total_bytes=sum(t.nbytes for t in targets), left_out=left_out)
     return report
+
+
+def _native_extras(ckpt: Checkpoint, rank_objs: list[ObjectInfo], policy: str) -> dict | None:
+    """Per-rank extra state of a sharded source merged into one copy (as ``per_rank_extras``
+    merges it) as pickle trees, without torch; None where torch's loader must read it."""
+    if ckpt.format != "sharded" or not all(c.location.kind == "raw" for t in ckpt.tensors for c in t.chunks):
+        return None
+
+    def tree(e: shardtree.Entry) -> tuple:
+        zf = shardtree.parsed(ckpt.base_dir() / e.file)
+        return zf, zf.tree[e.key]
+
+    said: list[str] = []
+    try:
+        (merged,) = per_rank_extras(rank_objs, lambda o: shardtree.Entry(o.location.file, o.location.key[0]),
+                                    src_world=ckpt.world_size, dst_world=1, policy=policy, warn=said.append,
+                                    equal=lambda a, b: shardtree.same_value(tree(a), tree(b)))
+        values = {key: tree(e)[1] for key, e in merged.items()}
+    except (shardtree.NotSimple, BadInput, KeyError, TypeError):
+        return None
+    if not all(dcpnative.plain(v) for v in values.values()):
+        return None
+    for m in said:
+        print(f"warning: {m}", file=sys.stderr)
+    return values
 
 
 def _sharded_plan(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInfo, ...], ws: int,

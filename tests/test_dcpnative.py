@@ -236,3 +236,27 @@ def test_object_order_and_keying_from_sharded_param_groups(tmp_path):
     assert "optimizer.param_groups.0.params" in keys
     params = next(leaf.value for k, _, leaf in items if k == "optimizer.param_groups.0.params")
     assert params == list(ck.param_order)
+
+
+@pytest.mark.parametrize("fixture,world_size", [("llama_sharded_ws2", 2), ("llama_sharded_ws8", 3)])
+def test_sharded_extra_state_merged_without_torch(tmp_path, monkeypatch, capfd, fixture, world_size):
+    """verl's per-rank extra state (LR scheduler equal on every rank, RNG not) merged into one
+    DCP copy from pickle trees: the same bytes as torch's writer, one warning about the RNG."""
+    ckpt_tools.convert(FIX / fixture, tmp_path / "native", to="dcp", world_size=world_size, progress=False)
+    warned = capfd.readouterr().err
+    assert warned.count("warning:") == 1 and "rng" in warned
+    monkeypatch.setattr(dcpnative, "native_writer", lambda *a, **k: None)
+    ckpt_tools.convert(FIX / fixture, tmp_path / "torch", to="dcp", world_size=world_size, progress=False)
+    names = sorted(p.name for p in (tmp_path / "torch").iterdir())
+    assert sorted(p.name for p in (tmp_path / "native").iterdir()) == names
+    for name in names:
+        if name != ".ckpt-manifest.json":
+            assert (tmp_path / "native" / name).read_bytes() == (tmp_path / "torch" / name).read_bytes(), name
+
+
+def test_sharded_to_dcp_imports_no_torch(tmp_path):
+    code = ("import sys, ckpt_tools; "
+            f"ckpt_tools.convert({str(FIX / 'llama_sharded_ws2')!r}, {str(tmp_path / 'a')!r}, to='dcp', progress=False); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

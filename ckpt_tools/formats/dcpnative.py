@@ -56,14 +56,14 @@ def tensor_pickle(dtype: str, sizes: tuple[int, ...]) -> bytes:
     return dumps(Reduce(REBUILD_V2, (ref, 0, tuple(sizes), contiguous_stride(tuple(sizes)), False, Reduce(_ODICT, ()))))
 
 
-def _plain(tree: Any) -> bool:
+def plain(tree: Any) -> bool:
     """A tree of containers and scalars only (no tensor, no global)."""
     if isinstance(tree, (Global, NewObj, Reduce, StorageRef)):
         return False
     if isinstance(tree, dict):
-        return type(tree) is dict and all(_plain(k) and _plain(v) for k, v in tree.items())
+        return type(tree) is dict and all(plain(k) and plain(v) for k, v in tree.items())
     if isinstance(tree, (list, tuple)):
-        return all(_plain(v) for v in tree)
+        return all(plain(v) for v in tree)
     return tree is None or isinstance(tree, (str, bytes, int, float, bool, complex))
 
 
@@ -161,9 +161,11 @@ class Writer:
     accepts_spans = True
     accepts_casts = True
 
-    def __init__(self, *, root: Path, param_order: tuple[str, ...] = ()) -> None:
+    def __init__(self, *, root: Path, param_order: tuple[str, ...] = (), extras: bool = False) -> None:
         self.root = Path(root)  # the source's base directory, for its saved objects
         self.param_order = param_order
+        # job.meta["extra"] holds plain pickle trees (merged per-rank state, read without torch)
+        self.extras = extras
 
     # -- saved objects ------------------------------------------------------------------
     def _source_value(self, o: ObjectInfo) -> tuple[Any, tuple[Path, int, int] | None]:
@@ -194,16 +196,21 @@ class Writer:
             blob = None
         else:
             raise NotNative(f"a {loc.kind} object")
-        if not _plain(tree):
+        if not plain(tree):
             raise NotNative(f"object {o.name!r} holds more than plain data")
         return tree, blob
 
-    def items(self, objects: tuple[ObjectInfo, ...]) -> list[tuple[str, tuple, _Leaf]]:
-        """The flattened non-tensor items the torch writer would save for ``objects``, in its
-        order: nested by their paths, ``param_groups`` keyed by FQN, flattened as DCP does."""
-        if not objects:
+    def items(self, objects: tuple[ObjectInfo, ...], extra: dict | None = None) -> list[tuple[str, tuple, _Leaf]]:
+        """The flattened non-tensor items the torch writer would save for ``objects`` (and the
+        ``extra`` values), in its order: nested by their paths, ``param_groups`` keyed by FQN,
+        flattened as DCP does."""
+        if not objects and not extra:
             return []
-        nested = self.nested(objects)
+        nested = self.nested(objects) if objects else {}
+        for key, value in (extra or {}).items():
+            if not plain(value):
+                raise NotNative(f"extra state {key!r} holds more than plain data")
+            nested[key] = _expand(value, None)
         opt = nested.get("optimizer")
         if isinstance(opt, Mapping) and "param_groups" in opt:
             opt["param_groups"] = self._keyed(opt["param_groups"])
@@ -250,13 +257,13 @@ class Writer:
     def check(self, jobs) -> None:
         """Raise NotNative before anything is written if a job needs torch's writer."""
         for job in jobs:
-            if job.meta.get("extra"):
+            if job.meta.get("extra") and not self.extras:
                 raise NotNative("extra state merged through torch's loader")
             for p in job.pieces:
                 if str(p.target.dtype) not in STORAGE_OF:
                     raise NotNative(f"{p.target.dtype} has no legacy storage class")
-            for _, _, leaf in self.items(job.objects):
-                if leaf.blob is None and not _plain(leaf.value):
+            for _, _, leaf in self.items(job.objects, job.meta.get("extra") if self.extras else None):
+                if leaf.blob is None and not plain(leaf.value):
                     raise NotNative("an object that is not plain data")
 
     def write(self, path: Path, job, pieces, objects) -> list:
@@ -286,7 +293,7 @@ class Writer:
                         z.write_record("data/0", tensor_bytes(values))
                     z.close(name_hash=TENSOR_NAME_HASH)
                 records.append(("tensor", i, start, os.lseek(fd, 0, os.SEEK_CUR) - start))
-            for key, obj_path, leaf in self.items(job.objects):
+            for key, obj_path, leaf in self.items(job.objects, job.meta.get("extra") if self.extras else None):
                 start = os.lseek(fd, 0, os.SEEK_CUR)
                 if leaf.blob is not None:
                     with open(leaf.blob[0], "rb") as src:
@@ -339,9 +346,10 @@ def _copy(src: int, dst: int, offset: int, length: int, path: Path) -> None:
         raise BadInput(f"{path}: {e}") from e
 
 
-def native_writer(ckpt: Checkpoint, jobs, *, param_order: tuple[str, ...]) -> Writer | None:
-    """The torch-free writer for ``jobs``, or None where torch's writer is needed."""
-    writer = Writer(root=ckpt.base_dir(), param_order=param_order)
+def native_writer(ckpt: Checkpoint, jobs, *, param_order: tuple[str, ...], extras: bool = False) -> Writer | None:
+    """The torch-free writer for ``jobs``, or None where torch's writer is needed. ``extras``:
+    the jobs' extra state is plain pickle trees (else such state needs torch's writer)."""
+    writer = Writer(root=ckpt.base_dir(), param_order=param_order, extras=extras)
     try:
         writer.check(jobs)
     except NotNative:
