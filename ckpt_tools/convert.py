@@ -14,7 +14,8 @@ from .describe import Checkpoint, ObjectInfo, TensorInfo
 from .dtypes import DType
 from .engine import execute
 from .errors import BadInput, UsageError
-from .formats import FORMATS, dcp, dcpnative, describe, hf, shardsynth, shardtree, sharded, torchsave
+from .formats import (FORMATS, dcp, dcpnative, describe, hf, shardsynth, shardtree, sharded, torchnative,
+                      torchsave)
 from .plan import FileJob, Target, rows_of, targets_from, whole
 from .reader import Reader
 from .scaleout import torchrun_rank
@@ -125,29 +126,34 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
     targets = targets_from(keep, dtype=cast)
     shared = tuple(o for o in objects if o.rank is None)
     rank_objs = [o for o in objects if o.rank is not None]
-    native_extras = _native_extras(ckpt, rank_objs, rank_local) if to == "dcp" and rank_objs else None
-    if native_extras is not None:
-        merged = native_extras  # read as pickle trees, for ckpt's own DCP writer
-    elif to in ("torch", "dcp") and rank_objs:
+    native_extras = _native_extras(ckpt, rank_objs, rank_local) if to in ("torch", "dcp") and rank_objs else None
+
+    def merged_by_torch(warn=None) -> dict:
         # one global copy: values equal on every rank; rank-local ones follow the policy
+        if not (to in ("torch", "dcp") and rank_objs):
+            return {}
         with Reader(ckpt) as reader:
-            (merged,) = per_rank_extras(rank_objs, reader.object, src_world=ckpt.world_size, dst_world=1,
-                                        policy=rank_local)
-    else:
-        merged = {}
+            (values,) = per_rank_extras(rank_objs, reader.object, src_world=ckpt.world_size, dst_world=1,
+                                        policy=rank_local, warn=warn)
+        return values
+
+    # read as pickle trees for ckpt's own writers; torch's writers take values as torch loads them
+    merged = native_extras if native_extras is not None else merged_by_torch()
+    quiet = lambda m: None  # noqa: E731 - said once already, by the first merge
     if to == "torch":
-        writer: Any = torchsave.Writer(param_order=ckpt.param_order)
         jobs = [FileJob(dst.name, tuple(whole(t) for t in targets), shared, meta={"extra": merged})]
+        writer: Any = torchnative.native_writer(ckpt, jobs, param_order=ckpt.param_order)
+        if writer is None:
+            if native_extras is not None:
+                jobs = [FileJob(dst.name, jobs[0].pieces, shared, meta={"extra": merged_by_torch(quiet)})]
+            writer = torchsave.Writer(param_order=ckpt.param_order)
     elif to == "dcp":
         jobs = layout_dcp(targets, shared, ws, merged)
         # ckpt's own writer where it covers the plan (no torch, bytes copied by the kernel)
         writer = dcpnative.native_writer(ckpt, jobs, param_order=ckpt.param_order, extras=native_extras is not None)
         if writer is None:
-            if native_extras is not None:  # torch's writer takes the values as torch loads them
-                with Reader(ckpt) as reader:
-                    (merged,) = per_rank_extras(rank_objs, reader.object, src_world=ckpt.world_size, dst_world=1,
-                                                policy=rank_local, warn=lambda m: None)
-                jobs = layout_dcp(targets, shared, ws, merged)
+            if native_extras is not None:
+                jobs = layout_dcp(targets, shared, ws, merged_by_torch(quiet))
             writer = dcp.Writer(param_order=ckpt.param_order)
     else:
         writer, jobs = _sharded_plan(ckpt, targets, objects, ws, rank_local)

@@ -443,7 +443,7 @@ class Writer:
             small = SMALL_RECORDS
         else:
             small = shardtree.small_records(source)
-        shardtree.write_file(path, tree, emitter, small, fill())
+        shardtree.write_file(path, tree, emitter, small, fill(), prefix="archive" if source is None else None)
 
     def write(self, path: Path, job, pieces, objects) -> None:
         if self.template is not None or self.synth is not None:
