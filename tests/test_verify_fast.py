@@ -43,3 +43,31 @@ def test_parallel_checksums_name_each_damaged_file(tmp_path):
     assert not report["ok"]
     damaged = sorted(p for p in report["problems"] if "checksum mismatch" in p)
     assert len(damaged) == 2 and "__0_0.distcp" in damaged[0] and "__2_0.distcp" in damaged[1]
+
+
+def test_verify_two_equal_checkpoints_compares_bytes_without_torch(tmp_path):
+    """Equal stored bytes need no tensors: a sharded checkpoint against its 3-rank DCP."""
+    ckpt_tools.convert(FIX / "llama_sharded_ws8", tmp_path / "dcp3", to="dcp", world_size=3, progress=False)
+    code = ("import json, sys, ckpt_tools; "
+            f"r = ckpt_tools.verify({str(FIX / 'llama_sharded_ws8')!r}, {str(tmp_path / 'dcp3')!r}, progress=False); "
+            "print(json.dumps([r['ok'], r['checked'], 'torch' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    ok, checked, imported = json.loads(out.stdout)
+    assert ok and checked > 0 and not imported, out.stderr
+
+
+def test_verify_two_checkpoints_still_counts_differences(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    w = torch.arange(40, dtype=torch.float32).reshape(8, 5)
+    save_file({"w": w}, a / "model.safetensors")
+    w2 = w.clone()
+    w2[6, 1] = -1.0
+    save_file({"w": w2}, b / "model.safetensors")
+    report = ckpt_tools.verify(a, b, progress=False)
+    assert not report["ok"] and report["mismatches"] == ["w"]
+    assert report["differences"][0]["reason"].startswith("1 of 40 elements differ")

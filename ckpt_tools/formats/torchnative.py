@@ -3,8 +3,8 @@
 pickler visits for it, its storage records copied file to file by the kernel (or cast block by
 block) in the order pickling numbers them.
 
-Every zip record but ``.data/serialization_id`` equals what the torch path writes (tested); the
-records sit at their sources' offsets within a page, as the sharded tree writer puts them.
+Every zip record but ``.data/serialization_id`` equals what the torch path writes, at the same
+offsets (tested).
 Saved objects that are not plain data, and dtypes without a legacy storage class, take the torch
 path (:func:`native_writer` says which).
 """
@@ -95,8 +95,9 @@ class Writer:
             for _ in stream:
                 pass
 
-        # "archive", as torch.save into an open file names it (the path here is a staging name)
-        write_file(path, tree, emitter, SMALL_RECORDS, fill(), prefix="archive")
+        # "archive", as torch.save into an open file names it (the path here is a staging name);
+        # laid out as torch lays it out: a lone file has no manifest, only its records' CRCs
+        write_file(path, tree, emitter, SMALL_RECORDS, fill(), prefix="archive", page_phase=False)
 
     def finish(self, out: Path, jobs: Any, written: dict) -> None:
         pass
