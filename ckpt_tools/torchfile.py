@@ -510,8 +510,11 @@ class TorchZipWriter:
                     if len(head) < 8:
                         head += os.pread(fd, min(length, 8 - len(head)), start)
                     self._copy(fd, start, length, path)
-        finally:
-            crc = crc_job.result() if crc_job is not None else 0
+        except BaseException:
+            if crc_job is not None:
+                crc_job.cancel()  # (a CRC already running only reads; its result is dropped)
+            raise
+        crc = crc_job.result() if crc_job is not None else 0
         if known:
             for part in parts:
                 crc = crc32_combine(crc, part[3], part[2])
