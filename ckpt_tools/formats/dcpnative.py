@@ -6,14 +6,15 @@ DCP's dataclasses. Importing torch to write them costs over a second, and ``torc
 every byte through the process. Here each tensor item is a zip laid out by
 :class:`~ckpt_tools.torchfile.TorchZipWriter` exactly as torch's stream writer lays it out, its
 pickle the one torch writes for a plain contiguous tensor, its storage record copied file to
-file by the kernel when no cast is asked (its CRC computed alongside by another thread). The
-non-tensor items (``param_groups``, counters) are copied as their source saved them, or
-re-emitted from their pickle trees; ``.metadata`` comes from :mod:`ckpt_tools.metapickle`.
-Byte-identical to the torch writer's output (tested).
+file by the kernel when no cast is asked (its CRC computed alongside by another thread), or
+cast block by block (:mod:`ckpt_tools.castio`). The non-tensor items (``param_groups``,
+counters, merged extra state) are copied as their source saved them, or re-emitted from their
+pickle trees; ``.metadata`` comes from :mod:`ckpt_tools.metapickle`. Byte-identical to the torch
+writer's output (tested).
 
 What it does not cover (the caller keeps torch's writer for it, see :func:`native_writer`):
-dtypes with no legacy storage class (uint16, float8, ...), saved objects that hold tensors or
-anything but plain data, and per-rank extra state merged through torch's loader.
+dtypes with no legacy storage class (uint16, float8, ...), and saved objects or extra state that
+hold tensors or anything but plain data (RNG states: numpy arrays, tensors).
 """
 
 from __future__ import annotations
