@@ -2,6 +2,7 @@
 
     python bench/bench.py export  [--gb 1.5] [--out DIR]   # DCP bf16 -> HF: cp, ckpt export, accelerate, dcp_to_torch_save
     python bench/bench.py reshard [--gb 2.0] [--out DIR]   # 8-rank fp32 model+AdamW -> 4 ranks: cp, ckpt reshard
+    python bench/bench.py paths [--gb 1.4] [--repeat 3]    # every path against cp -r of its source, and the peers
 
 Each tool runs in its own process, once per round (5 rounds, medians reported); peak RSS (total and anonymous) is sampled from /proc every 20 ms.
 Page cache is not dropped between runs (no root assumed): every tool reads warm files, cp included.
@@ -119,7 +120,7 @@ class Peak:
 REPEAT = 5
 
 
-def timed_rounds(tools: list[tuple[str, list[str], Path]]) -> list[dict]:
+def timed_rounds(tools: list[tuple[str, list[str], Path]], clean_after: bool = False) -> list[dict]:
     """Run every tool once per round, REPEAT rounds (removing its output before each run); report
     each tool's median run. Rounds, not one tool's runs back to back: a virtual disk's speed
     drifts over a minute, and every tool should meet the same drift."""
@@ -127,6 +128,8 @@ def timed_rounds(tools: list[tuple[str, list[str], Path]]) -> list[dict]:
     for _ in range(REPEAT):
         for name, argv, out in tools:
             runs[name].append(_timed_once(name, argv, out))
+            if clean_after and out.exists():  # many outputs at once would push the sources out of the cache
+                shutil.rmtree(out) if out.is_dir() else out.unlink()
     rows = []
     for name, _, _ in tools:
         ordered = sorted(runs[name], key=lambda r: r["seconds"])
@@ -206,9 +209,67 @@ def bench_reshard(work: Path, gb: float) -> list[dict]:
     return rows
 
 
+def bench_paths(work: Path, gb: float) -> tuple[list[dict], dict[str, str]]:
+    """Every path of issue 13's table in one run: each tool against ``cp -r`` (+ sync) of its own
+    source, rounds interleaved; ``verify`` also against ``cat`` of the files to /dev/null."""
+    import ckpt_tools
+
+    hf, dcp, ws8 = work / "hf", work / "dcp", work / "ws8"
+    make_hf(hf, gb, torch.bfloat16)
+    ckpt_tools.convert(hf, dcp, to="dcp", world_size=4, progress=False)
+    make_sharded_with_adam(ws8, gb * 1.36, 8)  # the issue's 1.9 GiB beside its 1.4 GiB DCP
+    for name, src in (("hf", hf), ("dcp", dcp), ("ws8", ws8)):
+        print(f"source {name}: {src} ({du(src) / 2**30:.2f} GiB)", file=sys.stderr)
+    ck = [sys.executable, "-m", "ckpt_tools"]
+    naive = ("import glob, torch.distributed.checkpoint as dcp; from safetensors.torch import load_file; sd = {}; "
+             f"[sd.update(load_file(f)) for f in sorted(glob.glob({str(hf)!r} + '/*.safetensors'))]; "
+             f"dcp.save({{'model': sd}}, checkpoint_id={str(work / 'naive')!r}, no_dist=True)")
+    files = sorted(str(f) for f in ws8.rglob("*") if f.is_file())
+    tools = [
+        ("cp -r hf", ["cp", "-r", str(hf), str(work / "cp_hf")], work / "cp_hf", None),
+        ("cp -r dcp", ["cp", "-r", str(dcp), str(work / "cp_dcp")], work / "cp_dcp", None),
+        ("cp -r ws8", ["cp", "-r", str(ws8), str(work / "cp_ws8")], work / "cp_ws8", None),
+        ("cat ws8 > /dev/null", ["sh", "-c", 'cat "$@" > /dev/null', "cat", *files], work / "none", None),
+        ("`export` dcp → hf", [*ck, "export", str(dcp), str(work / "o1"), "--quiet"], work / "o1", "cp -r dcp"),
+        ("`export` dcp → hf `--dtype fp16`", [*ck, "export", str(dcp), str(work / "o2"), "--dtype", "fp16", "--quiet"],
+         work / "o2", "cp -r dcp"),
+        ("`convert` dcp → torch", [*ck, "convert", str(dcp), str(work / "o3.pt"), "--to", "torch", "--quiet"],
+         work / "o3.pt", "cp -r dcp"),
+        ("torch `dcp_to_torch_save` (peer)", py(
+            "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
+            f"dcp_to_torch_save({str(dcp)!r}, {str(work / 'o4.pt')!r})"), work / "o4.pt", "cp -r dcp"),
+        ("`convert` hf → dcp, 4 ranks", [*ck, "convert", str(hf), str(work / "o5"), "--to", "dcp", "--world-size", "4",
+                                         "--quiet"], work / "o5", "cp -r hf"),
+        ("`load_file` + `dcp.save`, the naive script (peer)", py(naive), work / "naive", "cp -r hf"),
+        ("`convert` dcp → sharded, 4 ranks", [*ck, "convert", str(dcp), str(work / "o6"), "--to", "sharded",
+                                              "--world-size", "4", "--quiet"], work / "o6", "cp -r dcp"),
+        ("`reshard` sharded 8 → 4", [*ck, "reshard", str(ws8), str(work / "o7"), "--to", "4", "--quiet"],
+         work / "o7", "cp -r ws8"),
+        ("`convert` sharded 8 → dcp, 2 ranks", [*ck, "convert", str(ws8), str(work / "o8"), "--to", "dcp",
+                                                "--world-size", "2", "--quiet"], work / "o8", "cp -r ws8"),
+        ("`verify` of the 8-rank checkpoint alone", [*ck, "verify", str(ws8), "--quiet"], work / "none", "cp -r ws8"),
+    ]
+    rows = timed_rounds([(name, argv, out) for name, argv, out, _ in tools], clean_after=True)
+    return rows, {name: base for name, _, _, base in tools if base}
+
+
+def paths_table(rows: list[dict], bases: dict[str, str]) -> str:
+    by = {r["tool"]: r for r in rows}
+    lines = ["| path | time (s) | x cp | peak anon MiB |", "|---|---|---|---|"]
+    for r in rows:
+        base = bases.get(r["tool"])
+        ratio = f"{r['seconds'] / by[base]['seconds']:.2f}" if base else "1.00" if r["tool"].startswith("cp") else "-"
+        lines.append(f"| {r['tool']} | {r['seconds']:.2f} | {ratio} | {r['peak_anon'] / 2**20:.0f} |"
+                     + ("" if r["ok"] else " FAILED"))
+    verify, cat = by.get("`verify` of the 8-rank checkpoint alone"), by.get("cat ws8 > /dev/null")
+    if verify and cat:
+        lines.append(f"\n`verify` alone / `cat` of the same files: {verify['seconds'] / cat['seconds']:.2f}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", choices=["export", "reshard"])
+    ap.add_argument("which", choices=["export", "reshard", "paths"])
     ap.add_argument("--gb", type=float, default=None, help="source size in GiB (export 1.5, reshard 2.0)")
     ap.add_argument("--out", type=Path, default=None, help="work directory (default: a temp dir, removed)")
     ap.add_argument("--repeat", type=int, default=5, help="rounds (each tool once per round); medians are reported")
@@ -218,7 +279,14 @@ def main() -> None:
     work = Path(args.out or tempfile.mkdtemp(prefix="ckpt-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        gb = args.gb or (1.5 if args.which == "export" else 2.0)
+        gb = args.gb or {"export": 1.5, "reshard": 2.0, "paths": 1.4}[args.which]
+        if args.which == "paths":
+            rows, bases = bench_paths(work, gb)
+            print(f"\npaths, {gb} GiB bf16 DCP / {gb * 1.36:.2f} GiB fp32+AdamW 8 ranks, {os.cpu_count()} cores, "
+                  f"torch {torch.__version__}, median of {REPEAT} interleaved rounds\n")
+            print(paths_table(rows, bases))
+            print(json.dumps(rows))
+            return
         rows = bench_export(work, gb) if args.which == "export" else bench_reshard(work, gb)
         print(f"\n{args.which}, {gb} GiB, {os.cpu_count()} cores, torch {torch.__version__}, "
               f"median of {REPEAT} runs\n")

@@ -16,7 +16,8 @@ from .describe import Checkpoint, ObjectInfo, TensorInfo
 from .dtypes import DType
 from .engine import execute
 from .errors import BadInput, UsageError
-from .formats import FORMATS, dcp, describe, hf, shardtree, sharded, torchsave
+from .formats import (FORMATS, dcp, dcpnative, describe, hf, shardsynth, shardtree, sharded, torchnative,
+                      torchsave)
 from .plan import FileJob, Target, rows_of, targets_from, whole
 from .reader import Reader
 from .scaleout import torchrun_rank
@@ -209,22 +210,43 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
         piece_of, objects = torchtitan.rank_piece(row_maps), ()
     shared = tuple(o for o in objects if o.rank is None)
     rank_objs = [o for o in objects if o.rank is not None]
-    if to in ("torch", "dcp") and rank_objs:
+    native_extras = _native_extras(ckpt, rank_objs, rank_local) if to in ("torch", "dcp") and rank_objs else None
+
+    def merged_by_torch(warn=None) -> dict:
         # one global copy: values equal on every rank; rank-local ones follow the policy
+        if not (to in ("torch", "dcp") and rank_objs):
+            return {}
         with Reader(ckpt) as reader:
-            (merged,) = per_rank_extras(rank_objs, reader.object, src_world=ckpt.world_size, dst_world=1,
-                                        policy=rank_local)
-    else:
-        merged = {}
+            (values,) = per_rank_extras(rank_objs, reader.object, src_world=ckpt.world_size, dst_world=1,
+                                        policy=rank_local, warn=warn)
+        return values
+
+    # read as pickle trees for ckpt's own writers; torch's writers take values as torch loads them
+    merged = native_extras if native_extras is not None else merged_by_torch()
+    quiet = lambda m: None  # noqa: E731 - said once already, by the first merge
     if to == "torch":
-        writer: Any = torchsave.Writer(param_order=ckpt.param_order)
         jobs = [FileJob(dst.name, tuple(whole(t) for t in targets), shared, meta={"extra": merged})]
+        writer: Any = torchnative.native_writer(ckpt, jobs, param_order=ckpt.param_order)
+        if writer is None:
+            if native_extras is not None:
+                jobs = [FileJob(dst.name, jobs[0].pieces, shared, meta={"extra": merged_by_torch(quiet)})]
+            writer = torchsave.Writer(param_order=ckpt.param_order)
     elif to == "dcp":
-        source_dcp = ckpt.format == "dcp"
-        writer = dcp.Writer(param_order=ckpt.param_order, source=ckpt.base_dir() if source_dcp else None,
-                            top_level_model=layout == "torchtitan")
         jobs = layout_dcp(targets, shared, ws, merged, part_of=dcp_part if carry is not None else None,
                           piece_of=piece_of)
+        # ckpt's own writer where it covers the plan (no torch, bytes copied by the kernel); a
+        # layout kept from a DCP source (parts, items copied as saved) or torchtitan's names go
+        # through the writer that knows them
+        simple = carry is None and layout is None
+        writer = (dcpnative.native_writer(ckpt, jobs, param_order=ckpt.param_order, extras=native_extras is not None)
+                  if simple else None)
+        if writer is None:
+            if native_extras is not None:
+                jobs = layout_dcp(targets, shared, ws, merged_by_torch(quiet), part_of=dcp_part if carry is not None else None,
+                                  piece_of=piece_of)
+            source_dcp = ckpt.format == "dcp" and carry is not None
+            writer = dcp.Writer(param_order=ckpt.param_order, source=ckpt.base_dir() if source_dcp else None,
+                                top_level_model=layout == "torchtitan")
     else:
         writer, jobs = _sharded_plan(ckpt, targets, objects, ws, rank_local)
     if carry is not None:
@@ -245,6 +267,31 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
         _say(f"note: left out {', '.join(left_out)} state (model only)", progress)
     report.update(num_tensors=len(targets), total_bytes=sum(t.nbytes for t in targets), left_out=left_out)
     return report
+
+
+def _native_extras(ckpt: Checkpoint, rank_objs: list[ObjectInfo], policy: str) -> dict | None:
+    """Per-rank extra state of a sharded source merged into one copy (as ``per_rank_extras``
+    merges it) as pickle trees, without torch; None where torch's loader must read it."""
+    if ckpt.format != "sharded" or not all(c.location.kind == "raw" for t in ckpt.tensors for c in t.chunks):
+        return None
+
+    def tree(e: shardtree.Entry) -> tuple:
+        zf = shardtree.parsed(ckpt.base_dir() / e.file)
+        return zf, zf.tree[e.key]
+
+    said: list[str] = []
+    try:
+        (merged,) = per_rank_extras(rank_objs, lambda o: shardtree.Entry(o.location.file, o.location.key[0]),
+                                    src_world=ckpt.world_size, dst_world=1, policy=policy, warn=said.append,
+                                    equal=lambda a, b: shardtree.same_value(tree(a), tree(b)))
+        values = {key: tree(e)[1] for key, e in merged.items()}
+    except (shardtree.NotSimple, BadInput, KeyError, TypeError):
+        return None
+    if not all(dcpnative.plain(v) for v in values.values()):
+        return None
+    for m in said:
+        print(f"warning: {m}", file=sys.stderr)
+    return values
 
 
 def _sharded_plan(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInfo, ...], ws: int,
@@ -268,6 +315,19 @@ def _sharded_plan(ckpt: Checkpoint, targets: list[Target], objects: tuple[Object
             jobs = layout_sharded(ckpt, targets, ws, extras)
             for job in jobs:
                 writer.tree_for(job)  # a dry run: anything unusual falls back before a byte is written
+            return writer, jobs
+        except shardtree.NotSimple:
+            pass
+    elif ckpt.format != "sharded" and shardsynth.available():
+        # no source rank files to rebuild: each file's tree is built from the plan, no torch
+        writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed, synth=ckpt.base_dir())
+        try:
+            if any(o.rank is not None for o in extra_objs):
+                raise shardtree.NotSimple("rank-local extra state")
+            shared = shardsynth.object_values(ckpt.base_dir(), extra_objs)
+            jobs = layout_sharded(ckpt, targets, ws, [shared] * ws if shared else None)
+            for job in jobs:
+                writer.tree_for(job)  # a dry run, as above
             return writer, jobs
         except shardtree.NotSimple:
             pass

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from . import manifest, safefs
 from .atomic import check_destination, staged
+from .castio import CastSpan
 from .describe import Checkpoint, Chunk, ObjectInfo
 from .dtypes import as_torch
 from .errors import BadInput
@@ -64,13 +65,16 @@ class Span:
     parts: tuple[tuple[Path, int, int], ...]
 
 
-def spans_of(reader: Reader, piece: Piece) -> Span | None:
-    """The byte ranges that make ``piece``, when no cast is asked and every copy takes whole
-    rows of a chunk stored contiguously (Shard(0) pieces of safetensors and DCP items)."""
+def spans_of(reader: Reader, piece: Piece, *, casts: bool = False) -> Span | CastSpan | None:
+    """The byte ranges that make ``piece``, when every copy takes whole rows of a chunk stored
+    contiguously (Shard(0) pieces of safetensors and DCP items). A piece to cast is a
+    :class:`~ckpt_tools.castio.CastSpan` (converted block by block as it is written) with
+    ``casts``, else None."""
     target = piece.target
-    if target.dtype != target.source.dtype or piece.add is not None:
+    cast = target.dtype != target.source.dtype
+    if piece.add is not None or (cast and not casts):
         return None
-    row = math.prod(piece.sizes[1:]) * target.dtype.itemsize
+    row = math.prod(piece.sizes[1:]) * target.source.dtype.itemsize
     parts = []
     found: dict[Chunk, tuple | None] = {}  # a row-permuted piece copies from each chunk many times
     for c in sorted(piece.copies, key=lambda c: c.dst_start):
@@ -84,19 +88,21 @@ def spans_of(reader: Reader, piece: Piece) -> Span | None:
         path, offset, _ = span
         start = c.src_start[0] * row if c.sizes else 0
         parts.append((path, offset + start, (c.sizes[0] * row) if c.sizes else row))
-    if sum(n for _, _, n in parts) != piece.nbytes:
+    if sum(n for _, _, n in parts) != piece.numel * target.source.dtype.itemsize:
         return None
-    return Span(tuple(parts))
+    return CastSpan(tuple(parts), target.source.dtype, target.dtype) if cast else Span(tuple(parts))
 
 
-def materialize(reader: Reader, piece: Piece, *, spans: bool = False) -> torch.Tensor | Span:
+def materialize(reader: Reader, piece: Piece, *, spans: bool = False,
+                casts: bool = False) -> torch.Tensor | Span | CastSpan:
     """The values of ``piece`` in its target dtype (or, with ``spans``, where its bytes lie
-    when they can be copied straight from the source files)."""
+    when they can be copied straight from the source files; with ``casts`` too, where they lie
+    when they are to be cast block by block as they are written)."""
     target = piece.target
     if piece.add is not None:
         return _plus_low_rank(reader, piece)
     if spans:
-        found = spans_of(reader, piece)
+        found = spans_of(reader, piece, casts=casts)
         if found is not None:
             return found
     if len(piece.copies) == 1:
@@ -128,7 +134,8 @@ def _plus_low_rank(reader: Reader, piece: Piece) -> torch.Tensor:
 
 
 def stream(reader: Reader, pieces: Sequence[Piece], bar: tqdm | None = None,
-           budget: int = PREFETCH_BYTES, spans: bool = False) -> Iterator[tuple[Piece, torch.Tensor | Span]]:
+           budget: int = PREFETCH_BYTES, spans: bool = False,
+           casts: bool = False) -> Iterator[tuple[Piece, torch.Tensor | Span | CastSpan]]:
     """Yield ``(piece, values)`` in order, preparing the next ones in a background thread."""
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-read") as pool:
         pending: deque = deque()
@@ -141,7 +148,7 @@ def stream(reader: Reader, pieces: Sequence[Piece], bar: tqdm | None = None,
                 p = next(it, None)
                 if p is None:
                     return
-                pending.append((p, pool.submit(materialize, reader, p, spans=spans)))
+                pending.append((p, pool.submit(materialize, reader, p, spans=spans, casts=casts)))
                 inflight += p.nbytes
 
         fill()
@@ -172,7 +179,8 @@ def run_jobs(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path
         for job in jobs:
             path = out if writer.single_file else out / job.path
             path.parent.mkdir(parents=True, exist_ok=True)
-            pieces = stream(reader, job.pieces, bar, spans=getattr(writer, "accepts_spans", False))
+            pieces = stream(reader, job.pieces, bar, spans=getattr(writer, "accepts_spans", False),
+                            casts=getattr(writer, "accepts_casts", False))
             written[job.path] = writer.write(path, job, pieces, reader.object)
             if sealed is not None:
                 # a writer that hashed its file as it wrote it returns the digest

@@ -436,13 +436,18 @@ class TorchZipWriter:
     Record names are relative to ``prefix`` ("data.pkl", "data/0") and kept in the caller's order;
     ``close`` adds ``version`` (and ``byteorder``) if missing, then ``.data/serialization_id``."""
 
-    def __init__(self, path: str | os.PathLike, prefix: str, *, alignment: int = 64, page_phase: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, prefix: str, *, alignment: int = 64, page_phase: bool = False,
+                 fd: int | None = None) -> None:
         self.path, self.prefix, self.alignment = Path(path), prefix, alignment
         # copy_record puts each record's data at its first source's offset within a page, not
         # at the next multiple of ``alignment`` (padding of up to a page; the file then differs
         # from torch.save's, and loads the same)
         self.page_phase = page_phase
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        # with ``fd`` (open for writing at its end), the zip is appended to a larger file, as
+        # torch.save into an open stream does (a DCP item): offsets count from where it starts,
+        # and the caller keeps the fd (an incomplete zip is the caller's to discard)
+        self._own = fd is None
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if fd is None else fd
         self._pos, self._central, self._names = 0, bytearray(), []
         self._crc_hash = 0  # the CRC half of the serialization id, folded as torch does
 
@@ -452,6 +457,8 @@ class TorchZipWriter:
     def __exit__(self, exc_type: Any, *_: Any) -> None:
         if self._fd is not None and exc_type is None:
             self.close()
+        elif self._fd is not None and not self._own:
+            self._fd = None
         elif self._fd is not None:  # incomplete: leave nothing that looks like a checkpoint
             os.close(self._fd)
             self._fd = None
@@ -509,6 +516,21 @@ class TorchZipWriter:
             self._write(data)
             self._end(full, ofs, len(data), zlib.crc32(data), bytes(data[:8]))
 
+    def write_stream(self, name: str, size: int, chunks: Any) -> None:
+        """A record of ``size`` bytes from an iterable of buffers (a cast, block by block), its
+        CRC computed as they pass."""
+        full, ofs = self._begin(name, size)
+        crc, head, n = 0, b"", 0
+        for chunk in chunks:
+            if len(head) < 8:
+                head += bytes(chunk[:8 - len(head)])
+            crc = zlib.crc32(chunk, crc)
+            self._write(chunk)
+            n += len(chunk)
+        if n != size:
+            raise ValueError(f"record {name!r}: {n} bytes streamed, {size} announced")
+        self._end(full, ofs, size, crc, head)
+
     def copy_record(self, name: str, parts: Sequence[Part]) -> None:
         """A record made of byte ranges ``(path, offset, length)`` of other files, concatenated and
         copied kernel-side by ``os.copy_file_range`` (read/write in 1 MiB chunks where that fails).
@@ -518,17 +540,29 @@ class TorchZipWriter:
         if name == _SID:
             return
         size, known = sum(p[2] for p in parts), all(len(p) == 4 for p in parts)
-        full, ofs = self._begin(name, size, phase=parts[0][1] % PAGE if parts and self.page_phase else None)
-        crc, head = 0, b""
-        for part in parts:
+        for part in parts:  # every range checked first: the CRC thread maps them
             path, start, length = part[0], part[1], part[2]
-            with open(path, "rb") as src:
-                fd = src.fileno()
-                safefs.check_span(start, length, os.fstat(fd).st_size, what=str(path))
-                if len(head) < 8:
-                    head += os.pread(fd, min(length, 8 - len(head)), start)
-                crc = crc32_combine(crc, part[3], length) if known else _crc_of_range(fd, start, length, crc)
-                self._copy(fd, start, length, path)
+            safefs.check_span(start, length, os.stat(path).st_size, what=str(path))
+        full, ofs = self._begin(name, size, phase=parts[0][1] % PAGE if parts and self.page_phase else None)
+        # the CRC is computed by another thread while the kernel copies (zlib releases the GIL)
+        crc_job = None if known else _crc_pool().submit(_crc_of_parts, [tuple(p[:3]) for p in parts])
+        head = b""
+        try:
+            for part in parts:
+                path, start, length = part[0], part[1], part[2]
+                with open(path, "rb") as src:
+                    fd = src.fileno()
+                    if len(head) < 8:
+                        head += os.pread(fd, min(length, 8 - len(head)), start)
+                    self._copy(fd, start, length, path)
+        except BaseException:
+            if crc_job is not None:
+                crc_job.cancel()  # (a CRC already running only reads; its result is dropped)
+            raise
+        crc = crc_job.result() if crc_job is not None else 0
+        if known:
+            for part in parts:
+                crc = crc32_combine(crc, part[3], part[2])
         self._end(full, ofs, size, crc, head)
 
     def _copy(self, src: int, start: int, length: int, path: Any) -> None:
@@ -581,9 +615,29 @@ class TorchZipWriter:
                     + struct.pack("<IIQI", 0x07064B50, 0, self._pos, 1)
                     + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
                                   min(cd_size, _MAX32), min(cd_ofs, _MAX32), 0))
-        os.close(self._fd)
+        if self._own:
+            os.close(self._fd)
         self._fd = None
         return sid.decode()
+
+
+_POOL: list = []
+
+
+def _crc_pool() -> Any:
+    if not _POOL:
+        import concurrent.futures
+
+        _POOL.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc"))
+    return _POOL[0]
+
+
+def _crc_of_parts(parts: Sequence[tuple[Any, int, int]]) -> int:
+    crc = 0
+    for path, start, length in parts:
+        with open(path, "rb") as f:
+            crc = _crc_of_range(f.fileno(), start, length, crc)
+    return crc
 
 
 def _crc_of_range(fd: int, start: int, length: int, crc: int) -> int:

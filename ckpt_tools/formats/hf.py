@@ -212,6 +212,7 @@ class Writer:
     """
 
     accepts_spans = True
+    accepts_casts = True
 
     def __init__(self, *, single_file: bool = False, max_shard_size: int | str = "5GB") -> None:
         self.single_file = single_file
@@ -243,6 +244,7 @@ class Writer:
             pos += p.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # keep data 8-byte aligned, as safetensors does
+        from ..castio import CastSpan, blocks
         from ..engine import Span
         from ..manifest import Trailer
 
@@ -260,6 +262,11 @@ class Writer:
                             if src not in sources:
                                 sources[src] = os.open(src, os.O_RDONLY)
                             _copy_range(sources[src], f.fileno(), offset, length)
+                    elif isinstance(values, CastSpan):
+                        written = f.tell()
+                        for block in blocks(values):
+                            _write_all(f, block)
+                            trailer.advanced(written := written + len(block))
                     else:
                         _write_all(f, tensor_bytes(values))
                     pos += p.nbytes

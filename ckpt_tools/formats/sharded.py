@@ -367,13 +367,16 @@ class Writer:
     single_file = False
 
     def __init__(self, *, world_size: int, param_order: tuple[str, ...], keyed: str = "int",
-                 template: Path | None = None, src_world: int | None = None, config: dict | None = None) -> None:
+                 template: Path | None = None, src_world: int | None = None, config: dict | None = None,
+                 synth: Path | None = None) -> None:
         self.world_size = world_size
         self.config = config or {}
         self.param_order = param_order
         self.keyed = keyed
         # a sharded source read without torch: each file is its source's tree, rebuilt
         self.template, self.src_world = template, src_world
+        # any other source (its base directory, for saved objects): trees built from the plan
+        self.synth = synth
         self._zips: dict[str, TorchZip] = {}
         self._crcs: dict[Path, dict[tuple[int, int], int]] = {}
 
@@ -383,7 +386,11 @@ class Writer:
 
     @property
     def accepts_spans(self) -> bool:
-        return self.template is not None
+        return self.template is not None or self.synth is not None
+
+    @property
+    def accepts_casts(self) -> bool:
+        return self.synth is not None  # a rebuilt source file never casts
 
     def _zip(self, name: str) -> TorchZip:
         if name not in self._zips:
@@ -408,6 +415,10 @@ class Writer:
     def tree_for(self, job) -> tuple[Any, shardtree.Emitter, TorchZip]:
         """The tree of ``job``'s file, built from the source rank 0 file of its kind, and the
         storages that fill it. Raises NotSimple where only the torch path can write it."""
+        if self.synth is not None:
+            from . import shardsynth
+
+            return (*shardsynth.tree_for(self, job), None)
         emitter = shardtree.Emitter()
         if job.kind == "extra":
             tree = {}
@@ -445,6 +456,7 @@ class Writer:
         return tree, emitter, source
 
     def _write_tree(self, path: Path, job, pieces) -> None:
+        from ..castio import CastSpan
         from ..engine import Span
         from ..plan import Piece
         from .hf import tensor_bytes
@@ -462,16 +474,25 @@ class Writer:
             for key, src in emitter.records:
                 if isinstance(src, Piece):
                     v = values(src)
-                    yield key, shardtree.with_crcs(v.parts, self._record_crc) if isinstance(v, Span) else tensor_bytes(v)
+                    if isinstance(v, Span):
+                        yield key, shardtree.with_crcs(v.parts, self._record_crc)
+                    else:
+                        yield key, v if isinstance(v, CastSpan) else tensor_bytes(v)
                 else:
                     yield key, src
             for _ in stream:  # the rest of the stream (none: every piece has its record)
                 pass
 
-        shardtree.write_file(path, tree, emitter, shardtree.small_records(source), fill())
+        if source is None:  # built from the plan: the records torch.save writes
+            from .shardsynth import SMALL_RECORDS
+
+            small = SMALL_RECORDS
+        else:
+            small = shardtree.small_records(source)
+        shardtree.write_file(path, tree, emitter, small, fill(), prefix="archive" if source is None else None)
 
     def write(self, path: Path, job, pieces, objects) -> None:
-        if self.template is not None:
+        if self.template is not None or self.synth is not None:
             self._write_tree(path, job, pieces)
             return
         from ..state import gather, param_groups_keyed

@@ -272,16 +272,23 @@ def map_tensors(tree: Any, fn: Callable[[tuple, Any], Any], path: tuple = ()) ->
 
 
 def write_file(path: Path, tree: Any, emitter: Emitter, small_records: list[tuple[str, bytes]],
-               fill: Iterator[tuple[str, Any]]) -> None:
+               fill: Iterator[tuple[str, Any]], *, prefix: str | None = None, page_phase: bool = True) -> None:
     """Write a torch.save zip: the pickle, ``small_records`` (as the source had them), then each
-    storage record, in key order, from ``fill`` ((key, parts or bytes))."""
-    with TorchZipWriter(path, path.stem, page_phase=True) as out:
+    storage record, in key order, from ``fill`` ((key, parts or bytes)). ``prefix``: the
+    archive's folder (default: the file's stem, as ``torch.save(path)`` names it); without
+    ``page_phase``, records are aligned as torch aligns them (no page of padding that no CRC
+    covers: what a lone file without a manifest needs)."""
+    with TorchZipWriter(path, prefix or path.stem, page_phase=page_phase) as out:
         out.write_record("data.pkl", dumps(tree))
         for name, data in small_records:
             out.write_record(name, data)
         for key, source in fill:
             if isinstance(source, (bytes, bytearray, memoryview)):
                 out.write_record(f"data/{key}", bytes(source))
+            elif hasattr(source, "dst"):  # a castio.CastSpan: converted block by block
+                from ..castio import blocks
+
+                out.write_stream(f"data/{key}", source.nbytes, blocks(source))
             else:
                 out.copy_record(f"data/{key}", source)
 

@@ -1,0 +1,358 @@
+"""DCP directories written without torch: the bytes :class:`ckpt_tools.formats.dcp.Writer`
+(torch's own ``torch.save`` and ``pickle.dump`` of DCP's classes) writes, made by ckpt.
+
+Why: a ``.distcp`` file is a sequence of ``torch.save`` blobs, and ``.metadata`` a pickle of
+DCP's dataclasses. Importing torch to write them costs over a second, and ``torch.save`` copies
+every byte through the process. Here each tensor item is a zip laid out by
+:class:`~ckpt_tools.torchfile.TorchZipWriter` exactly as torch's stream writer lays it out, its
+pickle the one torch writes for a plain contiguous tensor, its storage record copied file to
+file by the kernel when no cast is asked (its CRC computed alongside by another thread), or
+cast block by block (:mod:`ckpt_tools.castio`). The non-tensor items (``param_groups``,
+counters, merged extra state) are copied as their source saved them, or re-emitted from their
+pickle trees; ``.metadata`` comes from :mod:`ckpt_tools.metapickle`. Byte-identical to the torch
+writer's output (tested).
+
+What it does not cover (the caller keeps torch's writer for it, see :func:`native_writer`):
+dtypes with no legacy storage class (uint16, float8, ...), and saved objects or extra state that
+hold tensors or anything but plain data (RNG states: numpy arrays, tensors).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .. import metapickle as mp
+from ..describe import Checkpoint, ObjectInfo
+from ..errors import BadInput
+from ..torchfile import Global, NewObj, Reduce, StorageRef, TorchZipWriter, dumps, loads_blob
+from .dcp import METADATA, dcp_key
+from .shardtree import REBUILD_V2, STORAGE_DTYPES, contiguous_stride
+
+STORAGE_OF = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
+_ODICT = Global("collections", "OrderedDict")
+# The first half of a blob's ``.data/serialization_id`` hashes its record names (torch takes it
+# from a std::unordered_set's order, which is not reproduced here); a DCP item's names are always
+# the same few, so these are constants (checked against torch.save in the tests).
+TENSOR_NAME_HASH = "15728199511854643026"  # data.pkl .format_version .storage_alignment byteorder data/0 version
+OBJECT_NAME_HASH = "02908468677762923104"  # the same without data/0
+_SMALL = ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little"))
+
+
+class NotNative(Exception):
+    """Something only torch's writer writes; the caller falls back to it."""
+
+
+def tensor_pickle(dtype: str, sizes: tuple[int, ...]) -> bytes:
+    """The ``data.pkl`` torch.save writes for a contiguous CPU tensor with its own storage."""
+    storage = STORAGE_OF.get(str(dtype))
+    if storage is None:
+        raise NotNative(f"no legacy storage class for {dtype}")
+    numel = 1
+    for s in sizes:
+        numel *= s
+    ref = StorageRef(Global("torch", storage), "0", "cpu", numel)
+    return dumps(Reduce(REBUILD_V2, (ref, 0, tuple(sizes), contiguous_stride(tuple(sizes)), False, Reduce(_ODICT, ()))))
+
+
+def plain(tree: Any) -> bool:
+    """A tree of containers and scalars only (no tensor, no global)."""
+    if isinstance(tree, (Global, NewObj, Reduce, StorageRef)):
+        return False
+    if isinstance(tree, dict):
+        return type(tree) is dict and all(plain(k) and plain(v) for k, v in tree.items())
+    if isinstance(tree, (list, tuple)):
+        return all(plain(v) for v in tree)
+    return tree is None or isinstance(tree, (str, bytes, int, float, bool, complex))
+
+
+class _Leaf:
+    """A saved value and, when it is a whole item of the source, where its blob lies."""
+
+    __slots__ = ("value", "blob")
+
+    def __init__(self, value: Any, blob: tuple[Path, int, int] | None) -> None:
+        self.value, self.blob = value, blob
+
+
+def _expand(value: Any, blob: tuple[Path, int, int] | None) -> Any:
+    """Mappings and lists DCP would traverse become containers; a terminal value a leaf."""
+    if isinstance(value, Mapping):
+        return {k: _expand(v, None) for k, v in value.items()}
+    if isinstance(value, list) and not _terminal(value):
+        return [_expand(v, None) for v in value]
+    return _Leaf(value, blob)
+
+
+def _terminal(value: Any) -> bool:
+    """DCP's ``traverse_state_dict._is_terminal`` for plain data (no tensors in it)."""
+    if isinstance(value, Mapping):
+        return False
+    if isinstance(value, list):
+        return not any(isinstance(e, (Mapping, list)) and not _terminal(e) for e in value)
+    return True
+
+
+def _set_element(root: dict, path: tuple, value: Any) -> None:
+    """DCP's ``_traverse.set_element``: dicts for string keys, lists (padded) for ints."""
+    cur: Any = root
+    for i in range(1, len(path)):
+        prev, key = path[i - 1], path[i]
+        default: Any = {} if type(key) is str else []
+        if isinstance(cur, Mapping):
+            cur = cur.setdefault(prev, default)
+        else:
+            while len(cur) <= prev:
+                cur.append(None)
+            if cur[prev] is None:
+                cur[prev] = default
+            cur = cur[prev]
+    key = path[-1]
+    if type(key) is int:
+        while len(cur) <= key:
+            cur.append(None)
+    cur[key] = value
+
+
+def _flatten(nested: dict) -> list[tuple[str, tuple, _Leaf]]:
+    """DCP's ``flatten_state_dict`` over containers of leaves: (key, path, leaf) in its order."""
+    out: list[tuple[str, tuple, _Leaf]] = []
+
+    def leaf_of(value: Any) -> _Leaf:
+        if type(value) is _Leaf:
+            return value
+        return _Leaf(_unwrap(value), None)
+
+    def visit(path: tuple, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                visit(path + (str(k),), v)
+        elif type(value) is _Leaf or value is None or (isinstance(value, list) and _terminal_wrapped(value)):
+            out.append((".".join(map(str, path)), path, leaf_of(value)))
+        else:
+            for i, v in enumerate(value):
+                visit(path + (i,), v)
+
+    for key, value in nested.items():
+        visit((str(key),), value)
+    return out
+
+
+def _terminal_wrapped(value: list) -> bool:
+    return not any(isinstance(e, Mapping) or (isinstance(e, list) and not _terminal_wrapped(e)) for e in value)
+
+
+def _unwrap(value: Any) -> Any:
+    if type(value) is _Leaf:
+        return value.value
+    if isinstance(value, Mapping):
+        return {k: _unwrap(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unwrap(v) for v in value]
+    return value
+
+
+class Writer:
+    """A DCP directory laid out as :class:`ckpt_tools.formats.dcp.Writer` lays it out, written
+    without torch. Build it with :func:`native_writer`, which says whether it can."""
+
+    single_file = False
+    accepts_spans = True
+    accepts_casts = True
+
+    def __init__(self, *, root: Path, param_order: tuple[str, ...] = (), extras: bool = False) -> None:
+        self.root = Path(root)  # the source's base directory, for its saved objects
+        self.param_order = param_order
+        # job.meta["extra"] holds plain pickle trees (merged per-rank state, read without torch)
+        self.extras = extras
+
+    # -- saved objects ------------------------------------------------------------------
+    def _source_value(self, o: ObjectInfo) -> tuple[Any, tuple[Path, int, int] | None]:
+        loc = o.location
+        if loc.kind == "bytes_item":
+            path = self.root / loc.file
+            with open(path, "rb") as f:
+                f.seek(loc.offset)
+                data = f.read(loc.length)
+            if len(data) != loc.length:
+                raise BadInput(f"{path}: item {o.name!r} is truncated")
+            import io
+
+            try:
+                tree = loads_blob(io.BytesIO(data))
+            except BadInput as e:
+                raise NotNative(str(e)) from e
+            blob = (path, loc.offset, loc.length)
+        elif loc.kind == "pickled" and loc.key:
+            from .shardtree import parsed
+
+            try:
+                tree = parsed(self.root / loc.file).tree
+                for k in loc.key:
+                    tree = tree[k]
+            except (BadInput, KeyError, IndexError, TypeError) as e:
+                raise NotNative(str(e)) from e
+            blob = None
+        else:
+            raise NotNative(f"a {loc.kind} object")
+        if not plain(tree):
+            raise NotNative(f"object {o.name!r} holds more than plain data")
+        return tree, blob
+
+    def items(self, objects: tuple[ObjectInfo, ...], extra: dict | None = None) -> list[tuple[str, tuple, _Leaf]]:
+        """The flattened non-tensor items the torch writer would save for ``objects`` (and the
+        ``extra`` values), in its order: nested by their paths, ``param_groups`` keyed by FQN,
+        flattened as DCP does."""
+        if not objects and not extra:
+            return []
+        nested = self.nested(objects) if objects else {}
+        for key, value in (extra or {}).items():
+            if not plain(value):
+                raise NotNative(f"extra state {key!r} holds more than plain data")
+            nested[key] = _expand(value, None)
+        opt = nested.get("optimizer")
+        if isinstance(opt, Mapping) and "param_groups" in opt:
+            opt["param_groups"] = self._keyed(opt["param_groups"])
+        return _flatten(nested)
+
+    def nested(self, objects: tuple[ObjectInfo, ...]) -> dict:
+        """``state.gather`` without torch: the objects nested by their paths, as leaves."""
+        flat: dict[str, tuple[tuple, Any]] = {}
+        for o in objects:
+            path = o.path or (o.group, o.name)
+            value, blob = self._source_value(o)
+            # state.nest: a repeated key keeps its place, with the later path and value
+            flat[".".join(map(str, path))] = (tuple(path), _expand(value, blob))
+        nested: dict = {}
+        for mapping, value in flat.values():
+            _set_element(nested, mapping, value)
+        return nested
+
+    def values(self, objects: tuple[ObjectInfo, ...]) -> dict:
+        """The objects nested by their paths, as plain values (what ``state.gather`` returns)."""
+        return _unwrap(self.nested(objects)) if objects else {}
+
+    def _keyed(self, groups: Any) -> list:
+        """``state.param_groups_keyed(..., keyed="fqn")`` over leaves: each group copied, its
+        ``params`` a new list (ints named by the parameter order)."""
+        if type(groups) is _Leaf:  # a terminal list: empty, or of no dicts
+            groups = [_expand(g, None) for g in groups.value] if isinstance(groups.value, list) else None
+        if not isinstance(groups, list):
+            raise NotNative("param_groups that are not a list")
+        out = []
+        for g in groups:
+            if not isinstance(g, Mapping):
+                raise NotNative("a param group that is not a dict")
+            g = dict(g)
+            old = _unwrap(g.get("params", []))
+            params = []
+            for p in old:
+                params.append(self.param_order[p] if isinstance(p, int) and p < len(self.param_order) else p)
+            g["params"] = _Leaf(params, None)
+            out.append(g)
+        return out
+
+    # -- files ----------------------------------------------------------------------------
+    def check(self, jobs) -> None:
+        """Raise NotNative before anything is written if a job needs torch's writer."""
+        for job in jobs:
+            if job.meta.get("extra") and not self.extras:
+                raise NotNative("extra state merged through torch's loader")
+            for p in job.pieces:
+                if str(p.target.dtype) not in STORAGE_OF:
+                    raise NotNative(f"{p.target.dtype} has no legacy storage class")
+            for _, _, leaf in self.items(job.objects, job.meta.get("extra") if self.extras else None):
+                if leaf.blob is None and not plain(leaf.value):
+                    raise NotNative("an object that is not plain data")
+
+    def write(self, path: Path, job, pieces, objects) -> list:
+        from ..castio import CastSpan, blocks
+        from ..engine import Span
+
+        records = []
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            it = iter(pieces)
+            for i, p in enumerate(job.pieces):
+                got, values = next(it)
+                if got is not p:
+                    raise RuntimeError("the engine's stream is out of the plan's order")
+                start = os.lseek(fd, 0, os.SEEK_CUR)
+                with TorchZipWriter(path, "archive", fd=fd) as z:
+                    z.write_record("data.pkl", tensor_pickle(p.target.dtype, p.sizes))
+                    for name, data in _SMALL:
+                        z.write_record(name, data)
+                    if isinstance(values, Span):
+                        z.copy_record("data/0", values.parts)
+                    elif isinstance(values, CastSpan):
+                        z.write_stream("data/0", values.nbytes, blocks(values))
+                    else:
+                        from .hf import tensor_bytes
+
+                        z.write_record("data/0", tensor_bytes(values))
+                    z.close(name_hash=TENSOR_NAME_HASH)
+                records.append(("tensor", i, start, os.lseek(fd, 0, os.SEEK_CUR) - start))
+            for key, obj_path, leaf in self.items(job.objects, job.meta.get("extra") if self.extras else None):
+                start = os.lseek(fd, 0, os.SEEK_CUR)
+                if leaf.blob is not None:
+                    with open(leaf.blob[0], "rb") as src:
+                        _copy(src.fileno(), fd, leaf.blob[1], leaf.blob[2], leaf.blob[0])
+                else:
+                    with TorchZipWriter(path, "archive", fd=fd) as z:
+                        z.write_record("data.pkl", dumps(leaf.value))
+                        for name, data in _SMALL:
+                            z.write_record(name, data)
+                        z.close(name_hash=OBJECT_NAME_HASH)
+                records.append(("bytes", (key, obj_path), start, os.lseek(fd, 0, os.SEEK_CUR) - start))
+        finally:
+            os.close(fd)
+        return records
+
+    def finish(self, out: Path, jobs, written: dict) -> None:
+        # the same steps as the torch writer's finish, over stand-ins of DCP's classes, so the
+        # pickle shares strings and tuples as that one does (the pickle memoizes by identity)
+        state: dict = {}
+        planner: dict = {}
+        storage: dict = {}
+        for job in jobs:
+            for kind, what, start, length in written.get(job.path) or []:
+                if kind == "tensor":
+                    p = job.pieces[what]
+                    path_ = dcp_key(p.target)
+                    fqn = ".".join(map(str, path_))
+                    md = state.setdefault(fqn, mp.TensorStorageMetadata(
+                        properties=mp.TensorProperties(dtype=mp.dtype(p.target.dtype)), size=mp.Size(p.target.shape),
+                        chunks=[]))
+                    md.chunks.append(mp.ChunkStorageMetadata(offsets=mp.Size(p.offsets), sizes=mp.Size(p.sizes)))
+                    storage[mp.MetadataIndex(fqn, mp.Size(p.offsets))] = mp.StorageInfo(job.path, start, length)
+                else:
+                    fqn, path_ = what
+                    state[fqn] = mp.BytesStorageMetadata()
+                    storage[mp.MetadataIndex(fqn)] = mp.StorageInfo(job.path, start, length)
+                planner[fqn] = path_
+        meta = mp.Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage, version="1.0.0")
+        # written last, as dcp.save does: a reader that finds it knows the data files are complete
+        with open(out / METADATA, "wb") as f:
+            f.write(mp.dumps(meta))
+
+
+def _copy(src: int, dst: int, offset: int, length: int, path: Path) -> None:
+    from .hf import _copy_range
+
+    try:
+        _copy_range(src, dst, offset, length)
+    except BadInput as e:
+        raise BadInput(f"{path}: {e}") from e
+
+
+def native_writer(ckpt: Checkpoint, jobs, *, param_order: tuple[str, ...], extras: bool = False) -> Writer | None:
+    """The torch-free writer for ``jobs``, or None where torch's writer is needed. ``extras``:
+    the jobs' extra state is plain pickle trees (else such state needs torch's writer)."""
+    writer = Writer(root=ckpt.base_dir(), param_order=param_order, extras=extras)
+    try:
+        writer.check(jobs)
+    except NotNative:
+        return None
+    return writer

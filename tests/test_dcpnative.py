@@ -1,0 +1,262 @@
+"""ckpt's own DCP writer (``formats/dcpnative.py`` + ``metapickle.py``): golden bytes against
+torch's ``torch.save`` and ``pickle.dump`` of DCP's classes, byte-identical directories against
+the torch writer it replaces, no torch imported, and ``dcp.load`` in a real 2-rank gloo job
+filling a ``fully_shard`` model from a DCP written for 3 ranks.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import ckpt_tools
+from ckpt_tools import metapickle as mp
+from ckpt_tools.convert import DTYPES, layout_dcp
+from ckpt_tools.engine import execute
+from ckpt_tools.formats import dcp, dcpnative, describe
+from ckpt_tools.plan import targets_from
+from ckpt_tools.torchfile import TorchZipWriter, dumps
+
+try:
+    from dist import run_ranks
+except ImportError:
+    from tests.dist import run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+REPO = Path(__file__).resolve().parents[1]
+FIX = REPO / "fixtures"
+
+
+def _blob(dtype: str, sizes: tuple[int, ...], data: bytes, *, tensor: bool = True, value=None) -> bytes:
+    """One DCP item as the native writer emits it, appended to an open file (as in a .distcp)."""
+    with tempfile.TemporaryFile() as f:
+        with TorchZipWriter(Path(os.devnull), "archive", fd=f.fileno()) as z:
+            z.write_record("data.pkl", dcpnative.tensor_pickle(dtype, sizes) if tensor else dumps(value))
+            for name, rec in dcpnative._SMALL:
+                z.write_record(name, rec)
+            if tensor:
+                z.write_record("data/0", data)
+            z.close(name_hash=dcpnative.TENSOR_NAME_HASH if tensor else dcpnative.OBJECT_NAME_HASH)
+        f.seek(0)
+        return f.read()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64", "int64", "int32", "int8", "uint8",
+                                   "bool", "complex64"])
+@pytest.mark.parametrize("shape", [(3, 4), (), (5,), (2, 0, 3), (1, 2, 3)], ids=str)
+def test_tensor_item_is_torch_save(dtype, shape):
+    """A DCP tensor item: the blob torch.save writes into dcp.save's stream."""
+    t = (torch.arange(torch.Size(shape).numel()) % 7).to(getattr(torch, dtype)) if shape != (2, 0, 3) else None
+    t = torch.zeros(shape, dtype=getattr(torch, dtype)) if t is None else t.reshape(shape)
+    want = io.BytesIO()
+    torch.save(t, want)
+    raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    assert _blob(dtype, shape, raw) == want.getvalue()
+
+
+@pytest.mark.parametrize("value", [0.001, [0.9, 0.999], (0.9, 0.999), ["model.a", "model.b", "x"], True, None, 7, "s",
+                                   {"lr": 0.1, "betas": (0.9, 0.95), "params": ["a"]}], ids=repr)
+def test_object_item_is_torch_save(value):
+    want = io.BytesIO()
+    torch.save(value, want)
+    assert _blob("", (), b"", tensor=False, value=value) == want.getvalue()
+
+
+def test_no_legacy_storage_is_not_native():
+    with pytest.raises(dcpnative.NotNative):
+        dcpnative.tensor_pickle("uint16", (2,))
+
+
+def test_metadata_pickle_is_torchs():
+    """Stand-ins pickle as DCP's classes: shared strings, two dtypes, several chunks, bytes items."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+
+    items = [(("model", "a"), "bfloat16", (0, 0), (2, 2), (4, 2)), (("model", "a"), "bfloat16", (2, 0), (2, 2), (4, 2)),
+             (("optimizer", "state", "a", "exp_avg"), "float32", (0,), (3,), (3,)),
+             (("optimizer", "state", "a", "step"), "float32", (), (), ()), (("x",), None, None, None, None),
+             (("optimizer", "param_groups", 0, "lr"), None, None, None, None)]
+
+    def build(real: bool) -> bytes:
+        Size = torch.Size if real else mp.Size
+        state, planner, storage = {}, {}, {}
+        for path, dt, offs, sizes, shape in items:
+            fqn = ".".join(map(str, path))
+            if dt:
+                props = TensorProperties(dtype=getattr(torch, dt)) if real else mp.TensorProperties(dtype=mp.dtype(dt))
+                md = state.setdefault(fqn, (TensorStorageMetadata if real else mp.TensorStorageMetadata)(
+                    properties=props, size=Size(shape), chunks=[]))
+                md.chunks.append((ChunkStorageMetadata if real else mp.ChunkStorageMetadata)(
+                    offsets=Size(offs), sizes=Size(sizes)))
+                storage[(MetadataIndex if real else mp.MetadataIndex)(fqn, Size(offs))] = (
+                    _StorageInfo if real else mp.StorageInfo)("__0_0.distcp", 5, 10)
+            else:
+                state[fqn] = BytesStorageMetadata() if real else mp.BytesStorageMetadata()
+                storage[(MetadataIndex if real else mp.MetadataIndex)(fqn)] = (
+                    _StorageInfo if real else mp.StorageInfo)("__1_0.distcp", 1, 2)
+            planner[fqn] = path
+        if real:
+            return pickle.dumps(Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage,
+                                         version="1.0.0"))
+        return mp.dumps(mp.Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage,
+                                    version="1.0.0"))
+
+    assert build(False) == build(True)
+
+
+def _mixed_hf(tmp_path: Path) -> Path:
+    """Odd row counts (uneven splits, empty ranks), 0-dim and 1-row tensors, several dtypes."""
+    src = tmp_path / "hf"
+    src.mkdir()
+    g = torch.Generator().manual_seed(0)
+    save_file({"model.a": torch.randn(7, 5, generator=g), "model.b": torch.randn(3, 2, generator=g).bfloat16(),
+               "model.c": torch.arange(5, dtype=torch.int64), "model.d": torch.tensor(2.5),
+               "model.e": torch.randn(1, 4, generator=g).half(), "model.f": torch.tensor([True, False, True])},
+              src / "model.safetensors")
+    return src
+
+
+def _sharded_with_moments(tmp_path: Path) -> Path:
+    """Sharded at 2 ranks with Adam-like moments and no param groups (as bench.py builds it)."""
+    from dataclasses import replace
+
+    from ckpt_tools.describe import TensorInfo
+
+    ck = describe(_mixed_hf(tmp_path))
+    moments = [TensorInfo("optimizer", f"state.{t.name}.exp_avg", t.shape, t.dtype, t.chunks, t.name, "exp_avg")
+               for t in ck.tensors if t.dtype.is_floating_point]
+    ck = replace(ck, tensors=ck.tensors + tuple(moments), param_order=tuple(t.name for t in ck.tensors))
+    ckpt_tools.convert(ck.root, tmp_path / "ws2", to="sharded", world_size=2, progress=False, _ckpt=ck)
+    return tmp_path / "ws2"
+
+
+SOURCES = {"hf": lambda tmp: FIX / "llama_hf", "mixed": _mixed_hf, "dcp": lambda tmp: FIX / "llama_dcp",
+           "sharded": lambda tmp: FIX / "llama_sharded_ws8", "sharded-moments": _sharded_with_moments}
+
+
+@pytest.mark.parametrize("dtype", [None, "bf16"], ids=["keep", "bf16"])
+@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_native_output_is_the_torch_writers(tmp_path, source, world_size, dtype):
+    """Every file, .metadata included, byte-identical to what the torch writer writes."""
+    ck = describe(SOURCES[source](tmp_path))
+    targets = targets_from(ck.tensors, dtype=DTYPES[dtype] if dtype else None)
+    jobs = layout_dcp(targets, tuple(o for o in ck.objects if o.rank is None), world_size, {})
+    native = dcpnative.native_writer(ck, jobs, param_order=ck.param_order)
+    assert native is not None, "the plan should be written without torch"
+    execute(ck, native, jobs, tmp_path / "native", progress=False, fmt="dcp")
+    execute(ck, dcp.Writer(param_order=ck.param_order), jobs, tmp_path / "torch", progress=False, fmt="dcp")
+    names = sorted(p.name for p in (tmp_path / "torch").iterdir())
+    assert sorted(p.name for p in (tmp_path / "native").iterdir()) == names
+    for name in names:
+        if name != ".ckpt-manifest.json":
+            assert (tmp_path / "native" / name).read_bytes() == (tmp_path / "torch" / name).read_bytes(), name
+
+
+def test_native_paths_import_no_torch(tmp_path):
+    code = ("import sys, ckpt_tools; "
+            f"ckpt_tools.convert({str(FIX / 'llama_hf')!r}, {str(tmp_path / 'a')!r}, to='dcp', world_size=3, progress=False); "
+            f"ckpt_tools.reshard({str(FIX / 'llama_dcp')!r}, {str(tmp_path / 'b')!r}, to=3, progress=False); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_uncovered_dtype_falls_back_to_torch(tmp_path):
+    src = tmp_path / "hf"
+    src.mkdir()
+    want = {"model.a": torch.arange(6, dtype=torch.int32).reshape(3, 2).to(torch.uint16), "model.b": torch.ones(4)}
+    save_file(want, src / "model.safetensors")
+    ck = describe(src)
+    jobs = layout_dcp(targets_from(ck.tensors), (), 2, {})
+    assert dcpnative.native_writer(ck, jobs, param_order=()) is None
+    ckpt_tools.convert(src, tmp_path / "dcp", to="dcp", world_size=2, progress=False)
+    import torch.distributed.checkpoint as tdcp
+
+    state = {"model": {k: torch.empty_like(v) for k, v in want.items()}}
+    tdcp.load(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    for k, v in want.items():
+        assert torch.equal(state["model"][k], v), k
+
+
+def _load_rank(rank: int, world_size: int, path: str) -> dict:
+    """A 2-rank fully_shard job loads the tiny Llama from a DCP saved for 3 ranks."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch.distributed.checkpoint as tdcp
+    from make_fixtures import tiny_llama_config
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(123)  # other weights than the source's: a load that does nothing shows
+    model = LlamaForCausalLM(tiny_llama_config()).to(torch.float32)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    state = {"model": get_model_state_dict(model)}
+    tdcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    return full if rank == 0 else {}
+
+
+def test_hf_to_dcp_loads_in_2_rank_job(tmp_path):
+    dst = tmp_path / "dcp3"
+    ckpt_tools.convert(FIX / "llama_hf", dst, to="dcp", world_size=3, progress=False)
+    assert {p.name for p in dst.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp", "__2_0.distcp"}
+    got = run_ranks(_load_rank, 2, tmp_path, str(dst))[0]
+    want = load_file(FIX / "llama_hf" / "model.safetensors")
+    assert set(got) <= set(want) and got
+    for k, v in got.items():
+        # the fixture is bf16, the job's model fp32: dcp.load casts (exactly) into it
+        assert torch.equal(v, want[k].to(v.dtype)), k
+
+
+def test_object_order_and_keying_from_sharded_param_groups(tmp_path):
+    """An int-keyed verl optimizer's param_groups come out FQN-keyed, as torch's writer does."""
+    ck = describe(FIX / "llama_sharded_ws2")
+    shared = tuple(o for o in ck.objects if o.rank is None)
+    items = dcpnative.Writer(root=ck.base_dir(), param_order=ck.param_order).items(shared)
+    keys = [k for k, _, _ in items]
+    assert "optimizer.param_groups.0.params" in keys
+    params = next(leaf.value for k, _, leaf in items if k == "optimizer.param_groups.0.params")
+    assert params == list(ck.param_order)
+
+
+@pytest.mark.parametrize("fixture,world_size", [("llama_sharded_ws2", 2), ("llama_sharded_ws8", 3)])
+def test_sharded_extra_state_merged_without_torch(tmp_path, monkeypatch, capfd, fixture, world_size):
+    """verl's per-rank extra state (LR scheduler equal on every rank, RNG not) merged into one
+    DCP copy from pickle trees: the same bytes as torch's writer, one warning about the RNG."""
+    ckpt_tools.convert(FIX / fixture, tmp_path / "native", to="dcp", world_size=world_size, progress=False)
+    warned = capfd.readouterr().err
+    assert warned.count("warning:") == 1 and "rng" in warned
+    monkeypatch.setattr(dcpnative, "native_writer", lambda *a, **k: None)
+    ckpt_tools.convert(FIX / fixture, tmp_path / "torch", to="dcp", world_size=world_size, progress=False)
+    names = sorted(p.name for p in (tmp_path / "torch").iterdir())
+    assert sorted(p.name for p in (tmp_path / "native").iterdir()) == names
+    for name in names:
+        if name != ".ckpt-manifest.json":
+            assert (tmp_path / "native" / name).read_bytes() == (tmp_path / "torch" / name).read_bytes(), name
+
+
+def test_sharded_to_dcp_imports_no_torch(tmp_path):
+    code = ("import sys, ckpt_tools; "
+            f"ckpt_tools.convert({str(FIX / 'llama_sharded_ws2')!r}, {str(tmp_path / 'a')!r}, to='dcp', progress=False); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
