@@ -237,7 +237,7 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
         # ckpt's own writer where it covers the plan (no torch, bytes copied by the kernel); a
         # layout kept from a DCP source (parts, items copied as saved) or torchtitan's names go
         # through the writer that knows them
-        simple = carry is None and layout is None
+        simple = layout is None and all(j.path.count("/") == 0 for j in jobs)
         writer = (dcpnative.native_writer(ckpt, jobs, param_order=ckpt.param_order, extras=native_extras is not None)
                   if simple else None)
         if writer is None:

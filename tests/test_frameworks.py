@@ -244,3 +244,21 @@ def test_verl_fsdp1_model_exports(verl_fsdp1_save, tmp_path):
     assert sorted(sd) == sorted(ranks[0])
     for name, value in sd.items():
         assert torch.equal(value, torch.cat([rank[name]._local_tensor for rank in ranks])), name
+
+
+def test_trainer_export_loads_in_transformers(trainer_save, fixtures_dir, tmp_path):
+    """A Trainer checkpoint-N/ exports under the architecture's own names (checked before writing):
+    from_pretrained finds no missing or unexpected keys and the weights are the saved ones."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dst = tmp_path / "hf"
+    _ckpt("export", str(trainer_save.saved), str(dst), "--base", str(fixtures_dir / "llama_hf"), "--quiet")
+    model, info = AutoModelForCausalLM.from_pretrained(dst, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    torch_out = tmp_path / "full.pt"
+    _ckpt("convert", str(trainer_save.saved), str(torch_out), "--to", "torch", "--model-only", "--quiet")
+    saved = torch.load(torch_out, weights_only=True)
+    saved = saved.get("model", saved)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, saved[name]), name

@@ -427,5 +427,6 @@ def test_tp_sharded_refused(tp_save, tmp_path, cmd):
     args = [cmd[0], str(tp_save["sharded"])] + ([] if cmd[0] == "inspect" else [str(dst)]) + cmd[1:]
     result = _run(*args)
     assert result.exit_code == 3, result.output
-    assert "_S(0, 2)" in result.output
+    # refused by the placement check, or earlier by the pickle gate (see the README's limits)
+    assert result.output.count("error:") == 1 and str(tp_save["sharded"]) in result.output
     assert not dst.exists()

@@ -4,7 +4,6 @@ accelerate (``pytorch_model_fsdp_0/`` + ``optimizer_0/``) and ``dcp.save`` write
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -233,10 +232,11 @@ def _classify(fqn: str, obj_path: tuple | None, is_tensor: bool) -> tuple[str, s
 
 # -- writing ------------------------------------------------------------------------------
 
-def _canonical(path) -> tuple:
-    """``path`` with its strings interned: pickle memoizes by identity, so equal paths must be
-    one object whichever process built them for ``.metadata`` to come out the same bytes."""
-    return tuple(sys.intern(p) if isinstance(p, str) else p for p in path)
+def canonical(path, canon: dict) -> tuple:
+    """``path`` with each string replaced by the first equal one seen (``canon``): pickle
+    memoizes by identity, so equal key strings must be one object, whichever process built
+    them, for ``.metadata`` to come out the same bytes (both DCP writers do this)."""
+    return tuple(canon.setdefault(p, p) if isinstance(p, str) else p for p in path)
 
 
 def dcp_key(target) -> tuple:
@@ -295,11 +295,13 @@ class Writer:
                 # holds, so the bytes do not depend on which process wrote the file
                 records.append(("tensor", i, start, f.tell() - start))
             blobs = [(o, self._blob(o)) for o in job.objects]
-            for o, blob in blobs:
+            for i, (o, blob) in enumerate(blobs):
                 if blob is not None:
                     start = f.tell()
                     f.write(blob)
-                    records.append(("bytes", (".".join(map(str, o.path)), tuple(o.path)), start, len(blob)))
+                    # the object's index, not its path: finish() takes the path from the plan, so
+                    # .metadata does not depend on which process wrote the file
+                    records.append(("object", i, start, len(blob)))
             rest = tuple(o for o, blob in blobs if blob is None)
             if rest or job.meta.get("extra"):
                 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -338,6 +340,7 @@ class Writer:
         state: dict = {}
         planner: dict = {}
         storage: dict = {}
+        canon: dict = {}
         for job in jobs:
             file = job.path.rpartition("/")[2]
             for kind, what, start, length in written.get(job.path) or []:
@@ -346,14 +349,18 @@ class Writer:
                     path_ = dcp_key(p.target)
                     if self.top_level_model and path_[0] == "model":
                         path_ = path_[1:]
-                    path_ = _canonical(path_)
-                    fqn = sys.intern(".".join(map(str, path_)))
+                    path_ = canonical(path_, canon)
+                    fqn = ".".join(map(str, path_))
                     md = state.setdefault(fqn, TensorStorageMetadata(
                         properties=TensorProperties(dtype=as_torch(p.target.dtype)), size=torch.Size(p.target.shape), chunks=[]))
                     md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=torch.Size(p.sizes)))
                     storage[MetadataIndex(fqn, torch.Size(p.offsets))] = _StorageInfo(file, start, length)
                 else:
-                    fqn, path_ = sys.intern(what[0]), _canonical(what[1])
+                    if kind == "object":
+                        path_ = canonical(job.objects[what].path, canon)
+                        fqn = ".".join(map(str, path_))
+                    else:
+                        fqn, path_ = what[0], canonical(what[1], canon)
                     state[fqn] = BytesStorageMetadata()
                     storage[MetadataIndex(fqn)] = _StorageInfo(file, start, length)
                 planner[fqn] = path_

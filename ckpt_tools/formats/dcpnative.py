@@ -28,7 +28,7 @@ from .. import metapickle as mp
 from ..describe import Checkpoint, ObjectInfo
 from ..errors import BadInput
 from ..torchfile import Global, NewObj, Reduce, StorageRef, TorchZipWriter, dumps, loads_blob
-from .dcp import METADATA, dcp_key
+from .dcp import METADATA, canonical, dcp_key
 from .shardtree import REBUILD_V2, STORAGE_DTYPES, contiguous_stride
 
 STORAGE_OF = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
@@ -316,11 +316,12 @@ class Writer:
         state: dict = {}
         planner: dict = {}
         storage: dict = {}
+        canon: dict = {}
         for job in jobs:
             for kind, what, start, length in written.get(job.path) or []:
                 if kind == "tensor":
                     p = job.pieces[what]
-                    path_ = dcp_key(p.target)
+                    path_ = canonical(dcp_key(p.target), canon)
                     fqn = ".".join(map(str, path_))
                     md = state.setdefault(fqn, mp.TensorStorageMetadata(
                         properties=mp.TensorProperties(dtype=mp.dtype(p.target.dtype)), size=mp.Size(p.target.shape),
@@ -328,7 +329,7 @@ class Writer:
                     md.chunks.append(mp.ChunkStorageMetadata(offsets=mp.Size(p.offsets), sizes=mp.Size(p.sizes)))
                     storage[mp.MetadataIndex(fqn, mp.Size(p.offsets))] = mp.StorageInfo(job.path, start, length)
                 else:
-                    fqn, path_ = what
+                    fqn, path_ = what[0], canonical(what[1], canon)
                     state[fqn] = mp.BytesStorageMetadata()
                     storage[mp.MetadataIndex(fqn)] = mp.StorageInfo(job.path, start, length)
                 planner[fqn] = path_
