@@ -34,13 +34,13 @@ GRACE = 1.5  # seconds a helper may outlive its killed parent (the issue allows 
 
 @pytest.fixture(scope="module")
 def big_sharded(tmp_path_factory) -> Path:
-    """A 4-rank verl checkpoint of 24 x 1024 x 1024 float32 (96 MiB): big enough that a reshard
-    is still writing when it is killed."""
+    """A 4-rank verl checkpoint of 64 x 1024 x 1024 float32 (256 MiB): big enough that a reshard
+    (the kernel copies its bytes) is still writing when it is killed."""
     work = tmp_path_factory.mktemp("big2")
     hf = work / "hf"
     hf.mkdir()
     g = torch.Generator().manual_seed(0)
-    save_file({f"model.layers.{i}.mlp.weight": torch.randn(1024, 1024, generator=g) for i in range(24)},
+    save_file({f"model.layers.{i}.mlp.weight": torch.randn(1024, 1024, generator=g) for i in range(64)},
               str(hf / "model.safetensors"))
     ckpt_tools.convert(hf, work / "sharded", to="sharded", world_size=4, progress=False)
     return work / "sharded"
@@ -190,10 +190,11 @@ def test_source_changed_while_converted_is_exit_3_and_nothing_published(change: 
     shutil.copytree(big_sharded, src)
     dst = tmp_path / "out"
     log = tmp_path / "stderr"
+    victim = src / "model_world_size_4_rank_3.pt"
+    shutil.copy(victim, tmp_path / "new.pt")  # ready beforehand: the swap below is one rename
     with open(log, "wb") as err:
         proc = subprocess.Popen([sys.executable, "-m", "ckpt_tools", "convert", str(src), str(dst), "--to", "hf",
                                  "--quiet"], env=_env(), stdout=subprocess.DEVNULL, stderr=err)
-    victim = src / "model_world_size_4_rank_3.pt"
     end = time.monotonic() + 240
     while _staged_bytes(dst) < 4 * MiB and proc.poll() is None and time.monotonic() < end:
         time.sleep(0.002)
@@ -203,7 +204,6 @@ def test_source_changed_while_converted_is_exit_3_and_nothing_published(change: 
             f.seek(victim.stat().st_size // 2)
             f.write(b"\x01" * 64)
     else:
-        shutil.copy(victim, tmp_path / "new.pt")
         os.replace(tmp_path / "new.pt", victim)
     assert proc.wait(timeout=240) == 3, log.read_text()
     text = log.read_text()
