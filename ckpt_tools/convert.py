@@ -21,7 +21,7 @@ from .formats import (FORMATS, dcp, dcpnative, describe, hf, shardsynth, shardtr
 from .plan import FileJob, Target, rows_of, targets_from, whole
 from .reader import Reader
 from .scaleout import torchrun_rank
-from .state import per_rank_extras
+from .state import per_rank_extras, short_list, warn_rank_local
 
 DTYPES = {"bf16": DType("bfloat16"), "fp16": DType("float16"), "fp32": DType("float32")}
 _WRAPPER_PREFIXES = re.compile(r"(^|\.)(_orig_mod|module|_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
@@ -126,11 +126,8 @@ def keep_layout(ckpt: Checkpoint, objects: tuple[ObjectInfo, ...], ws: int, poli
                 continue
         kept.append(o)
     if local:
-        done = ("dropped: the resumed job starts them afresh" if policy == "drop" else
-                f"kept for ranks 0..{min(ws, ckpt.world_size or 0) - 1} from the same source ranks")
-        print(f"warning: rank-local entries {', '.join(layouts._short(sorted(local)))} ({lay.name}) cannot be "
-              f"split or merged; going from {ckpt.world_size} to {ws} ranks they were {done} "
-              f"(--rank-local {policy})", file=sys.stderr)
+        warn_rank_local(f"rank-local entries {short_list(sorted(local))} ({lay.name}) cannot be split or merged",
+                        src_world=ckpt.world_size, dst_world=ws, policy=policy)
     carry = layouts.carry_plan(lay, src_world=ckpt.world_size, dst_world=ws, policy=policy)
     return lay, tuple(kept), carry
 

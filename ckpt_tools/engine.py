@@ -162,6 +162,20 @@ def stream(reader: Reader, pieces: Sequence[Piece], bar: tqdm | None = None,
                 bar.update(p.nbytes)
 
 
+def by_piece(stream: Iterator[tuple[Piece, Any]]) -> Callable[[Piece], Any]:
+    """``values(piece)`` for a writer that needs the stream's pieces in another order than the
+    plan's: pulls the stream forward, holding the pieces it passes until they are asked for."""
+    ready: dict = {}
+
+    def values(piece: Piece) -> Any:
+        while piece not in ready:
+            got, v = next(stream)
+            ready[got] = v
+        return ready.pop(piece)
+
+    return values
+
+
 def progress_bar(total: int, desc: str, enabled: bool) -> tqdm:
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
                 disable=not enabled, file=sys.stderr, dynamic_ncols=True, leave=False)

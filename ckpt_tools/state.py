@@ -118,9 +118,24 @@ def per_rank_extras(objects: Sequence[ObjectInfo], fetch: Callable[[ObjectInfo],
                 if r in values:
                     out[r][key] = values[r]
     if local:
-        done = ("dropped: the resumed job starts them afresh" if policy == "drop" else
-                f"kept for ranks 0..{min(dst_world, src_world or 0) - 1} from the same source ranks, "
-                "absent on the others")
-        warn(f"extra state {', '.join(local)} differs between ranks (rank-local, e.g. RNG); "
-             f"going from {src_world} to {dst_world} ranks it was {done} (--rank-local {policy})")
+        warn_rank_local(f"extra state {', '.join(local)} differs between ranks (rank-local, e.g. RNG)",
+                        src_world=src_world, dst_world=dst_world, policy=policy, warn=warn)
     return out
+
+
+def warn_rank_local(what: str, *, src_world: int | None, dst_world: int, policy: str,
+                    warn: Callable[[str], None] | None = None) -> None:
+    """The one warning for rank-local state (extra-state entries, a layout's files or DCP
+    entries) that a change of world size left out, or kept for some ranks only. Printed even
+    with --quiet: the resumed job differs from the saved one."""
+    warn = warn or (lambda m: print(f"warning: {m}", file=sys.stderr))
+    done = ("dropped: the resumed job starts them afresh" if policy == "drop" else
+            f"kept for ranks 0..{min(dst_world, src_world or 0) - 1} from the same source ranks, "
+            "absent on the others")
+    warn(f"{what}; going from {src_world} to {dst_world} ranks, {done} (--rank-local {policy})")
+
+
+def short_list(names: Sequence[str], n: int = 4) -> str:
+    """At most ``n`` names, comma-separated, and how many there are in all."""
+    names = list(names)
+    return ", ".join(names[:n] + ([f"... ({len(names)} in all)"] if len(names) > n else []))

@@ -51,16 +51,12 @@ class LazyStorages:
 def from_stream(pieces: Iterator[tuple[Any, torch.Tensor]]) -> Callable[[Any], Callable[[], torch.Tensor]]:
     """Providers over the engine's stream of ``(piece, values)``: ``provider(piece)()`` returns
     that piece's values, pulling the stream forward (and holding any piece asked for later)."""
-    feed = iter(pieces)
-    ready: dict = {}
+    from .engine import by_piece
+
+    values = by_piece(iter(pieces))
 
     def provider(piece: Any) -> Callable[[], torch.Tensor]:
-        def provide() -> torch.Tensor:
-            while piece not in ready:
-                got, values = next(feed)
-                ready[got] = values
-            return ready.pop(piece)
-        return provide
+        return lambda: values(piece)
 
     return provider
 

@@ -154,6 +154,27 @@ def _dataloader(dp_rank: int, dp_world_size: int):
                                    batch_size=ds.per, num_workers=0), ds
 
 
+def build_model(cfg, parallel_dims, training, parallelism):
+    """The model as torchtitan's Trainer.__init__ makes it: meta init, ``parallelize_llama``,
+    materialize on CPU, init weights."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import CompileConfig
+    from torchtitan.models.llama3 import parallelize_llama
+
+    with torch.device("meta"):
+        model = cfg.build()
+    model = parallelize_llama(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+                              compile_config=CompileConfig(), ac_config=None, dump_folder="")
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)  # CPU workaround: gloo has no PREMUL_SUM
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model
+
+
 def job(rank: int, world_size: int, out: str | None, *, save_at: int | None, load: str | None, steps: int,
         seed: int = 0, exclude_from_loading: tuple[str, ...] | None = None) -> list[float]:
     """Train ``steps`` steps on the fixed global batches; save after step ``save_at`` (into the
@@ -175,15 +196,12 @@ def job(rank: int, world_size: int, out: str | None, *, save_at: int | None, loa
     _cpu_device_patch()
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule
-
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
-    from torchtitan.models.llama3 import parallelize_llama
 
     torch.manual_seed(seed)
     parallelism = ParallelismConfig(spmd_backend="partial_dtensor")
@@ -195,17 +213,7 @@ def job(rank: int, world_size: int, out: str | None, *, save_at: int | None, loa
     batch_mesh = parallel_dims.get_mesh("batch") if parallel_dims.dp_enabled else None
     dp_degree, dp_rank = (batch_mesh.size(), batch_mesh.get_local_rank()) if batch_mesh else (1, 0)
 
-    # The model: meta init, parallelize, materialize, init (Trainer.__init__'s order).
-    with torch.device("meta"):
-        model = model_config().build()
-    model = parallelize_llama(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
-                              compile_config=CompileConfig(), ac_config=None, dump_folder="")
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_force_sum_reduction_for_comms(True)  # CPU workaround: gloo has no PREMUL_SUM
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
+    model = build_model(model_config(), parallel_dims, training, parallelism)
     model.train()
     model_parts = [model]
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -207,15 +206,13 @@ def test_hsdp_sharded_convert_dcp_loads_bit_exact(hsdp_save, tmp_path):
 
 def _tt_build(world_size: int, dp_shard: int, tp: int):
     """torchtitan's llama3 (tiny), parallelized by its own ``parallelize_llama`` with its TP plan."""
-    from fw_torchtitan import TOTAL_STEPS, _cpu_device_patch, model_config
+    from fw_torchtitan import TOTAL_STEPS, _cpu_device_patch, build_model, model_config
 
     _cpu_device_patch()
     import torch
-    from torch.distributed.fsdp import FSDPModule
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
-    from torchtitan.models.llama3 import parallelize_llama
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
     from fw_common import SEQ
@@ -231,17 +228,7 @@ def _tt_build(world_size: int, dp_shard: int, tp: int):
     cfg = model_config()
     # what Llama3Model.Config.update_from_config does in the Trainer: the TP plan on every sub-config
     set_llama3_sharding_config(cfg, enable_sp=False)
-    with torch.device("meta"):
-        model = cfg.build()
-    model = parallelize_llama(model, parallel_dims=pd, training=training, parallelism=parallelism,
-                              compile_config=CompileConfig(), ac_config=None, dump_folder="")
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_force_sum_reduction_for_comms(True)  # CPU workaround: gloo has no PREMUL_SUM
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    return model, pd, cfg
+    return build_model(cfg, pd, training, parallelism), pd, cfg
 
 
 def _tt_parts(model):

@@ -457,18 +457,13 @@ class Writer:
 
     def _write_tree(self, path: Path, job, pieces) -> None:
         from ..castio import CastSpan
-        from ..engine import Span
+        from ..engine import Span, by_piece
         from ..plan import Piece
         from .hf import tensor_bytes
 
         tree, emitter, source = self.tree_for(job)
-        stream, ready = iter(pieces), {}
-
-        def values(piece):
-            while piece not in ready:
-                got, v = next(stream)
-                ready[got] = v
-            return ready.pop(piece)
+        stream = iter(pieces)
+        values = by_piece(stream)
 
         def fill():
             for key, src in emitter.records:

@@ -34,15 +34,8 @@ class Writer:
 
     def obj(self, job: Any) -> Any:
         """The saved object with each tensor a :class:`Piece` (torchsave.Writer's layout)."""
-        from ..state import param_groups_keyed
+        from .torchsave import training_state
 
-        model: dict = {}
-        state: dict = {}
-        for p in job.pieces:
-            if p.target.group == "optimizer" and p.target.param:
-                state.setdefault(p.target.param, {})[p.target.state] = p
-            else:
-                model[p.target.name] = p
         try:
             rest = _ObjectReader(root=self.root).values(tuple(job.objects))
         except NotNative as e:
@@ -51,15 +44,7 @@ class Writer:
         if not all(plain(v) for v in extra.values()):
             raise NotSimple("extra state that is not plain data")
         rest.update(extra)
-        if not state and not rest:
-            return model
-        obj = {"model": {**model, **rest.pop("model", {})}}
-        opt = rest.pop("optimizer", {})
-        if state or opt:
-            groups = param_groups_keyed(opt.get("param_groups", []), keyed="fqn", param_order=self.param_order)
-            obj["optimizer"] = {"state": state, "param_groups": groups}
-        obj.update(rest)
-        return obj
+        return training_state(job.pieces, {p: p for p in job.pieces}, rest, self.param_order)
 
     def tree_for(self, job: Any) -> tuple[Any, Emitter]:
         """The pickle tree and its storages, numbered in the order pickling visits them."""
@@ -76,17 +61,12 @@ class Writer:
 
     def write(self, path: Path, job: Any, pieces: Any, objects: Any) -> None:
         from ..castio import CastSpan
-        from ..engine import Span
+        from ..engine import Span, by_piece
         from .hf import tensor_bytes
 
         tree, emitter = self.tree_for(job)
-        stream, ready = iter(pieces), {}
-
-        def values(piece: Piece) -> Any:
-            while piece not in ready:
-                got, v = next(stream)
-                ready[got] = v
-            return ready.pop(piece)
+        stream = iter(pieces)
+        values = by_piece(stream)
 
         def fill():
             for key, src in emitter.records:

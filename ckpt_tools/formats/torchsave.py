@@ -139,31 +139,40 @@ class Writer:
         self.param_order = param_order
 
     def write(self, path: Path, job, pieces, objects) -> None:
-        from ..state import gather, param_groups_keyed
+        from ..state import gather
         from ..torchzip import LazyStorages, from_stream, save
 
         lazy = LazyStorages()
         provider = from_stream(pieces)
 
-        model, state = {}, {}
-        for p in job.pieces:
-            t = lazy.placeholder(p.sizes, p.target.dtype, provider(p))
-            if p.target.group == "optimizer" and p.target.param:
-                state.setdefault(p.target.param, {})[p.target.state] = t
-            else:
-                model[p.target.name] = t
+        values = {p: lazy.placeholder(p.sizes, p.target.dtype, provider(p)) for p in job.pieces}
         rest = gather(job.objects, objects)
         rest.update(job.meta.get("extra", {}))
-        if not state and not rest:
-            obj: dict = model
-        else:
-            obj = {"model": {**model, **rest.pop("model", {})}}
-            opt = rest.pop("optimizer", {})
-            if state or opt:
-                groups = param_groups_keyed(opt.get("param_groups", []), keyed="fqn", param_order=self.param_order)
-                obj["optimizer"] = {"state": state, "param_groups": groups}
-            obj.update(rest)
-        save(obj, path, lazy)
+        save(training_state(job.pieces, values, rest, self.param_order), path, lazy)
 
     def finish(self, out: Path, jobs, written: dict) -> None:
         pass
+
+
+def training_state(pieces, values: dict, rest: dict, param_order: tuple[str, ...]) -> dict:
+    """What a full ``torch.save`` file holds: the model state dict alone, or ``{"model",
+    "optimizer" (FQN-keyed state and param_groups), ...}`` with the other saved state (``rest``).
+    ``values[piece]`` is what stands for each piece's tensor (shared by both torch writers)."""
+    from ..state import param_groups_keyed
+
+    model: dict = {}
+    state: dict = {}
+    for p in pieces:
+        if p.target.group == "optimizer" and p.target.param:
+            state.setdefault(p.target.param, {})[p.target.state] = values[p]
+        else:
+            model[p.target.name] = values[p]
+    if not state and not rest:
+        return model
+    obj = {"model": {**model, **rest.pop("model", {})}}
+    opt = rest.pop("optimizer", {})
+    if state or opt:
+        groups = param_groups_keyed(opt.get("param_groups", []), keyed="fqn", param_order=param_order)
+        obj["optimizer"] = {"state": state, "param_groups": groups}
+    obj.update(rest)
+    return obj

@@ -14,13 +14,12 @@ Adapter modules provide ``NAME``, ``detect(ckpt) -> bool``, ``fsdp_version(ckpt)
 
 from __future__ import annotations
 
-import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
+from ..atomic import TMP_MARK
 from ..describe import Checkpoint, ObjectInfo
+from ..state import short_list, warn_rank_local
 from . import accelerate, plain, torchtitan, trainer, verl
 
 LAYOUTS = ("plain", "verl", "accelerate", "trainer", "torchtitan")
@@ -74,7 +73,7 @@ def side_files(ckpt: Checkpoint, adapter=plain) -> list[str]:
         if p.is_symlink() or not p.is_file():
             continue
         rel = p.relative_to(root).as_posix()
-        if rel in owned or rel == MANIFEST or _is_staging(rel):
+        if rel in owned or rel == MANIFEST or TMP_MARK in rel:
             continue
         out.append(rel)
     return out
@@ -97,10 +96,6 @@ def _format_files(ckpt: Checkpoint) -> set[str]:
     return files
 
 
-def _is_staging(rel: str) -> bool:
-    return ".ckpt-tmp-" in rel
-
-
 @dataclass(frozen=True)
 class Carry:
     """Which side files a copy at another world size takes (relative paths), and what was left."""
@@ -114,32 +109,13 @@ def carry_plan(layout: Layout, *, src_world: int | None, dst_world: int, policy:
     """Side files for the resharded copy: shared ones always; rank-local ones all when the
     world size is unchanged, else by ``policy``: ``drop`` (none) or ``keep-first`` (those of
     ranks below ``dst_world``), with a warning naming them."""
-    warn = warn or (lambda m: print(f"warning: {m}", file=sys.stderr))
     files, dropped = [], []
     for f in layout.side_files:
         rank = layout.rank_local_files.get(f)
         keep = rank is None or src_world == dst_world or (policy == "keep-first" and rank < dst_world)
         (files if keep else dropped).append(f)
-    local = sorted(layout.rank_local_files)
-    if local and src_world != dst_world:
-        done = ("dropped: the resumed job starts them afresh" if policy == "drop" else
-                f"kept for ranks 0..{min(dst_world, src_world or 0) - 1} from the same source ranks, "
-                "absent on the others")
-        warn(f"rank-local files {', '.join(_short(local))} ({layout.name}) cannot be split or merged; "
-             f"going from {src_world} to {dst_world} ranks they were {done} (--rank-local {policy})")
+    if layout.rank_local_files and src_world != dst_world:
+        warn_rank_local(f"rank-local files {short_list(sorted(layout.rank_local_files))} ({layout.name}) "
+                        "cannot be split or merged", src_world=src_world, dst_world=dst_world, policy=policy,
+                        warn=warn)
     return Carry(tuple(files), tuple(dropped))
-
-
-def _short(names: list[str], n: int = 4) -> list[str]:
-    return names[:n] + ([f"... ({len(names)} in all)"] if len(names) > n else [])
-
-
-def parts_of(ckpt: Checkpoint) -> tuple[str, ...]:
-    """A DCP checkpoint's part directories (``""`` for a DCP at the root), in saved order."""
-    parts = {c.location.file.rpartition("/")[0] for t in ckpt.tensors for c in t.chunks}
-    parts |= {o.location.file.rpartition("/")[0] for o in ckpt.objects if o.location.kind == "bytes_item"}
-    return tuple(sorted(parts))
-
-
-def is_dir_of(root: Path, *names: str) -> bool:
-    return any((root / n).exists() for n in names)

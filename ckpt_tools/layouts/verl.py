@@ -12,7 +12,6 @@ from .plain import _from_details
 
 NAME = "verl"
 RANK_LOCAL_FILE = None
-RANK_LOCAL_EXTRA = ("rng",)
 
 
 def detect(ckpt) -> bool:
@@ -29,4 +28,6 @@ def fsdp_version(ckpt) -> int | None:
 
 
 def rank_local_object(obj) -> int | None:
-    return obj.rank if obj.group == "extra" and obj.path[:1] in [(k,) for k in RANK_LOCAL_EXTRA] else None
+    # extra_state entries are per rank file already; which differ between ranks (``rng``) is
+    # judged by value with the rest of the extra state (state.per_rank_extras)
+    return None
