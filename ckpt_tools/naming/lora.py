@@ -28,15 +28,20 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 VERL_META = "lora_train_meta.json"
 
-_LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
+# in memory (and so in FSDP saves) ``lora_A.<adapter>.weight``; in PEFT's saved form
+# (``adapter_model.safetensors``, and what the Trainer saves of a PEFT model under FSDP) the
+# adapter name is removed: ``lora_A.weight``
+_LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
+SAVED_ADAPTER = "default"  # what PeftModel.from_pretrained names an adapter saved without its name
 _BASE = re.compile(r"^(?P<module>.+)\.base_layer\.(?P<leaf>weight|bias)$")
 _SAVED = re.compile(r"^(?P<module>.+)\.modules_to_save\.(?P<adapter>[^.]+)\.(?P<rest>.+)$")
 _ORIGINAL = re.compile(r"^(?P<module>.+)\.original_module\.(?P<rest>.+)$")
 # what this module cannot fold in, and would otherwise write under names nothing loads
-_UNSUPPORTED = {
-    "lora_embedding_A": "LoRA on embeddings", "lora_embedding_B": "LoRA on embeddings",
-    "lora_magnitude_vector": "DoRA", "lora_B.bias": "LoRA bias (lora_bias=True)",
-}
+_UNSUPPORTED = (
+    (re.compile(r"\.lora_embedding_[AB](\.|$)"), "LoRA on an embedding (an nn.Embedding in target_modules)"),
+    (re.compile(r"\.lora_magnitude_vector(\.|$)"), "DoRA (use_dora=True)"),
+    (re.compile(r"\.lora_B(\.[^.]+)?\.bias$"), "LoRA bias (lora_bias=True)"),
+)
 
 
 @dataclass(frozen=True)
@@ -99,17 +104,16 @@ def find(ckpt: Checkpoint, *, alpha: float | None = None) -> Lora | None:
     for name, t in names.items():
         m = _LORA.match(name)
         if m:
-            parts.setdefault((base_name(m["module"]), m["adapter"]), {})[m["ab"]] = t
+            parts.setdefault((base_name(m["module"]), m["adapter"] or SAVED_ADAPTER), {})[m["ab"]] = t
+        elif ".lora_" in name:
+            # every LoRA tensor must be one this module folds in: any other (DoRA's magnitude,
+            # an embedding's A/B, lora_B's bias) would be dropped or written under a name
+            # nothing loads
+            kind = next((k for pattern, k in _UNSUPPORTED if pattern.search(name)), "a LoRA tensor ckpt does not know")
+            raise BadInput(f"{ckpt.root}: {name!r} is {kind}, which ckpt cannot merge or export yet; "
+                           "merge it with PEFT's merge_and_unload on the loaded model")
     if not parts:
-        if any(".lora_" in n for n in names):
-            kind = next((v for k, v in _UNSUPPORTED.items() if any(f".{k}" in n for n in names)), "this LoRA variant")
-            raise BadInput(f"{ckpt.root}: holds {kind} weights, which ckpt cannot merge or export yet")
         return None
-    for key, kind in _UNSUPPORTED.items():
-        hit = next((n for n in names if f".{key}" in n), None)
-        if hit:
-            raise BadInput(f"{ckpt.root}: {hit!r} is {kind}, which ckpt cannot merge or export yet; "
-                           "use PEFT's merge_and_unload on the loaded model")
     adapters = sorted({a for _, a in parts})
     if len(adapters) > 1:
         raise BadInput(f"{ckpt.root}: holds {len(adapters)} LoRA adapters ({', '.join(adapters)}); "
@@ -171,15 +175,15 @@ def merge_plan(lora: Lora, names: dict[str, TensorInfo], src: Path, base: dict[s
     """``(hf name, source tensor, LoRA target to fold in or None)`` for every tensor of the
     merged model. ``names`` are the checkpoint's (wrapper prefixes removed); ``base`` holds the
     full base weights under HF names, for an adapter-only checkpoint."""
+    if lora.adapter_only and base is None:  # said first: the alpha alone would not make a model
+        raise BadInput(f"{src}: holds LoRA adapter weights only; export them with --lora adapter, "
+                       "or merge them into full weights with --base MODEL")
     check_alpha(lora, src)
     by_module = {t.module: t for t in lora.targets}
     lora_names = {t.name for tgt in lora.targets for t in (tgt.a, tgt.b)}
     out: dict[str, tuple[TensorInfo, Target | None]] = {}
     saved: dict[str, TensorInfo] = {}
     if lora.adapter_only:
-        if base is None:
-            raise BadInput(f"{src}: holds LoRA adapter weights only; export them with --lora adapter, "
-                           "or merge them into full weights with --base MODEL")
         out = {n: (t, None) for n, t in base.items()}
     for name, t in names.items():
         if t.name in lora_names:
