@@ -75,7 +75,8 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
         peft_lora.check_alpha(found, src)
         pieces = [whole(target(t, n, cast)) for n, t in peft_lora.adapter_names(found, names)]
         return ExportPlan(ckpt, pieces, peft_lora.adapter_config(found, base_model=base, config=config),
-                          lambda: check_adapter(found, config, src), bool(config))
+                          lambda: check_adapter(found, config, src),
+                          bool(config) and not archcheck.known_good(config, _adapter_targets(found)))
     if found is not None:
         base_tensors = None
         if found.adapter_only and base:
@@ -89,7 +90,8 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
     if torchtitan.detect(p.target.name for p in pieces):
         pieces = torchtitan.to_hf_pieces(pieces, config, src)
     pieces = untie(ckpt, pieces, config, src)
-    return ExportPlan(ckpt, pieces, None, lambda: check(pieces, config, src), bool(config))
+    return ExportPlan(ckpt, pieces, None, lambda: check(pieces, config, src),
+                      bool(config) and not archcheck.known_good(config, _asked(pieces)))
 
 
 def _with_base_weights(ckpt: Checkpoint, base: str) -> tuple[Checkpoint, dict[str, TensorInfo]]:
@@ -145,7 +147,7 @@ def check(pieces: list[Piece], config: dict, src: Path) -> list[str]:
     if not config:
         return ["the names were not checked against an architecture (no config.json; pass --base MODEL)"]
     try:
-        report = archcheck.load_report(config, {p.target.name: (p.target.shape, p.target.dtype) for p in pieces})
+        report = archcheck.load_report(config, _asked(pieces))
     except archcheck.Unchecked as e:
         return [f"the names were not checked against the architecture: {e}"]
     if not report.ok:
@@ -154,14 +156,21 @@ def check(pieces: list[Piece], config: dict, src: Path) -> list[str]:
     return []
 
 
+def _asked(pieces: list[Piece]) -> dict[str, tuple[tuple[int, ...], DType]]:
+    return {p.target.name: (p.target.shape, p.target.dtype) for p in pieces}
+
+
+def _adapter_targets(found: peft_lora.Lora) -> dict[str, tuple[tuple[int, ...], DType]]:
+    return {f"{t.module}.weight": ((t.b.shape[0], t.a.shape[1]), t.a.dtype) for t in found.targets}
+
+
 def check_adapter(found: peft_lora.Lora, config: dict, src: Path) -> list[str]:
     """Every LoRA target must be a weight of the base architecture with the shape ``B @ A`` has
     (the base weights themselves need not be in the checkpoint)."""
     if not config:
         return ["the adapter's targets were not checked against a base architecture (no config.json; pass --base)"]
-    wanted = {f"{t.module}.weight": ((t.b.shape[0], t.a.shape[1]), t.a.dtype) for t in found.targets}
     try:
-        report = archcheck.load_report(config, wanted)
+        report = archcheck.load_report(config, _adapter_targets(found))
     except archcheck.Unchecked as e:
         return [f"the adapter's targets were not checked against the base architecture: {e}"]
     if report.unexpected or report.mismatched:
