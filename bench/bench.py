@@ -321,16 +321,25 @@ def bench_verl(work: Path, gb: float) -> tuple[list[dict], dict[str, str]]:
     src = work / "actor"
     make_verl_actor(src, gb, 8)
     print(f"source: {src} ({du(src) / 2**30:.2f} GiB, 8 ranks, fp32 FSDP2)", file=sys.stderr)
-    ck = [sys.executable, "-m", "ckpt_tools", "export", str(src)]
+    # the architecture check asked every time (no remembered answer), and remembered (warmed once)
+    asks = ["env", "CKPT_CACHE_DIR=", sys.executable, "-m", "ckpt_tools", "export", str(src)]
+    kept = ["env", f"CKPT_CACHE_DIR={work / 'cache'}", sys.executable, "-m", "ckpt_tools", "export", str(src)]
+    for extra in ([], ["--dtype", "bf16"]):
+        subprocess.run([*kept, str(work / "warm"), "--quiet", "--overwrite", *extra], check=True)
     tools = [
         ("cp -r + sync", ["cp", "-r", str(src), str(work / "cp")], work / "cp"),
-        ("ckpt export (fp32, as saved)", [*ck, str(work / "ckpt32"), "--quiet"], work / "ckpt32"),
-        ("ckpt export --dtype bf16", [*ck, str(work / "ckpt16"), "--dtype", "bf16", "--quiet"], work / "ckpt16"),
+        ("ckpt export (fp32, as saved), check asked", [*asks, str(work / "ckpt32"), "--quiet"], work / "ckpt32"),
+        ("ckpt export (fp32, as saved), check remembered", [*kept, str(work / "k32"), "--quiet"], work / "k32"),
+        ("ckpt export --dtype bf16, check asked", [*asks, str(work / "ckpt16"), "--dtype", "bf16", "--quiet"],
+         work / "ckpt16"),
+        ("ckpt export --dtype bf16, check remembered", [*kept, str(work / "k16"), "--dtype", "bf16", "--quiet"],
+         work / "k16"),
         ("verl.model_merger merge (bf16)", [sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp",
                                             "--local_dir", str(src), "--target_dir", str(work / "verl")], work / "verl"),
     ]
     rows = timed_rounds(tools)
     checks = {"ckpt --dtype bf16 vs verl merger": same_tensors(work / "ckpt16", work / "verl"),
+              "ckpt bf16 remembered vs asked": same_tensors(work / "k16", work / "ckpt16"),
               "ckpt fp32 vs ckpt bf16, cast by torch": _cast_equal(work / "ckpt32", work / "ckpt16")}
     return rows, {k: f"{'equal' if ok else 'DIFFERENT'}: {why}" for k, (ok, why) in checks.items()}
 
