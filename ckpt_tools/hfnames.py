@@ -84,7 +84,7 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
         pieces = []
         for n, t, tgt in peft_lora.merge_plan(found, names, src, base_tensors):
             p = whole(target(t, n, cast))
-            pieces.append(replace(p, add=LowRank(tgt.a, tgt.b, found.scale(tgt))) if tgt else p)
+            pieces.append(replace(p, add=LowRank(tgt.a, tgt.b, found.scale(tgt), tgt.embedding)) if tgt else p)
     else:
         pieces = [whole(target(t, n, cast)) for n, t in names.items()]
     if torchtitan.detect(p.target.name for p in pieces):
@@ -124,6 +124,9 @@ def untie(ckpt: Checkpoint, pieces: list[Piece], config: dict, src: Path) -> lis
     if not config or head is None and embed is None:
         return pieces
     if hfassets.tied(config):
+        if embed is not None and embed.add is not None:
+            raise BadInput(f"{src}: LoRA on {embed.target.name}, whose config ties lm_head.weight to it: one merged "
+                           "weight cannot be both the trained embedding and the untouched head; export with --lora adapter")
         if head is not None and embed is not None:
             import torch
 
@@ -161,7 +164,7 @@ def _asked(pieces: list[Piece]) -> dict[str, tuple[tuple[int, ...], DType]]:
 
 
 def _adapter_targets(found: peft_lora.Lora) -> dict[str, tuple[tuple[int, ...], DType]]:
-    return {f"{t.module}.weight": ((t.b.shape[0], t.a.shape[1]), t.a.dtype) for t in found.targets}
+    return {f"{t.module}.weight": (t.weight_shape, t.a.dtype) for t in found.targets}
 
 
 def check_adapter(found: peft_lora.Lora, config: dict, src: Path) -> list[str]:

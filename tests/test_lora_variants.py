@@ -1,7 +1,8 @@
 """PEFT variants beyond plain LoRA, each from a real ``peft`` model: what ckpt cannot fold in or
 write as an adapter is refused (exit 3, named, nothing at DST) by ``export`` in both ``--lora``
-modes and by ``convert --to hf``; what it can (rsLoRA, an adapter not named "default") equals
-PEFT's ``merge_and_unload`` within 1e-5 and loads with ``PeftModel.from_pretrained``.
+modes and by ``convert --to hf``; what it can (rsLoRA, an adapter not named "default", LoRA on
+the embedding, in memory and as PEFT saves it) equals PEFT's ``merge_and_unload`` within 1e-5
+and loads with ``PeftModel.from_pretrained``.
 
 Single process: the PEFT model's ``state_dict()`` is saved with ``torch.save`` (what a plain
 ``fully_shard`` job's full state dict holds) beside PEFT's ``adapter_config.json`` and the base
@@ -72,7 +73,6 @@ def _multi():
 
 REFUSED = {
     "dora": (lambda: _peft({"use_dora": True}), "DoRA"),
-    "embedding": (lambda: _peft({"target_modules": ["q_proj", "embed_tokens"]}), "embedding"),
     "lora_bias": (lambda: _peft({"lora_bias": True}), "lora_bias"),
     "two_adapters": (_multi, "2 LoRA adapters"),
     "alpha_pattern": (lambda: _peft({"alpha_pattern": {"v_proj": 16}}), "alpha_pattern"),
@@ -135,12 +135,19 @@ def _adapter_equals_peft(out: Path, base: Path, model) -> None:
         assert torch.allclose(loaded(input_ids=IDS).logits, model.eval()(input_ids=IDS).logits, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["rslora", "named_adapter"])
+HANDLED = {
+    "rslora": ({"use_rslora": True}, "default"),
+    "named_adapter": ({}, "mine"),
+    "embedding": ({"target_modules": ["q_proj", "embed_tokens"]}, "default"),
+}
+
+
+@pytest.mark.parametrize("case", HANDLED)
 def test_handled_variant_equals_peft(tmp_path, case):
     """rsLoRA scales by alpha/sqrt(r) (from adapter_config.json's use_rslora); an adapter with
-    another name than "default" is the one adapter."""
-    adapter = "mine" if case == "named_adapter" else "default"
-    model = _peft({"use_rslora": True} if case == "rslora" else {}, adapter=adapter)
+    another name than "default" is the one adapter; an embedding's update is (B @ A).T."""
+    config_kw, adapter = HANDLED[case]
+    model = _peft(config_kw, adapter=adapter)
     src = _save(tmp_path, model, adapter)
     r = _cli("export", src / "model.pt", tmp_path / "adapter", "--base", src, "--lora", "adapter")
     assert r.exit_code == 0, r.output
@@ -148,3 +155,37 @@ def test_handled_variant_equals_peft(tmp_path, case):
     r = _cli("export", src / "model.pt", tmp_path / "merged", "--base", src)
     assert r.exit_code == 0, r.output
     _merged_equals_peft(tmp_path / "merged", model)
+
+
+def test_embedding_lora_as_peft_saves_it(tmp_path):
+    """``save_pretrained`` of an embedding LoRA: adapter names without the adapter name, plus the
+    embedding's base weight (save_embedding_layers). Adapter-only: merged only with --base."""
+    model = _peft(HANDLED["embedding"][0])
+    _save(tmp_path, model)
+    model.save_pretrained(tmp_path / "saved")
+    src = tmp_path / "saved"
+    lora = ckpt_tools.inspect(src)["lora"]
+    assert (lora["adapter_only"], lora["target_modules"]) == (True, ["embed_tokens", "q_proj"]), lora
+    r = _cli("export", src, tmp_path / "adapter", "--base", tmp_path / "base", "--lora", "adapter")
+    assert r.exit_code == 0, r.output
+    _adapter_equals_peft(tmp_path / "adapter", tmp_path / "base", model)
+    r = _cli("export", src, tmp_path / "refused")
+    assert r.exit_code == 3 and "--lora adapter" in r.output and "--base" in r.output, r.output
+    r = _cli("export", src, tmp_path / "merged", "--base", tmp_path / "base")
+    assert r.exit_code == 0, r.output
+    _merged_equals_peft(tmp_path / "merged", model)
+
+
+def test_embedding_lora_with_tied_embeddings_is_refused_when_merged(tmp_path):
+    from make_fixtures import tiny_llama_config
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = get_peft_model(LlamaForCausalLM(tiny_llama_config(tied=True)),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"]))
+    src = _save(tmp_path, model)
+    tiny_llama_config(tied=True).save_pretrained(src)
+    r = _cli("export", src / "model.pt", tmp_path / "out", "--base", src)
+    assert r.exit_code == 3 and "ties lm_head.weight" in r.output and "--lora adapter" in r.output, r.output
+    assert not (tmp_path / "out").exists()
