@@ -141,6 +141,8 @@ def test_trainer_lora_inspect(saves, name):
     assert (lora["rank"], lora["target_modules"], lora["adapter_only"]) == (4, ["q_proj", "v_proj"], True)
     assert lora["alpha"] == (8 if name == "trainer_single" else None)
     assert info["layout"] == ("trainer" if name == "trainer_fsdp" else "plain")
+    r = _cli("verify", saves[name][0])
+    assert r.exit_code == 0 and "LoRA adapter weights only" in r.output, r.output
 
 
 def test_trainer_fsdp_alpha_is_asked_for(saves, tmp_path):
