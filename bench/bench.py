@@ -3,6 +3,7 @@
     python bench/bench.py export  [--gb 1.5] [--out DIR]   # DCP bf16 -> HF: cp, ckpt export, accelerate, dcp_to_torch_save
     python bench/bench.py reshard [--gb 2.0] [--out DIR]   # 8-rank fp32 model+AdamW -> 4 ranks: cp, ckpt reshard
     python bench/bench.py paths [--gb 1.4] [--repeat 3]    # every path against cp -r of its source, and the peers
+    python bench/bench.py verl [--gb 1.2] [--repeat 5]     # verl FSDP2 actor -> HF: cp, ckpt export, verl.model_merger
 
 Each tool runs in its own process, once per round (5 rounds, medians reported); peak RSS (total and anonymous) is sampled from /proc every 20 ms.
 Page cache is not dropped between runs (no root assumed): every tool reads warm files, cp included.
@@ -253,6 +254,106 @@ def bench_paths(work: Path, gb: float) -> tuple[list[dict], dict[str, str]]:
     return rows, {name: base for name, _, _, base in tools if base}
 
 
+def make_verl_actor(dst: Path, gb: float, world: int) -> None:
+    """A verl FSDP2 actor directory as ``FSDPCheckpointManager`` saves it (model files only:
+    what the merger reads): fp32 ``model_world_size_{W}_rank_{r}.pt`` (DTensor ``Shard(0)``),
+    ``fsdp_config.json`` and ``huggingface/`` (config of the Llama shape, a tokenizer)."""
+    import ckpt_tools
+    from transformers import LlamaConfig
+
+    tmp = dst.parent / "hf_verl_src"
+    make_hf(tmp, gb, torch.float32, hidden=2048)
+    ckpt_tools.convert(tmp, dst, to="sharded", world_size=world, progress=False)
+    _name_mesh(dst, world)
+    layers = 1 + max(int(n.split(".")[2]) for n in json.loads((tmp / "model.safetensors.index.json").read_text())["weight_map"]
+                     if n.startswith("model.layers."))
+    shutil.rmtree(tmp)
+    hf = dst / "huggingface"
+    LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=2048 * 11008 // 4096, num_hidden_layers=layers,
+                num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False,
+                architectures=["LlamaForCausalLM"], dtype="float32").save_pretrained(hf)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer: the merger saves one
+        shutil.copy(HERE.parent / "fixtures" / "llama_hf" / name, hf / name)
+
+
+def _name_mesh(dst: Path, world: int) -> None:
+    """Name the rank files' device mesh ``("fsdp",)``, as verl's FSDP2 workers build it
+    (``init_device_mesh(..., mesh_dim_names=["fsdp"])``): verl's merger asserts that name, and
+    ckpt's sharded writer, building files from an HF source, leaves the mesh unnamed (as a
+    plain ``fully_shard`` job's default mesh is)."""
+    from ckpt_tools.safeload import load_torch
+
+    for r in range(world):
+        f = dst / f"model_world_size_{world}_rank_{r}.pt"
+        sd = load_torch(f, mmap=False)  # weights_only, DTensor globals allowed; read whole: f is rewritten
+        for t in sd.values():
+            t.device_mesh._mesh_dim_names = ("fsdp",)
+        torch.save(sd, f)
+
+
+def same_tensors(a: Path, b: Path) -> tuple[bool, str]:
+    """Whether two HF directories hold the same names with bit-equal tensors (read as safetensors)."""
+    from safetensors import safe_open
+
+    def tensors(d: Path) -> dict[str, Path]:
+        out = {}
+        for f in sorted(d.glob("*.safetensors")):
+            with safe_open(f, "pt") as h:
+                out.update({k: f for k in h.keys()})
+        return out
+
+    ta, tb = tensors(a), tensors(b)
+    if set(ta) != set(tb):
+        return False, f"names differ: {sorted(set(ta) ^ set(tb))[:5]}"
+    for name in ta:
+        with safe_open(ta[name], "pt") as ha, safe_open(tb[name], "pt") as hb:
+            x, y = ha.get_tensor(name), hb.get_tensor(name)
+        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
+            return False, f"{name} differs ({x.dtype} {tuple(x.shape)} vs {y.dtype} {tuple(y.shape)})"
+    return True, f"{len(ta)} tensors bit-equal"
+
+
+def bench_verl(work: Path, gb: float) -> tuple[list[dict], dict[str, str]]:
+    """ckpt export of a verl FSDP2 actor against verl's own merger (``python -m verl.model_merger
+    merge --backend fsdp``, verl 0.9.1), on the same files, rounds interleaved. The merger writes
+    bf16 (it casts every shard with ``.bfloat16()``), so ``ckpt export --dtype bf16`` is the
+    like-for-like run; plain ``ckpt export`` keeps fp32 (bytes copied)."""
+    src = work / "actor"
+    make_verl_actor(src, gb, 8)
+    print(f"source: {src} ({du(src) / 2**30:.2f} GiB, 8 ranks, fp32 FSDP2)", file=sys.stderr)
+    # the architecture check asked every time (no remembered answer), and remembered (warmed once)
+    asks = ["env", "CKPT_CACHE_DIR=", sys.executable, "-m", "ckpt_tools", "export", str(src)]
+    kept = ["env", f"CKPT_CACHE_DIR={work / 'cache'}", sys.executable, "-m", "ckpt_tools", "export", str(src)]
+    for extra in ([], ["--dtype", "bf16"]):
+        subprocess.run([*kept, str(work / "warm"), "--quiet", "--overwrite", *extra], check=True)
+    tools = [
+        ("cp -r + sync", ["cp", "-r", str(src), str(work / "cp")], work / "cp"),
+        ("ckpt export (fp32, as saved), check asked", [*asks, str(work / "ckpt32"), "--quiet"], work / "ckpt32"),
+        ("ckpt export (fp32, as saved), check remembered", [*kept, str(work / "k32"), "--quiet"], work / "k32"),
+        ("ckpt export --dtype bf16, check asked", [*asks, str(work / "ckpt16"), "--dtype", "bf16", "--quiet"],
+         work / "ckpt16"),
+        ("ckpt export --dtype bf16, check remembered", [*kept, str(work / "k16"), "--dtype", "bf16", "--quiet"],
+         work / "k16"),
+        ("verl.model_merger merge (bf16)", [sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp",
+                                            "--local_dir", str(src), "--target_dir", str(work / "verl")], work / "verl"),
+    ]
+    rows = timed_rounds(tools)
+    checks = {"ckpt --dtype bf16 vs verl merger": same_tensors(work / "ckpt16", work / "verl"),
+              "ckpt bf16 remembered vs asked": same_tensors(work / "k16", work / "ckpt16"),
+              "ckpt fp32 vs ckpt bf16, cast by torch": _cast_equal(work / "ckpt32", work / "ckpt16")}
+    return rows, {k: f"{'equal' if ok else 'DIFFERENT'}: {why}" for k, (ok, why) in checks.items()}
+
+
+def _cast_equal(fp32: Path, bf16: Path) -> tuple[bool, str]:
+    """The fp32 export cast by torch equals the bf16 export (the cast is the only difference)."""
+    from safetensors.torch import load_file
+
+    a = {k: v for f in sorted(fp32.glob("*.safetensors")) for k, v in load_file(f).items()}
+    b = {k: v for f in sorted(bf16.glob("*.safetensors")) for k, v in load_file(f).items()}
+    bad = [k for k in a if k not in b or not torch.equal(a[k].bfloat16(), b[k])]
+    return (not bad and set(a) == set(b)), (f"{len(a)} tensors" if not bad else f"{bad[:3]} differ")
+
+
 def paths_table(rows: list[dict], bases: dict[str, str]) -> str:
     by = {r["tool"]: r for r in rows}
     lines = ["| path | time (s) | x cp | peak anon MiB |", "|---|---|---|---|"]
@@ -269,7 +370,7 @@ def paths_table(rows: list[dict], bases: dict[str, str]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", choices=["export", "reshard", "paths"])
+    ap.add_argument("which", choices=["export", "reshard", "paths", "verl"])
     ap.add_argument("--gb", type=float, default=None, help="source size in GiB (export 1.5, reshard 2.0)")
     ap.add_argument("--out", type=Path, default=None, help="work directory (default: a temp dir, removed)")
     ap.add_argument("--repeat", type=int, default=5, help="rounds (each tool once per round); medians are reported")
@@ -279,7 +380,17 @@ def main() -> None:
     work = Path(args.out or tempfile.mkdtemp(prefix="ckpt-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        gb = args.gb or {"export": 1.5, "reshard": 2.0, "paths": 1.4}[args.which]
+        gb = args.gb or {"export": 1.5, "reshard": 2.0, "paths": 1.4, "verl": 1.2}[args.which]
+        if args.which == "verl":
+            load = os.getloadavg()
+            rows, checks = bench_verl(work, gb)
+            print(f"\nverl, {gb} GiB fp32 8 ranks, {os.cpu_count()} cores, torch {torch.__version__}, median of "
+                  f"{REPEAT} interleaved rounds; load average before {load[0]:.1f}, after {os.getloadavg()[0]:.1f}\n")
+            print(table(rows, rows[0]["seconds"]))
+            for k, v in checks.items():
+                print(f"{k}: {v}")
+            print(json.dumps(rows))
+            return
         if args.which == "paths":
             rows, bases = bench_paths(work, gb)
             print(f"\npaths, {gb} GiB bf16 DCP / {gb * 1.36:.2f} GiB fp32+AdamW 8 ranks, {os.cpu_count()} cores, "

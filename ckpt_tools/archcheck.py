@@ -7,12 +7,21 @@ misshapen. Everything it ignores (``_keys_to_ignore_on_load_*``, tied weights, o
 ``inv_freq`` and ``position_ids`` buffers, its own key renames and base-model prefixes) is
 ignored here for the same reason, with no copy of those rules to drift. No data is read and no
 memory is used beyond the meta model's bookkeeping.
+
+Asking costs ``import torch`` and ``transformers`` and the architecture's module (seconds), far
+more than exporting a small model. The answer depends only on what is asked (config, names,
+shapes, dtypes) and on the code that answers (ckpt, transformers and torch versions), so a
+clean answer is remembered under a hash of all of them (:func:`known_good`): exporting the next
+checkpoint of the same run asks nothing and imports neither. Refusals and unchecked
+architectures are never remembered; ``CKPT_CACHE_DIR=""`` turns remembering off.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from .dtypes import DType, as_torch
@@ -74,6 +83,8 @@ def load_report(config: dict, tensors: dict[str, tuple[tuple[int, ...], DType]])
 
     Example: ``load_report(cfg, {"model.norm.weight": ((32,), DType("float32"))}).missing``
     """
+    if known_good(config, tensors):
+        return LoadReport(str(config["architectures"][0]), (), (), ())
     cls = model_class(config)
     import torch
     from transformers import AutoConfig
@@ -92,8 +103,66 @@ def load_report(config: dict, tensors: dict[str, tuple[tuple[int, ...], DType]])
         raise Unchecked(f"transformers could not build {cls.__name__} on the meta device "
                         f"({type(e).__name__}: {str(e)[:160]})") from e
     mismatched = tuple(sorted((n, tuple(given), tuple(wanted)) for n, given, wanted in info.get("mismatched_keys", ())))
-    return LoadReport(cls.__name__, tuple(sorted(info.get("missing_keys", ()))),
-                      tuple(sorted(info.get("unexpected_keys", ()))), mismatched)
+    report = LoadReport(cls.__name__, tuple(sorted(info.get("missing_keys", ()))),
+                        tuple(sorted(info.get("unexpected_keys", ()))), mismatched)
+    if report.ok and cls.__name__ == config["architectures"][0]:
+        _remember(config, tensors)
+    return report
+
+
+# -- clean answers remembered ----------------------------------------------------------------
+
+def cache_dir() -> Path | None:
+    """Where clean answers are kept: ``$CKPT_CACHE_DIR`` (empty: nowhere), else
+    ``$XDG_CACHE_HOME/ckpt-tools/archcheck`` (``~/.cache/...``)."""
+    chosen = os.environ.get("CKPT_CACHE_DIR")
+    if chosen is not None:
+        return Path(chosen) if chosen else None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ckpt-tools" / "archcheck"
+
+
+def _key(config: dict, tensors: dict[str, tuple[tuple[int, ...], DType]]) -> str | None:
+    """A hash of the question and of the code that answers it (versions read from the package
+    metadata, without importing either package); None when they cannot be named."""
+    from importlib import metadata
+
+    from . import __version__
+
+    try:
+        # this module's own text too: a development copy changes without a new version
+        versions = [__version__, hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+                    metadata.version("transformers"), metadata.version("torch")]
+        archs = config.get("architectures") or []
+        if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+            return None
+        asked = json.dumps([versions, config, sorted((n, [int(x) for x in shape], str(dtype))
+                                                     for n, (shape, dtype) in tensors.items())],
+                           sort_keys=True, allow_nan=True)
+    except (metadata.PackageNotFoundError, OSError, TypeError, ValueError):
+        return None
+    return hashlib.sha256(asked.encode()).hexdigest()
+
+
+def known_good(config: dict, tensors: dict[str, tuple[tuple[int, ...], DType]]) -> bool:
+    """Whether ``from_pretrained`` already said, under these versions, that it loads exactly
+    these names, shapes and dtypes under this config (so asking again is work with a known
+    answer)."""
+    folder, key = cache_dir(), _key(config, tensors)
+    return folder is not None and key is not None and (folder / key).is_file()
+
+
+def _remember(config: dict, tensors: dict[str, tuple[tuple[int, ...], DType]]) -> None:
+    folder, key = cache_dir(), _key(config, tensors)
+    if folder is None or key is None:
+        return
+    try:  # a cache that cannot be written only costs the next export the question again
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{key}.{os.getpid()}"
+        tmp.write_text(str(config["architectures"][0]) + "\n")
+        os.replace(tmp, folder / key)
+    except OSError:
+        pass
 
 
 def ignored(config_file: Path, tensors: dict[str, tuple[tuple[int, ...], str]], unused: set[str]) -> list[str]:

@@ -120,12 +120,15 @@ def materialize(reader: Reader, piece: Piece, *, spans: bool = False,
 
 
 def _plus_low_rank(reader: Reader, piece: Piece) -> torch.Tensor:
-    """``W + scale * (B @ A)`` computed in fp32 (as PEFT merges on CPU), then cast."""
+    """``W + scale * (B @ A)`` (its transpose for an embedding) computed in fp32 (as PEFT merges
+    on CPU), then cast."""
     from dataclasses import replace
 
     base = materialize(reader, replace(piece, add=None, target=replace(piece.target, dtype=piece.target.source.dtype)))
     lr = piece.add
     delta = reader.full(lr.b).float() @ reader.full(lr.a).float()
+    if lr.transposed:
+        delta = delta.T
     if tuple(delta.shape) != tuple(piece.sizes):
         raise BadInput(f"tensor {piece.target.source.name!r}: its LoRA update {lr.b.name!r} @ {lr.a.name!r} is "
                        f"{list(delta.shape)}, the weight is {list(piece.sizes)}")

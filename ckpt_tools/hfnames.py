@@ -75,7 +75,8 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
         peft_lora.check_alpha(found, src)
         pieces = [whole(target(t, n, cast)) for n, t in peft_lora.adapter_names(found, names)]
         return ExportPlan(ckpt, pieces, peft_lora.adapter_config(found, base_model=base, config=config),
-                          lambda: check_adapter(found, config, src), bool(config))
+                          lambda: check_adapter(found, config, src),
+                          bool(config) and not archcheck.known_good(config, _adapter_targets(found)))
     if found is not None:
         base_tensors = None
         if found.adapter_only and base:
@@ -83,13 +84,14 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
         pieces = []
         for n, t, tgt in peft_lora.merge_plan(found, names, src, base_tensors):
             p = whole(target(t, n, cast))
-            pieces.append(replace(p, add=LowRank(tgt.a, tgt.b, found.scale(tgt))) if tgt else p)
+            pieces.append(replace(p, add=LowRank(tgt.a, tgt.b, found.scale(tgt), tgt.embedding)) if tgt else p)
     else:
         pieces = [whole(target(t, n, cast)) for n, t in names.items()]
     if torchtitan.detect(p.target.name for p in pieces):
         pieces = torchtitan.to_hf_pieces(pieces, config, src)
     pieces = untie(ckpt, pieces, config, src)
-    return ExportPlan(ckpt, pieces, None, lambda: check(pieces, config, src), bool(config))
+    return ExportPlan(ckpt, pieces, None, lambda: check(pieces, config, src),
+                      bool(config) and not archcheck.known_good(config, _asked(pieces)))
 
 
 def _with_base_weights(ckpt: Checkpoint, base: str) -> tuple[Checkpoint, dict[str, TensorInfo]]:
@@ -122,6 +124,9 @@ def untie(ckpt: Checkpoint, pieces: list[Piece], config: dict, src: Path) -> lis
     if not config or head is None and embed is None:
         return pieces
     if hfassets.tied(config):
+        if embed is not None and embed.add is not None:
+            raise BadInput(f"{src}: LoRA on {embed.target.name}, whose config ties lm_head.weight to it: one merged "
+                           "weight cannot be both the trained embedding and the untouched head; export with --lora adapter")
         if head is not None and embed is not None:
             import torch
 
@@ -145,7 +150,7 @@ def check(pieces: list[Piece], config: dict, src: Path) -> list[str]:
     if not config:
         return ["the names were not checked against an architecture (no config.json; pass --base MODEL)"]
     try:
-        report = archcheck.load_report(config, {p.target.name: (p.target.shape, p.target.dtype) for p in pieces})
+        report = archcheck.load_report(config, _asked(pieces))
     except archcheck.Unchecked as e:
         return [f"the names were not checked against the architecture: {e}"]
     if not report.ok:
@@ -154,14 +159,21 @@ def check(pieces: list[Piece], config: dict, src: Path) -> list[str]:
     return []
 
 
+def _asked(pieces: list[Piece]) -> dict[str, tuple[tuple[int, ...], DType]]:
+    return {p.target.name: (p.target.shape, p.target.dtype) for p in pieces}
+
+
+def _adapter_targets(found: peft_lora.Lora) -> dict[str, tuple[tuple[int, ...], DType]]:
+    return {f"{t.module}.weight": (t.weight_shape, t.a.dtype) for t in found.targets}
+
+
 def check_adapter(found: peft_lora.Lora, config: dict, src: Path) -> list[str]:
     """Every LoRA target must be a weight of the base architecture with the shape ``B @ A`` has
     (the base weights themselves need not be in the checkpoint)."""
     if not config:
         return ["the adapter's targets were not checked against a base architecture (no config.json; pass --base)"]
-    wanted = {f"{t.module}.weight": ((t.b.shape[0], t.a.shape[1]), t.a.dtype) for t in found.targets}
     try:
-        report = archcheck.load_report(config, wanted)
+        report = archcheck.load_report(config, _adapter_targets(found))
     except archcheck.Unchecked as e:
         return [f"the adapter's targets were not checked against the base architecture: {e}"]
     if report.unexpected or report.mismatched:

@@ -60,6 +60,7 @@ class LowRank:
     a: TensorInfo
     b: TensorInfo
     scale: float
+    transposed: bool = False  # an embedding's update: scale * (b @ a).T
 
 
 @dataclass(frozen=True)

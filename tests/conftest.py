@@ -6,7 +6,11 @@ and ``from make_fixtures import tiny_llama_config, build_tokenizer`` (spawned ra
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +21,12 @@ FIXTURES_DIR = TESTS_DIR.parent / "fixtures"
 for _p in (str(TESTS_DIR), str(FIXTURES_DIR)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
+
+# the architecture check's remembered answers (ckpt_tools.archcheck.known_good) go to a folder
+# of this run, not the user's ~/.cache; subprocesses the tests start inherit it
+_CACHE = tempfile.mkdtemp(prefix="ckpt-test-archcheck-")
+os.environ["CKPT_CACHE_DIR"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, True)
 
 
 @pytest.fixture(scope="session")

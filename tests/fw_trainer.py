@@ -18,6 +18,12 @@ Losses: each rank records the loss ``compute_loss`` returns (its own mean over i
 what the Trainer back-propagates; every rank has the same token count), and at the end one
 all-reduce turns them into the global mean over the 12 sequences of each step. The Trainer's own
 logged loss is rounded, so it is not used for the 1e-5 comparison.
+
+``lora=True``: the model is peft ``get_peft_model(tiny_model, LoraConfig(**fw_accelerate.LORA))``, so
+the Trainer saves what it saves for PEFT models (under FSDP: the adapter's DTensors only, in
+``pytorch_model_fsdp_0/``; without: ``adapter_model.safetensors`` + ``adapter_config.json``).
+``fsdp=False``: a plain single-process Trainer (no FSDP, no CPU workaround). ``full_to``: the full
+trained state dict is written there at the end (rank 0), the reference the tests compare against.
 """
 
 from __future__ import annotations
@@ -71,6 +77,8 @@ def _trainer_class():
 
         def create_accelerator_and_postprocess(self):
             super().create_accelerator_and_postprocess()
+            if not self.args.fsdp:
+                return
             plugin = self._fsdp_plugin
             assert plugin is not None and plugin.fsdp_version == 2, plugin
             state = self.accelerator.state
@@ -118,7 +126,7 @@ def _check_fully_sharded(model) -> None:
 
 
 def job(rank: int, world_size: int, out: str, *, save_at: int | None, load: str | None, steps: int,
-        seed: int = 0) -> list[float]:
+        seed: int = 0, lora: bool = False, fsdp: bool = True, full_to: str | None = None) -> list[float]:
     """Train ``steps`` optimizer steps on the fixed global batches with a real ``Trainer`` (FSDP2).
 
     ``out`` is the Trainer's ``output_dir``; with ``save_at`` the Trainer saves after that step into
@@ -145,10 +153,10 @@ def job(rank: int, world_size: int, out: str, *, save_at: int | None, load: str 
         output_dir=out,
         use_cpu=True,
         ddp_backend="gloo",
-        fsdp="full_shard auto_wrap",
+        fsdp="full_shard auto_wrap" if fsdp else "",
         fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
                      "state_dict_type": "SHARDED_STATE_DICT", "reshard_after_forward": True,
-                     "cpu_ram_efficient_loading": False},
+                     "cpu_ram_efficient_loading": False} if fsdp else None,
         per_device_train_batch_size=per,
         gradient_accumulation_steps=1,
         max_steps=max_steps,
@@ -180,11 +188,22 @@ def job(rank: int, world_size: int, out: str, *, save_at: int | None, load: str 
             return control
 
     cls = _trainer_class()
-    trainer = cls(model=tiny_model(seed), args=args, train_dataset=_Rows(max_steps),
+    model = tiny_model(seed)
+    if lora:
+        from fw_accelerate import LORA
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(**LORA))
+    trainer = cls(model=model, args=args, train_dataset=_Rows(max_steps),
                   data_collator=default_data_collator, callbacks=[_SaveOnlyAt()])
     trainer.step_losses = []
     trainer.train(resume_from_checkpoint=load) if load else trainer.train()
-    _check_fully_sharded(trainer.model_wrapped)
+    if fsdp:
+        _check_fully_sharded(trainer.model_wrapped)
+    if full_to:
+        from fw_accelerate import _save_full
+
+        _save_full(trainer.model_wrapped, full_to if rank == 0 else None)
 
     got = [s for s, _ in trainer.step_losses]
     assert got == list(range(first, max_steps)), got

@@ -9,7 +9,10 @@ Each refusal is exit 3 with nothing at DST; each acceptance is checked by loadin
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -173,3 +176,37 @@ def test_a_refused_overwrite_leaves_the_old_destination(tmp_path):
     assert r.exit_code == 3 and "model.surprise" in r.output, r.output
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir() if p.name not in ("src", "out")] == []  # no staging left
+
+
+def _export_in_subprocess(src: Path, dst: Path, cache: str, *args: str) -> bool:
+    """Export in a fresh interpreter; whether it imported transformers (asked the architecture)."""
+    code = ("import sys, ckpt_tools; "
+            f"ckpt_tools.export({str(src)!r}, {str(dst)!r}, progress=False, {', '.join(args)}); "
+            "print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "CKPT_CACHE_DIR": cache})
+    return out.stdout.strip() == "True"
+
+
+def test_a_clean_answer_is_remembered_and_nothing_else(tmp_path, monkeypatch):
+    """The next export of the same names, shapes, dtypes and config asks nothing (imports
+    neither torch nor transformers) and writes the same files; another dtype is another
+    question; a refusal is never remembered; CKPT_CACHE_DIR="" remembers nothing."""
+    src, cache = FIX / "llama_sharded_ws2", tmp_path / "cache"
+    assert _export_in_subprocess(src, tmp_path / "a", str(cache)) is True
+    assert len(list(cache.iterdir())) == 1
+    assert _export_in_subprocess(src, tmp_path / "b", str(cache)) is False
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert _export_in_subprocess(src, tmp_path / "c", str(cache), "dtype='bf16'") is True
+    assert _export_in_subprocess(src, tmp_path / "d", "") is True
+    monkeypatch.setenv("CKPT_CACHE_DIR", str(cache))
+    config = json.loads((FIX / "llama_hf" / "config.json").read_text())
+    config["num_hidden_layers"] += 1
+    (tmp_path / "wrong").mkdir()
+    (tmp_path / "wrong" / "config.json").write_text(json.dumps(config))
+    before = sorted(p.name for p in cache.iterdir())
+    for _ in range(2):
+        r = _cli("export", FIX / "llama_dcp", tmp_path / "refused", "--base", tmp_path / "wrong")
+        assert r.exit_code == 3 and "missing (model.layers.2." in r.output, r.output
+    assert sorted(p.name for p in cache.iterdir()) == before
+    assert not (tmp_path / "refused").exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -262,3 +263,31 @@ def test_trainer_export_loads_in_transformers(trainer_save, fixtures_dir, tmp_pa
     saved = saved.get("model", saved)
     for name, value in model.state_dict().items():
         assert torch.equal(value, saved[name]), name
+
+
+# -- export of every framework's own save: loads clean or refuses ----------------------------
+
+@pytest.mark.parametrize("name", ["accelerate", "trainer", "verl_fsdp2", "verl_lora"])
+def test_export_loads_clean_or_refuses(request, fixtures_dir, tmp_path, name):
+    """Each framework's real save: export under a config with one layer more is exit 3 naming the
+    missing layer, nothing written; under its own config from_pretrained finds no missing,
+    unexpected or misshapen keys (verl's config is its huggingface/ folder, the others' --base)."""
+    from transformers import AutoModelForCausalLM
+
+    src = tmp_path / "src"
+    shutil.copytree(request.getfixturevalue(f"{name}_save").saved, src)
+    own = src / "huggingface" / "config.json"
+    config_file = own if own.is_file() else tmp_path / "base" / "config.json"
+    config_file.parent.mkdir(exist_ok=True)
+    good = json.loads((own if own.is_file() else fixtures_dir / "llama_hf" / "config.json").read_text())
+    base = [] if own.is_file() else ["--base", str(config_file.parent)]
+    config_file.write_text(json.dumps({**good, "num_hidden_layers": good["num_hidden_layers"] + 1}))
+    for command in (["export"], ["convert", "--to", "hf"]):
+        r = CliRunner().invoke(cli, [command[0], str(src), str(tmp_path / "bad"), *command[1:], *base])
+        assert r.exit_code == 3, r.output
+        assert f"missing (model.layers.{good['num_hidden_layers']}." in r.output, r.output
+        assert not (tmp_path / "bad").exists()
+    config_file.write_text(json.dumps(good))
+    _ckpt("export", str(src), str(tmp_path / "hf"), *base, "--quiet")
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info

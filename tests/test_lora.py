@@ -7,7 +7,8 @@ verl's per-rank files (``model.state_dict()`` of each rank, + ``lora_train_meta.
 LoRA-only variant of those files (verl's ``save_lora_only``), a plain ``dcp.save`` of
 ``get_model_state_dict`` with PEFT's own ``adapter_config.json`` beside it, and accelerate's
 ``save_state`` layout (``pytorch_model_fsdp_0/``, written as fixtures/make_fixtures.py mirrors
-``save_fsdp_model``; not by accelerate itself). Rank 0 also saves the
+``save_fsdp_model``; accelerate's and the Trainer's own saves are in test_lora_frameworks.py).
+Rank 0 also saves the
 full trained state dict: the reference is PEFT itself, run on it in the test process.
 """
 

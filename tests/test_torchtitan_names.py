@@ -109,6 +109,19 @@ def test_export_is_bit_equal_to_torchtitans_to_hf(tt_save, tmp_path):
         assert torch.allclose(hf(input_ids=IDS).logits, _tt_logits(model), atol=1e-4)
 
 
+def test_export_refuses_a_config_its_names_do_not_fit(tt_save, tmp_path):
+    """torchtitan names mapped to HF ones are checked like any others: a config with one layer
+    more is exit 3 by name, nothing written (export and convert --to hf)."""
+    step, *_ = tt_save
+    config = _hf_config()
+    config.num_hidden_layers += 1
+    config.save_pretrained(tmp_path / "wrong")
+    for args in (["export"], ["convert", "--to", "hf"]):
+        r = _cli(args[0], step, tmp_path / "hf", *args[1:], "--base", tmp_path / "wrong")
+        assert r.exit_code == 3 and f"missing (model.layers.{LAYERS}." in r.output, r.output
+        assert not (tmp_path / "hf").exists()
+
+
 def test_older_torchtitan_spelling_maps_the_same(tt_save, tmp_path):
     import torch.distributed.checkpoint as dcp
 

@@ -4,8 +4,11 @@ A PEFT model's state dict (what FSDP saves of it under verl, accelerate or plain
 spells its names ``base_model.model.<hf name>``; a LoRA-wrapped linear ``<m>`` holds
 ``<m>.base_layer.weight`` (the frozen base), ``<m>.lora_A.<adapter>.weight`` (r × in) and
 ``<m>.lora_B.<adapter>.weight`` (out × r). ``merge_and_unload`` gives ``<m>.weight`` =
-``W + (B @ A) * alpha / r`` (``alpha / sqrt(r)`` with rsLoRA). ``modules_to_save`` copies
-(``<m>.modules_to_save.<adapter>.*``) replace their ``original_module`` when merged.
+``W + (B @ A) * alpha / r`` (``alpha / sqrt(r)`` with rsLoRA). A LoRA-wrapped embedding holds
+``<m>.lora_embedding_A.<adapter>`` (r × num_embeddings) and ``<m>.lora_embedding_B.<adapter>``
+(dim × r), and merges as ``W + (B @ A).T * scale`` (PEFT's ``Embedding.get_delta_weight``).
+``modules_to_save`` copies (``<m>.modules_to_save.<adapter>.*``) replace their
+``original_module`` when merged.
 
 alpha is not in the tensors: it comes from ``adapter_config.json`` (PEFT) or
 ``lora_train_meta.json`` (verl) beside the checkpoint, or from ``--lora-alpha``.
@@ -28,15 +31,20 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 VERL_META = "lora_train_meta.json"
 
-_LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
+# in memory (and so in FSDP saves) ``lora_A.<adapter>.weight``; in PEFT's saved form
+# (``adapter_model.safetensors``, and what the Trainer saves of a PEFT model under FSDP) the
+# adapter name is removed: ``lora_A.weight``
+_LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
+_EMBEDDING = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<ab>[AB])(?:\.(?P<adapter>[^.]+))?$")
+SAVED_ADAPTER = "default"  # what PeftModel.from_pretrained names an adapter saved without its name
 _BASE = re.compile(r"^(?P<module>.+)\.base_layer\.(?P<leaf>weight|bias)$")
 _SAVED = re.compile(r"^(?P<module>.+)\.modules_to_save\.(?P<adapter>[^.]+)\.(?P<rest>.+)$")
 _ORIGINAL = re.compile(r"^(?P<module>.+)\.original_module\.(?P<rest>.+)$")
 # what this module cannot fold in, and would otherwise write under names nothing loads
-_UNSUPPORTED = {
-    "lora_embedding_A": "LoRA on embeddings", "lora_embedding_B": "LoRA on embeddings",
-    "lora_magnitude_vector": "DoRA", "lora_B.bias": "LoRA bias (lora_bias=True)",
-}
+_UNSUPPORTED = (
+    (re.compile(r"\.lora_magnitude_vector(\.|$)"), "DoRA (use_dora=True)"),
+    (re.compile(r"\.lora_B(\.[^.]+)?\.bias$"), "LoRA bias (lora_bias=True)"),
+)
 
 
 @dataclass(frozen=True)
@@ -46,10 +54,17 @@ class Target:
     module: str
     a: TensorInfo
     b: TensorInfo
+    embedding: bool = False  # an nn.Embedding: the update is (B @ A).T
 
     @property
     def rank(self) -> int:
         return self.a.shape[0]
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        """The shape of the base weight the update is added to."""
+        out, inp = self.b.shape[0], self.a.shape[1]
+        return (inp, out) if self.embedding else (out, inp)
 
 
 @dataclass(frozen=True)
@@ -96,26 +111,35 @@ def find(ckpt: Checkpoint, *, alpha: float | None = None) -> Lora | None:
     model = [t for t in ckpt.tensors if t.group == "model"]
     names = {normalize_name(t.name): t for t in model}
     parts: dict[tuple[str, str], dict[str, TensorInfo]] = {}
+    embeddings: set[str] = set()
     for name, t in names.items():
-        m = _LORA.match(name)
+        m = _LORA.match(name) or _EMBEDDING.match(name)
         if m:
-            parts.setdefault((base_name(m["module"]), m["adapter"]), {})[m["ab"]] = t
+            key = (base_name(m["module"]), m["adapter"] or SAVED_ADAPTER)
+            ab = parts.setdefault(key, {})
+            if m["ab"] in ab:  # both spellings of one tensor, or a linear's and an embedding's
+                raise BadInput(f"{ckpt.root}: {ab[m['ab']].name!r} and {t.name!r} are both {key[0]}'s "
+                               f"lora_{m['ab']}; the checkpoint is not one PEFT model's")
+            ab[m["ab"]] = t
+            if m.re is _EMBEDDING:
+                embeddings.add(key[0])
+        elif ".lora_" in name:
+            # every LoRA tensor must be one this module folds in: any other (DoRA's magnitude,
+            # an embedding's A/B, lora_B's bias) would be dropped or written under a name
+            # nothing loads
+            kind = next((k for pattern, k in _UNSUPPORTED if pattern.search(name)), "a LoRA tensor ckpt does not know")
+            raise BadInput(f"{ckpt.root}: {name!r} is {kind}, which ckpt cannot merge or export yet; "
+                           "merge it with PEFT's merge_and_unload on the loaded model")
     if not parts:
-        if any(".lora_" in n for n in names):
-            kind = next((v for k, v in _UNSUPPORTED.items() if any(f".{k}" in n for n in names)), "this LoRA variant")
-            raise BadInput(f"{ckpt.root}: holds {kind} weights, which ckpt cannot merge or export yet")
         return None
-    for key, kind in _UNSUPPORTED.items():
-        hit = next((n for n in names if f".{key}" in n), None)
-        if hit:
-            raise BadInput(f"{ckpt.root}: {hit!r} is {kind}, which ckpt cannot merge or export yet; "
-                           "use PEFT's merge_and_unload on the loaded model")
     adapters = sorted({a for _, a in parts})
     if len(adapters) > 1:
         raise BadInput(f"{ckpt.root}: holds {len(adapters)} LoRA adapters ({', '.join(adapters)}); "
                        "ckpt merges or exports one adapter only")
     targets = []
     for (module, _), ab in sorted(parts.items()):
+        if module in embeddings and not all(_EMBEDDING.match(normalize_name(t.name)) for t in ab.values()):
+            raise BadInput(f"{ckpt.root}: {module} holds both linear and embedding LoRA weights")
         if set(ab) != {"A", "B"}:
             lacking = "lora_B" if "A" in ab else "lora_A"
             raise BadInput(f"{ckpt.root}: {module} has no {lacking} weight; the LoRA is incomplete")
@@ -123,9 +147,11 @@ def find(ckpt: Checkpoint, *, alpha: float | None = None) -> Lora | None:
         if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1]:
             raise BadInput(f"{ckpt.root}: {module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not make a "
                            "rank-r update")
-        targets.append(Target(module, a, b))
+        targets.append(Target(module, a, b, module in embeddings))
     lora_names = {t.name for tgt in targets for t in (tgt.a, tgt.b)}
-    adapter_only = all(t.name in lora_names for t in model)
+    # PEFT saves a LoRA-wrapped embedding's base weight with the adapter (save_embedding_layers)
+    saved_with = {f"{t.module}.base_layer.weight" for t in targets if t.embedding}
+    adapter_only = all(t.name in lora_names or base_name(normalize_name(t.name)) in saved_with for t in model)
     config, found_alpha, source = _side_alpha(ckpt)
     if config.get("alpha_pattern"):
         raise BadInput(f"{source}: alpha_pattern gives modules their own alpha, which ckpt does not apply yet")
@@ -171,15 +197,15 @@ def merge_plan(lora: Lora, names: dict[str, TensorInfo], src: Path, base: dict[s
     """``(hf name, source tensor, LoRA target to fold in or None)`` for every tensor of the
     merged model. ``names`` are the checkpoint's (wrapper prefixes removed); ``base`` holds the
     full base weights under HF names, for an adapter-only checkpoint."""
+    if lora.adapter_only and base is None:  # said first: the alpha alone would not make a model
+        raise BadInput(f"{src}: holds LoRA adapter weights only; export them with --lora adapter, "
+                       "or merge them into full weights with --base MODEL")
     check_alpha(lora, src)
     by_module = {t.module: t for t in lora.targets}
     lora_names = {t.name for tgt in lora.targets for t in (tgt.a, tgt.b)}
     out: dict[str, tuple[TensorInfo, Target | None]] = {}
     saved: dict[str, TensorInfo] = {}
     if lora.adapter_only:
-        if base is None:
-            raise BadInput(f"{src}: holds LoRA adapter weights only; export them with --lora adapter, "
-                           "or merge them into full weights with --base MODEL")
         out = {n: (t, None) for n, t in base.items()}
     for name, t in names.items():
         if t.name in lora_names:
@@ -201,9 +227,9 @@ def merge_plan(lora: Lora, names: dict[str, TensorInfo], src: Path, base: dict[s
             raise BadInput(f"{src}: LoRA target {module} has no base weight {weight!r}"
                            + (" in --base" if lora.adapter_only else ""))
         w = out[weight][0]
-        if w.shape != (tgt.b.shape[0], tgt.a.shape[1]):
+        if w.shape != tgt.weight_shape:
             fan = " (fan_in_fan_out layers are not supported)" if lora.config.get("fan_in_fan_out") else ""
-            raise BadInput(f"{src}: {module}: lora_B @ lora_A is {[tgt.b.shape[0], tgt.a.shape[1]]}, "
+            raise BadInput(f"{src}: {module}: the LoRA update is {list(tgt.weight_shape)}, "
                            f"its base weight is {list(w.shape)}{fan}; is --base the model the adapter was trained on?")
         out[weight] = (w, tgt)
     return [(n, t, tgt) for n, (t, tgt) in out.items()]
@@ -218,8 +244,9 @@ def adapter_names(lora: Lora, names: dict[str, TensorInfo]) -> list[tuple[str, T
         raise BadInput("modules_to_save copies cannot be written as an adapter yet; export with --lora merge")
     out = []
     for tgt in lora.targets:
-        out.append((f"{PEFT_PREFIX}{tgt.module}.lora_A.weight", tgt.a))
-        out.append((f"{PEFT_PREFIX}{tgt.module}.lora_B.weight", tgt.b))
+        a, b = ("lora_embedding_A", "lora_embedding_B") if tgt.embedding else ("lora_A.weight", "lora_B.weight")
+        out.append((f"{PEFT_PREFIX}{tgt.module}.{a}", tgt.a))
+        out.append((f"{PEFT_PREFIX}{tgt.module}.{b}", tgt.b))
     return out
 
 
