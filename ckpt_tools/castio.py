@@ -10,7 +10,7 @@ tensor's size; nothing is materialised whole.
 
 The conversion between bfloat16, float16 and float32 is numpy's (a 64 Ki-entry table for the two
 16-bit types, a shift for bfloat16 → float32, round-to-nearest-even on the bits for float32 →
-bfloat16, numpy's own cast between float16 and float32), when numpy is installed: importing
+bfloat16, numpy's own cast between float16 and float32): importing
 torch costs more than a second, and torch's threads spin on the cores the writer needs. The
 results are torch's, bit for bit (tests/test_castio.py compares every 16-bit value and the
 float32 edge cases), except that a NaN may come out with another sign or payload, as it may
@@ -114,14 +114,6 @@ _NUMPY_PAIRS: dict[tuple[str, str], tuple[str, str, str | None, Callable]] = {
 }
 
 
-def _numpy() -> Any:
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy
-
-
 class _Buffers:
     """Reusable buffers for one block: ``raw`` for source bytes, ``out`` for the converted
     values (and scratch space for a kernel that needs it)."""
@@ -129,9 +121,10 @@ class _Buffers:
     def __init__(self, block: int, src: DType, dst: DType, use_numpy: bool) -> None:
         self.raw = bytearray(block * src.itemsize)
         self.out = bytearray(block * dst.itemsize)
-        np = _numpy() if use_numpy else None
-        pair = _NUMPY_PAIRS.get((src, dst)) if np is not None else None
+        pair = _NUMPY_PAIRS.get((src, dst)) if use_numpy else None
         if pair is not None:
+            import numpy as np
+
             a, b, scratch, kernel = pair
             self._a, self._b = np.frombuffer(self.raw, a), np.frombuffer(self.out, b)
             self._s = np.empty(block, scratch) if scratch else None
