@@ -225,8 +225,12 @@ def check_structure(f: Any, *, where: str, pickles: int = 1) -> None:
         bounded.check_tree(tree, where=where)
 
 
-bounded.register(Reduce, lambda n: (n.func, n.args, n.state))
-bounded.register(NewObj, lambda n: (n.func, n.args, n.state))
+def _node_label(n: Reduce) -> str:
+    return f"{n.func.module}.{n.func.name}" if isinstance(n.func, Global) else type(n).__name__
+
+
+bounded.register(Reduce, lambda n: (n.func, n.args, n.state), _node_label)
+bounded.register(NewObj, lambda n: (n.func, n.args, n.state), _node_label)
 
 
 def _parse(data: bytes, where: str = "the pickle") -> tuple[Any, dict[str, StorageRef]]:
