@@ -1,27 +1,39 @@
 """Casts (``--dtype``) streamed in bounded blocks.
 
 A piece whose bytes are byte ranges of source files in another dtype (:class:`CastSpan`) is
-converted a block of elements at a time: each block is read from the mapped page cache, cast by
-torch's conversion kernel (which uses the intra-op threads) and handed to the writer, while a
-small pool already converts the next blocks. Memory stays near ``BLOCK_ELEMENTS`` times the
-element sizes times the blocks in flight, whatever the tensor's size; nothing is materialised
-whole.
+converted a block of elements at a time: each block is read (``preadv``, a copy out of the page
+cache) into a buffer, converted into another buffer and handed to the writer, while a small pool
+already reads and converts the next blocks. The buffers are made once and reused, from one block
+and one piece to the next: allocating fresh blocks costs more in page faults than converting.
+Memory stays at ``BLOCK_ELEMENTS`` times the element sizes times ``AHEAD``, whatever the
+tensor's size; nothing is materialised whole.
+
+The conversion between bfloat16, float16 and float32 is numpy's (a 64 Ki-entry table for the two
+16-bit types, a shift for bfloat16 → float32, round-to-nearest-even on the bits for float32 →
+bfloat16, numpy's own cast between float16 and float32): importing
+torch costs more than a second, and torch's threads spin on the cores the writer needs. The
+results are torch's, bit for bit (tests/test_castio.py compares every 16-bit value and the
+float32 edge cases), except that a NaN may come out with another sign or payload, as it may
+from torch's own vector and scalar loops. Other pairs (float64, float8) go through torch.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import mmap
 import os
+import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
+from typing import Any
 
 from .dtypes import DType, as_torch
 
 BLOCK_ELEMENTS = 4 << 20  # 8-16 MiB of source per block
 AHEAD = 3  # blocks converted ahead of the writer
+_BF16_NAN = 0x7FC0
 
 
 @dataclass(frozen=True)
@@ -52,41 +64,135 @@ def _ranges(cast: CastSpan, block: int) -> list[tuple[Path, int, int]]:
     return out
 
 
-def _convert(path: Path, offset: int, length: int, src: DType, dst: DType) -> memoryview:
-    import torch
-
-    base = offset - offset % mmap.ALLOCATIONGRANULARITY
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), offset + length - base, access=mmap.ACCESS_COPY, offset=base)
-    try:
-        values = torch.frombuffer(m, dtype=as_torch(src), count=length // src.itemsize, offset=offset - base)
-        # a copy in any case: the mapping is closed below, and .to() of the same dtype aliases
-        out = values.to(as_torch(dst)) if src != dst else values.clone()
-        del values
-    finally:
-        try:
-            m.close()
-        except BufferError:  # still viewed: the GC closes it
-            pass
-    return memoryview(out.view(torch.uint8).numpy())
+# -- conversion kernels: (src values, dst values, scratch) -> None, on typed views of the buffers
 
 
-def blocks(cast: CastSpan, *, block: int = BLOCK_ELEMENTS) -> Iterator[memoryview]:
-    """The bytes of ``cast`` in ``dst``, block by block, in order."""
+def _to_bf16_bits(np: Any, u32: Any, out: Any, scratch: Any) -> None:
+    """float32 bits → bfloat16 bits, rounded to nearest even, as torch rounds; NaN stays NaN."""
+    np.right_shift(u32, 16, out=scratch)
+    np.bitwise_and(scratch, 1, out=scratch)
+    np.add(scratch, 0x7FFF, out=scratch)
+    np.add(scratch, u32, out=scratch)  # wraps only for NaNs, fixed below
+    np.right_shift(scratch, 16, out=scratch)
+    np.copyto(out, scratch, casting="unsafe")
+    nan = np.isnan(u32.view(np.float32))
+    if nan.any():
+        out[nan] = _BF16_NAN
+
+
+def _to_f16(np: Any, f32: Any, out: Any, scratch: Any) -> None:
+    """float32 → float16 (numpy's cast rounds to nearest even, as torch's does; too large → inf)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.copyto(out, f32, casting="unsafe")
+
+
+@cache
+def _tables() -> dict[str, Any]:
+    """The 16-bit ↔ 16-bit conversions as tables of every value."""
+    import numpy as np
+
+    every = np.arange(1 << 16, dtype=np.uint32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        bf16_to_f16 = (every << 16).view(np.float32).astype(np.float16).view(np.uint16)
+    f16_to_bf16 = np.empty(1 << 16, np.uint16)
+    as_f32 = every.astype(np.uint16).view(np.float16).astype(np.float32).view(np.uint32)
+    _to_bf16_bits(np, as_f32, f16_to_bf16, np.empty(1 << 16, np.uint32))
+    return {"bf16_to_f16": bf16_to_f16, "f16_to_bf16": f16_to_bf16}
+
+
+# (src, dst) → (numpy view of the source, of the result, scratch dtype or None, kernel)
+_NUMPY_PAIRS: dict[tuple[str, str], tuple[str, str, str | None, Callable]] = {
+    ("bfloat16", "float16"): ("uint16", "uint16", None,
+                              lambda np, a, b, s: np.take(_tables()["bf16_to_f16"], a, out=b)),
+    ("float16", "bfloat16"): ("uint16", "uint16", None,
+                              lambda np, a, b, s: np.take(_tables()["f16_to_bf16"], a, out=b)),
+    ("bfloat16", "float32"): ("uint16", "uint32", None,
+                              lambda np, a, b, s: np.left_shift(a, 16, out=b, dtype=np.uint32)),
+    ("float32", "bfloat16"): ("uint32", "uint16", "uint32", _to_bf16_bits),
+    ("float16", "float32"): ("float16", "float32", None, lambda np, a, b, s: np.copyto(b, a)),
+    ("float32", "float16"): ("float32", "float16", None, _to_f16),
+}
+
+
+class _Buffers:
+    """Reusable buffers for one block: ``raw`` for source bytes, ``out`` for the converted
+    values (and scratch space for a kernel that needs it)."""
+
+    def __init__(self, block: int, src: DType, dst: DType, use_numpy: bool) -> None:
+        self.raw = bytearray(block * src.itemsize)
+        self.out = bytearray(block * dst.itemsize)
+        pair = _NUMPY_PAIRS.get((src, dst)) if use_numpy else None
+        if pair is not None:
+            import numpy as np
+
+            a, b, scratch, kernel = pair
+            self._a, self._b = np.frombuffer(self.raw, a), np.frombuffer(self.out, b)
+            self._s = np.empty(block, scratch) if scratch else None
+            self._convert = lambda n: kernel(np, self._a[:n], self._b[:n], None if self._s is None else self._s[:n])
+        else:
+            import torch
+
+            self._a = torch.frombuffer(self.raw, dtype=as_torch(src)) if self.raw else None
+            self._b = torch.frombuffer(self.out, dtype=as_torch(dst)) if self.out else None
+            self._convert = lambda n: self._b[:n].copy_(self._a[:n])
+        self._itemsizes = src.itemsize, dst.itemsize
+
+    def convert(self, fd: int, offset: int, length: int) -> memoryview:
+        """Read ``length`` bytes at ``offset`` of ``fd`` and convert them; a view of the result."""
+        raw = memoryview(self.raw)[:length]
+        got = 0
+        while got < length:
+            n = os.preadv(fd, [raw[got:]], offset + got)
+            if n <= 0:
+                raise OSError(f"a source file ended {length - got} bytes early (changed while read?)")
+            got += n
+        numel = length // self._itemsizes[0]
+        self._convert(numel)
+        return memoryview(self.out)[:numel * self._itemsizes[1]]
+
+
+_SPARE: dict[tuple, list[_Buffers]] = {}  # the buffers of the last finished cast, for the next
+_SPARE_LOCK = threading.Lock()
+
+
+def blocks(cast: CastSpan, *, block: int = BLOCK_ELEMENTS, use_numpy: bool = True) -> Iterator[memoryview]:
+    """The bytes of ``cast`` in ``dst``, block by block, in order. Each block is a view of a
+    reused buffer, valid until the next one is asked for. ``use_numpy=False`` converts with
+    torch even where numpy could."""
     ranges = _ranges(cast, block)
     if not ranges:
         return
+    kind = (block, cast.src, cast.dst, use_numpy)
+    with _SPARE_LOCK:
+        free = _SPARE.pop(kind, [])
+    free += [_Buffers(*kind) for _ in range(AHEAD - len(free))]
+    mine = list(free)
+    fds: dict[Path, int] = {}
     workers = max(1, min(2, os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ckpt-cast") as pool:
-        pending: deque = deque()
-        it = iter(ranges)
-        for r in it:
-            pending.append(pool.submit(_convert, *r, cast.src, cast.dst))
-            if len(pending) >= AHEAD:
-                break
-        while pending:
-            data = pending.popleft().result()
-            nxt = next(it, None)
-            if nxt is not None:
-                pending.append(pool.submit(_convert, *nxt, cast.src, cast.dst))
-            yield data
+    try:
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ckpt-cast") as pool:
+            pending: deque = deque()
+            it = iter(ranges)
+
+            def submit() -> None:
+                nxt = next(it, None)
+                if nxt is not None:
+                    path, offset, length = nxt
+                    if path not in fds:
+                        fds[path] = os.open(path, os.O_RDONLY)
+                    buf = free.pop()
+                    pending.append((buf, pool.submit(buf.convert, fds[path], offset, length)))
+
+            for _ in range(len(free)):
+                submit()
+            while pending:
+                buf, fut = pending.popleft()
+                yield fut.result()
+                free.append(buf)  # the writer is done with it: it asked for the next block
+                submit()
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    with _SPARE_LOCK:  # only after a clean end: after an error a writer may still hold a block
+        _SPARE.clear()  # one kind kept (a checkpoint is cast to one dtype)
+        _SPARE[kind] = mine

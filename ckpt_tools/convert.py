@@ -231,17 +231,16 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
     elif to == "dcp":
         jobs = layout_dcp(targets, shared, ws, merged, part_of=dcp_part if carry is not None else None,
                           piece_of=piece_of)
-        # ckpt's own writer where it covers the plan (no torch, bytes copied by the kernel); a
-        # layout kept from a DCP source (parts, items copied as saved) or torchtitan's names go
-        # through the writer that knows them
-        simple = layout is None and all(j.path.count("/") == 0 for j in jobs)
-        writer = (dcpnative.native_writer(ckpt, jobs, param_order=ckpt.param_order, extras=native_extras is not None)
-                  if simple else None)
+        # ckpt's own writer where it covers the plan (no torch, bytes copied by the kernel),
+        # else torch's; either keeps a layout (part directories, a DCP source's items copied as
+        # saved, torchtitan's top-level names) the same way
+        source_dcp = ckpt.format == "dcp" and carry is not None
+        writer = dcpnative.native_writer(ckpt, jobs, param_order=ckpt.param_order, extras=native_extras is not None,
+                                         verbatim=source_dcp, top_level_model=layout == "torchtitan")
         if writer is None:
             if native_extras is not None:
                 jobs = layout_dcp(targets, shared, ws, merged_by_torch(quiet), part_of=dcp_part if carry is not None else None,
                                   piece_of=piece_of)
-            source_dcp = ckpt.format == "dcp" and carry is not None
             writer = dcp.Writer(param_order=ckpt.param_order, source=ckpt.base_dir() if source_dcp else None,
                                 top_level_model=layout == "torchtitan")
     else:

@@ -26,6 +26,11 @@ from typing import Any
 from . import bounded, safefs
 from .errors import BadInput, UnsafeInput, brief
 
+try:  # zlib-ng's CRC-32 (carry-less multiply) runs 4-5x faster than the system zlib's
+    from zlib_ng.zlib_ng import crc32
+except ImportError:
+    from zlib import crc32
+
 # Legacy typed storages torch.save names in persistent ids, with element sizes (torch.load checks
 # that a record holds numel * itemsize bytes; so do we).
 STORAGE_ITEMSIZE: dict[str, int] = {
@@ -220,8 +225,12 @@ def check_structure(f: Any, *, where: str, pickles: int = 1) -> None:
         bounded.check_tree(tree, where=where)
 
 
-bounded.register(Reduce, lambda n: (n.func, n.args, n.state))
-bounded.register(NewObj, lambda n: (n.func, n.args, n.state))
+def _node_label(n: Reduce) -> str:
+    return f"{n.func.module}.{n.func.name}" if isinstance(n.func, Global) else type(n).__name__
+
+
+bounded.register(Reduce, lambda n: (n.func, n.args, n.state), _node_label)
+bounded.register(NewObj, lambda n: (n.func, n.args, n.state), _node_label)
 
 
 def _parse(data: bytes, where: str = "the pickle") -> tuple[Any, dict[str, StorageRef]]:
@@ -524,7 +533,7 @@ class TorchZipWriter:
         for chunk in chunks:
             if len(head) < 8:
                 head += bytes(chunk[:8 - len(head)])
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             self._write(chunk)
             n += len(chunk)
         if n != size:
@@ -646,4 +655,4 @@ def _crc_of_range(fd: int, start: int, length: int, crc: int) -> int:
         return crc
     base = start - start % mmap.ALLOCATIONGRANULARITY
     with mmap.mmap(fd, length + start - base, access=mmap.ACCESS_READ, offset=base) as m, memoryview(m) as view:
-        return zlib.crc32(view[start - base:], crc)
+        return crc32(view[start - base:], crc)

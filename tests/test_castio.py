@@ -17,9 +17,14 @@ from ckpt_tools.dtypes import DType
 FLOATS = ["float32", "bfloat16", "float16", "float64"]
 
 
+def _bits(t: torch.Tensor) -> bytes:
+    return t.view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("use_numpy", [True, False], ids=["numpy", "torch"])
 @pytest.mark.parametrize("src", FLOATS)
 @pytest.mark.parametrize("dst", FLOATS)
-def test_blocks_equal_a_whole_cast(tmp_path, src, dst):
+def test_blocks_equal_a_whole_cast(tmp_path, src, dst, use_numpy):
     g = torch.Generator().manual_seed(1)
     a = (torch.randn(1001, generator=g) * 1e3).to(getattr(torch, src))
     b = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e-40, -0.0, 65504.0, 7e4], dtype=getattr(torch, src))
@@ -27,7 +32,7 @@ def test_blocks_equal_a_whole_cast(tmp_path, src, dst):
     path.write_bytes(b"xyz" + a.view(torch.uint8).numpy().tobytes() + b.view(torch.uint8).numpy().tobytes())
     size = a.element_size()
     parts = ((path, 3, a.numel() * size), (path, 3 + a.numel() * size, b.numel() * size))
-    got = b"".join(bytes(x) for x in blocks(CastSpan(parts, DType(src), DType(dst)), block=97))
+    got = b"".join(bytes(x) for x in blocks(CastSpan(parts, DType(src), DType(dst)), block=97, use_numpy=use_numpy))
     want = torch.cat([a, b]).to(getattr(torch, dst))
     got_t = torch.frombuffer(bytearray(got), dtype=want.dtype)
     nan = want.isnan()
@@ -35,6 +40,62 @@ def test_blocks_equal_a_whole_cast(tmp_path, src, dst):
     # on where an element falls in a block) may give a NaN another sign or payload
     assert torch.equal(got_t.isnan(), nan)
     assert got_t[~nan].view(torch.uint8).numpy().tobytes() == want[~nan].view(torch.uint8).numpy().tobytes()
+
+
+def _cast_file(tmp_path, values: torch.Tensor, dst: str, **kw) -> torch.Tensor:
+    path = tmp_path / "raw"
+    path.write_bytes(_bits(values))
+    cast = CastSpan(((path, 0, path.stat().st_size),), DType.of(values.dtype), DType(dst))
+    got = bytearray(b"".join(bytes(x) for x in blocks(cast, **kw)))
+    return torch.frombuffer(got, dtype=getattr(torch, dst)) if got else torch.empty(0, dtype=getattr(torch, dst))
+
+
+@pytest.mark.parametrize(("src", "dst"), [("bfloat16", "float16"), ("float16", "bfloat16"),
+                                          ("bfloat16", "float32"), ("float16", "float32")])
+def test_every_16_bit_value_casts_as_torch_casts_it(tmp_path, src, dst):
+    """numpy's tables, shift and cast against torch, for all 65536 values of the source type."""
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(getattr(torch, src))
+    want = every.to(getattr(torch, dst))
+    got = _cast_file(tmp_path, every, dst, block=10000)
+    nan = want.isnan()
+    assert int(nan.sum()) > 0 and torch.equal(got.isnan(), nan)
+    assert _bits(got[~nan]) == _bits(want[~nan])
+
+
+@pytest.mark.parametrize("dst", ["bfloat16", "float16"])
+def test_float32_narrows_as_torch_narrows_it(tmp_path, dst):
+    """Rounding to nearest even at every tie, subnormals, overflow to infinity, the largest
+    finite values, signed zeros, and a million random bit patterns (NaNs among them)."""
+    g = torch.Generator().manual_seed(3)
+    finfo = torch.finfo(getattr(torch, dst))
+    ties = torch.arange(1 << 16, dtype=torch.int64).mul(1 << 16).add(0x8000).to(torch.int32).view(torch.float32)
+    edges = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 1e-45, -1e-45,
+                          1.17e-38, 5.96e-8, 2.98e-8, 6.1e-5, finfo.max, -finfo.max, finfo.max * 1.0009765625,
+                          65504.0, 65519.99, 65520.0, 3.3895314e38, 3.4028235e38], dtype=torch.float32)
+    bits = torch.randint(-(1 << 31), 1 << 31, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32)
+    values = torch.cat([ties, ties + 1, ties - 1, edges, bits.view(torch.float32)])
+    want = values.to(getattr(torch, dst))
+    got = _cast_file(tmp_path, values, dst, block=1 << 18)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert _bits(got[~nan]) == _bits(want[~nan])
+
+
+def test_buffers_are_reused_and_blocks_stay_valid_until_the_next(tmp_path):
+    """The writer may hold a block until it asks for the next one: a slow writer still sees
+    every block intact, across pieces that reuse the same buffers."""
+    g = torch.Generator().manual_seed(4)
+    for n in (5, 1000, 4096):
+        a = torch.randn(n, generator=g).to(torch.bfloat16)
+        path = tmp_path / f"raw{n}"
+        path.write_bytes(_bits(a))
+        out = b""
+        for block in blocks(CastSpan(((path, 0, path.stat().st_size),), DType("bfloat16"), DType("float32")), block=64):
+            import time
+
+            time.sleep(0.0005)  # the pool converts ahead meanwhile, into the other buffers
+            out += bytes(block)
+        assert out == _bits(a.float())
 
 
 def test_export_cast_is_torchs(tmp_path):

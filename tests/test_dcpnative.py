@@ -260,3 +260,36 @@ def test_sharded_to_dcp_imports_no_torch(tmp_path):
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def _same_trees(a: Path, b: Path) -> None:
+    files = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file())
+    for rel in files:
+        if not rel.endswith(".ckpt-manifest.json"):
+            assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+
+
+@pytest.mark.parametrize("case", ["accelerate-parts", "training-dcp", "torchtitan-names"])
+def test_kept_layouts_written_without_torch_as_torch_writes_them(tmp_path, monkeypatch, case):
+    """A reshard that keeps a framework's layout (accelerate's part directories, each with its
+    own .metadata; a DCP's non-tensor items copied as saved) and torchtitan's top-level names go
+    through ckpt's own writer, and give the torch writer's bytes."""
+    def run(dst):
+        if case == "accelerate-parts":
+            ckpt_tools.reshard(FIX / "llama_accelerate", dst, to=3, progress=False)
+        elif case == "training-dcp":
+            ckpt_tools.reshard(FIX / "llama_dcp", dst, to=3, progress=False)
+        else:
+            ckpt_tools.convert(FIX / "llama_hf", dst, to="dcp", world_size=2, layout="torchtitan", progress=False)
+
+    used = []
+    real = dcpnative.native_writer
+    monkeypatch.setattr(dcpnative, "native_writer", lambda *a, **k: used.append(real(*a, **k)) or used[-1])
+    run(tmp_path / "native")
+    assert used and used[-1] is not None, "the torch writer was used"
+    monkeypatch.setattr(dcpnative, "native_writer", lambda *a, **k: None)
+    run(tmp_path / "torch")
+    _same_trees(tmp_path / "native", tmp_path / "torch")
+    if case == "accelerate-parts":
+        assert len(list((tmp_path / "native").rglob(".metadata"))) >= 2

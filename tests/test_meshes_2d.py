@@ -414,6 +414,8 @@ def test_tp_sharded_refused(tp_save, tmp_path, cmd):
     args = [cmd[0], str(tp_save["sharded"])] + ([] if cmd[0] == "inspect" else [str(dst)]) + cmd[1:]
     result = _run(*args)
     assert result.exit_code == 3, result.output
-    # refused by the placement check, or earlier by the pickle gate (see the README's limits)
+    # refused by the placement check, or earlier by the pickle gate, which meets the mesh first:
+    # either way for what it is (see the README's limits), never as a corrupt or hostile file
     assert result.output.count("error:") == 1 and str(tp_save["sharded"]) in result.output
+    assert "hostile" not in result.output and ("_StridedShard" in result.output or "DCP" in result.output)
     assert not dst.exists()

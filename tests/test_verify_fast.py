@@ -6,6 +6,7 @@ test_hostile and test_faults check that damage and unsafe content are still foun
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +72,16 @@ def test_verify_two_checkpoints_still_counts_differences(tmp_path):
     report = ckpt_tools.verify(a, b, progress=False)
     assert not report["ok"] and report["mismatches"] == ["w"]
     assert report["differences"][0]["reason"].startswith("1 of 40 elements differ")
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 4096, (1 << 20) + 3, 3 << 20])
+def test_equal_bytes_finds_a_difference_anywhere(n):
+    """The block comparison behind a bit-exact verify: words or bytes, any length, any step."""
+    from ckpt_tools.verify import _equal_bytes
+
+    a = bytearray(os.urandom(n))
+    assert _equal_bytes(memoryview(a), memoryview(bytes(a)), step=4096)
+    for at in {0, n // 2, n - 1}:
+        b = bytearray(a)
+        b[at] ^= 0x40
+        assert not _equal_bytes(memoryview(a), memoryview(b), step=4096), at

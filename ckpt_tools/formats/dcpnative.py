@@ -12,6 +12,10 @@ counters, merged extra state) are copied as their source saved them, or re-emitt
 pickle trees; ``.metadata`` comes from :mod:`ckpt_tools.metapickle`. Byte-identical to the torch
 writer's output (tested).
 
+A framework's layout kept by ``reshard`` (part directories, each with its own ``.metadata``; a
+DCP source's non-tensor items copied as saved) and torchtitan's top-level model keys are laid
+out as the torch writer lays them out.
+
 What it does not cover (the caller keeps torch's writer for it, see :func:`native_writer`):
 dtypes with no legacy storage class (uint16, float8, ...), and saved objects or extra state that
 hold tensors or anything but plain data (RNG states: numpy arrays, tensors).
@@ -162,11 +166,25 @@ class Writer:
     accepts_spans = True
     accepts_casts = True
 
-    def __init__(self, *, root: Path, param_order: tuple[str, ...] = (), extras: bool = False) -> None:
+    def __init__(self, *, root: Path, param_order: tuple[str, ...] = (), extras: bool = False,
+                 verbatim: bool = False, top_level_model: bool = False) -> None:
         self.root = Path(root)  # the source's base directory, for its saved objects
         self.param_order = param_order
         # job.meta["extra"] holds plain pickle trees (merged per-rank state, read without torch)
         self.extras = extras
+        # a DCP source's own non-tensor items are copied as saved, under their own keys (a
+        # framework's layout kept by reshard), as the torch writer's ``source`` does
+        self.verbatim = verbatim
+        # torchtitan's layout: model keys at the top level, no "model." prefix
+        self.top_level_model = top_level_model
+
+    def _as_saved(self, o: ObjectInfo) -> bool:
+        return self.verbatim and o.location.kind == "bytes_item" and bool(o.path)
+
+    def _rest(self, job) -> list[tuple[str, tuple, _Leaf]]:
+        """The job's items that are not copied as saved, flattened, in the torch writer's order."""
+        rest = tuple(o for o in job.objects if not self._as_saved(o))
+        return self.items(rest, job.meta.get("extra") if self.extras else None)
 
     # -- saved objects ------------------------------------------------------------------
     def _source_value(self, o: ObjectInfo) -> tuple[Any, tuple[Path, int, int] | None]:
@@ -263,7 +281,7 @@ class Writer:
             for p in job.pieces:
                 if str(p.target.dtype) not in STORAGE_OF:
                     raise NotNative(f"{p.target.dtype} has no legacy storage class")
-            for _, _, leaf in self.items(job.objects, job.meta.get("extra") if self.extras else None):
+            for _, _, leaf in self._rest(job):
                 if leaf.blob is None and not plain(leaf.value):
                     raise NotNative("an object that is not plain data")
 
@@ -294,7 +312,15 @@ class Writer:
                         z.write_record("data/0", tensor_bytes(values))
                     z.close(name_hash=TENSOR_NAME_HASH)
                 records.append(("tensor", i, start, os.lseek(fd, 0, os.SEEK_CUR) - start))
-            for key, obj_path, leaf in self.items(job.objects, job.meta.get("extra") if self.extras else None):
+            for i, o in enumerate(job.objects):
+                if self._as_saved(o):
+                    start = os.lseek(fd, 0, os.SEEK_CUR)
+                    loc = o.location
+                    with open(self.root / loc.file, "rb") as src:
+                        _copy(src.fileno(), fd, loc.offset, loc.length, self.root / loc.file)
+                    # the object's index: finish() takes its path from the plan
+                    records.append(("object", i, start, loc.length))
+            for key, obj_path, leaf in self._rest(job):
                 start = os.lseek(fd, 0, os.SEEK_CUR)
                 if leaf.blob is not None:
                     with open(leaf.blob[0], "rb") as src:
@@ -311,27 +337,42 @@ class Writer:
         return records
 
     def finish(self, out: Path, jobs, written: dict) -> None:
-        # the same steps as the torch writer's finish, over stand-ins of DCP's classes, so the
-        # pickle shares strings and tuples as that one does (the pickle memoizes by identity)
+        parts: dict[str, list] = {}  # a part directory (accelerate's pytorch_model_fsdp_0/) each
+        for job in jobs:
+            parts.setdefault(job.path.rpartition("/")[0], []).append(job)
+        for part, part_jobs in parts.items():
+            self._metadata(out / part if part else out, part_jobs, written)
+
+    def _metadata(self, out: Path, jobs, written: dict) -> None:
+        # the same steps as the torch writer's, over stand-ins of DCP's classes, so the pickle
+        # shares strings and tuples as that one does (the pickle memoizes by identity)
         state: dict = {}
         planner: dict = {}
         storage: dict = {}
         canon: dict = {}
         for job in jobs:
+            file = job.path.rpartition("/")[2]
             for kind, what, start, length in written.get(job.path) or []:
                 if kind == "tensor":
                     p = job.pieces[what]
-                    path_ = canonical(dcp_key(p.target), canon)
+                    path_ = dcp_key(p.target)
+                    if self.top_level_model and path_[0] == "model":
+                        path_ = path_[1:]
+                    path_ = canonical(path_, canon)
                     fqn = ".".join(map(str, path_))
                     md = state.setdefault(fqn, mp.TensorStorageMetadata(
                         properties=mp.TensorProperties(dtype=mp.dtype(p.target.dtype)), size=mp.Size(p.target.shape),
                         chunks=[]))
                     md.chunks.append(mp.ChunkStorageMetadata(offsets=mp.Size(p.offsets), sizes=mp.Size(p.sizes)))
-                    storage[mp.MetadataIndex(fqn, mp.Size(p.offsets))] = mp.StorageInfo(job.path, start, length)
+                    storage[mp.MetadataIndex(fqn, mp.Size(p.offsets))] = mp.StorageInfo(file, start, length)
                 else:
-                    fqn, path_ = what[0], canonical(what[1], canon)
+                    if kind == "object":
+                        path_ = canonical(job.objects[what].path, canon)
+                        fqn = ".".join(map(str, path_))
+                    else:
+                        fqn, path_ = what[0], canonical(what[1], canon)
                     state[fqn] = mp.BytesStorageMetadata()
-                    storage[mp.MetadataIndex(fqn)] = mp.StorageInfo(job.path, start, length)
+                    storage[mp.MetadataIndex(fqn)] = mp.StorageInfo(file, start, length)
                 planner[fqn] = path_
         meta = mp.Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage, version="1.0.0")
         # written last, as dcp.save does: a reader that finds it knows the data files are complete
@@ -348,10 +389,14 @@ def _copy(src: int, dst: int, offset: int, length: int, path: Path) -> None:
         raise BadInput(f"{path}: {e}") from e
 
 
-def native_writer(ckpt: Checkpoint, jobs, *, param_order: tuple[str, ...], extras: bool = False) -> Writer | None:
+def native_writer(ckpt: Checkpoint, jobs, *, param_order: tuple[str, ...], extras: bool = False,
+                  verbatim: bool = False, top_level_model: bool = False) -> Writer | None:
     """The torch-free writer for ``jobs``, or None where torch's writer is needed. ``extras``:
-    the jobs' extra state is plain pickle trees (else such state needs torch's writer)."""
-    writer = Writer(root=ckpt.base_dir(), param_order=param_order, extras=extras)
+    the jobs' extra state is plain pickle trees (else such state needs torch's writer);
+    ``verbatim`` and ``top_level_model`` as :class:`ckpt_tools.formats.dcp.Writer`'s ``source``
+    and ``top_level_model``."""
+    writer = Writer(root=ckpt.base_dir(), param_order=param_order, extras=extras, verbatim=verbatim,
+                    top_level_model=top_level_model)
     try:
         writer.check(jobs)
     except NotNative:
