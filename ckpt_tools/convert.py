@@ -156,8 +156,10 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
     holds the model only). ``dtype`` ("bf16", "fp16", "fp32") casts floating-point tensors;
     without it every tensor is kept bit for bit. ``world_size`` applies to ``sharded`` and
     ``dcp`` output (default: the source's, else 1). ``layout="torchtitan"`` with ``to="dcp"``
-    writes torchtitan's names (from a Hugging Face source), so torchtitan starts from it.
-    ``lora``/``lora_alpha``: see :func:`export`.
+    writes torchtitan's names (from a Hugging Face source), so torchtitan starts from it;
+    ``layout="verl"`` with ``to="sharded"`` names the rank files' device mesh ``("fsdp",)`` as
+    verl's does (a job loads DTensors only onto a mesh of the same names; without it the mesh is
+    unnamed, as ``fully_shard``'s default). ``lora``/``lora_alpha``: see :func:`export`.
 
     Example: ``ckpt_tools.convert("ckpt/actor", "out.pt", to="torch", model_only=True)``
     """
@@ -165,8 +167,10 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
         raise UsageError(f"--to must be one of {', '.join(FORMATS)}, not {to!r}")
     if dtype is not None and dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
-    if layout not in (None, "plain", "torchtitan") or layout == "torchtitan" and to != "dcp":
-        raise UsageError(f"--layout {layout} is not written by convert --to {to} (only --to dcp --layout torchtitan)")
+    if (layout not in (None, "plain", "torchtitan", "verl") or layout == "torchtitan" and to != "dcp"
+            or layout == "verl" and to != "sharded"):
+        raise UsageError(f"--layout {layout} is not written by convert --to {to} "
+                         "(--to dcp --layout torchtitan, --to sharded --layout verl)")
     if world_size is not None and world_size < 1:
         raise UsageError(f"--world-size must be at least 1, not {world_size}")
     src_path, dst = Path(src), Path(dst)
@@ -174,6 +178,9 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
         progress = False  # one voice per torchrun launch
     check_destination(src_path, dst, overwrite=overwrite)  # before any work, or any warning about it
     ckpt = _ckpt or describe(src_path)
+    if layout == "verl" and ckpt.format == "sharded":
+        raise UsageError(f"{src_path}: per-rank files keep their own device mesh, its names included "
+                         "(--layout verl names the mesh of files built from another format)")
     cast = DTYPES.get(dtype) if dtype else None
     keep = [t for t in ckpt.tensors if t.group == "model" or not (model_only or to == "hf")]
     left_out = sorted({t.group for t in ckpt.tensors} - {t.group for t in keep})
@@ -244,7 +251,8 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
             writer = dcp.Writer(param_order=ckpt.param_order, source=ckpt.base_dir() if source_dcp else None,
                                 top_level_model=layout == "torchtitan")
     else:
-        writer, jobs = _sharded_plan(ckpt, targets, objects, ws, rank_local)
+        writer, jobs = _sharded_plan(ckpt, targets, objects, ws, rank_local,
+                                     mesh_names=("fsdp",) if layout == "verl" else None)
     if carry is not None:
         def after(tmp: Path) -> None:
             copy_side_files(ckpt.base_dir(), carry.files, tmp)
@@ -261,6 +269,9 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
             workers=workers, after=after)
     if left_out:
         _say(f"note: left out {', '.join(left_out)} state (model only)", progress)
+    if to == "sharded" and ckpt.format != "sharded" and layout != "verl":
+        _say("note: the rank files' device mesh is unnamed, as fully_shard's default mesh is; a job loads them "
+             "only onto a mesh of the same names: for verl (mesh ('fsdp',)) convert with --layout verl", progress)
     report.update(num_tensors=len(targets), total_bytes=sum(t.nbytes for t in targets), left_out=left_out)
     return report
 
@@ -291,10 +302,12 @@ def _native_extras(ckpt: Checkpoint, rank_objs: list[ObjectInfo], policy: str) -
 
 
 def _sharded_plan(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInfo, ...], ws: int,
-                  rank_local: str) -> tuple[sharded.Writer, list[FileJob]]:
+                  rank_local: str, mesh_names: tuple[str, ...] | None = None) -> tuple[sharded.Writer, list[FileJob]]:
     """The sharded writer and its jobs. From a sharded source read without torch, each new file
-    is its source's pickle rebuilt for the new ranks, records copied by the kernel; else (or if
-    the dry run finds something only torch can write) tensors go through torch.save."""
+    is its source's pickle rebuilt for the new ranks (its mesh kept), records copied by the
+    kernel; else (or if the dry run finds something only torch can write) tensors go through
+    torch.save, on a mesh of dimensions ``mesh_names`` (None: unnamed, as ``fully_shard``'s
+    default mesh is)."""
     keyed = "fqn" if ckpt.format == "sharded" and ckpt.details.get("optimizer_keyed") == "fqn" else "int"
     extra_objs = [o for o in objects if o.group == "extra"]
     if ckpt.format == "sharded" and all(c.location.kind == "raw" for t in ckpt.tensors for c in t.chunks) and all(
@@ -316,7 +329,8 @@ def _sharded_plan(ckpt: Checkpoint, targets: list[Target], objects: tuple[Object
             pass
     elif ckpt.format != "sharded" and shardsynth.available():
         # no source rank files to rebuild: each file's tree is built from the plan, no torch
-        writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed, synth=ckpt.base_dir())
+        writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed, synth=ckpt.base_dir(),
+                                mesh_names=mesh_names)
         try:
             if any(o.rank is not None for o in extra_objs):
                 raise shardtree.NotSimple("rank-local extra state")
@@ -328,7 +342,8 @@ def _sharded_plan(ckpt: Checkpoint, targets: list[Target], objects: tuple[Object
         except shardtree.NotSimple:
             pass
     config = sharded.read_config(ckpt.root) if ckpt.format == "sharded" else {}
-    writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed, config=config)
+    writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed, config=config,
+                            mesh_names=mesh_names)
     with Reader(ckpt) as reader:
         extras = per_rank_extras(extra_objs, reader.object, src_world=ckpt.world_size, dst_world=ws,
                                  policy=rank_local)

@@ -56,6 +56,14 @@ def tie_to_launcher() -> None:
         tie_to_parent(kernel_signal=False)
 
 
+def end_if_orphaned() -> None:
+    """End this process now (SIGKILL, as the watchdog would within ``POLL_SECONDS``) if a parent
+    it is tied to is gone: called just before an irreversible step (a commit), so work whose
+    owner was killed is never published."""
+    if _tied and os.getppid() not in _tied:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _watch(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(POLL_SECONDS)

@@ -121,6 +121,9 @@ def execute_torchrun(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], d
                 try:
                     complete(tmp, merged)
                     fsync_tree(tmp)
+                    # torchrun's launcher killed meanwhile: the run is over, nothing is published
+                    # (the watchdog would end this process within its poll interval anyway)
+                    lifeline.end_if_orphaned()
                     commit_into(tmp, dst, overwrite=overwrite)
                 except OSError as e:
                     remove_path(tmp)

@@ -98,7 +98,8 @@ _RANK_LOCAL = click.option("--rank-local", type=click.Choice(["drop", "keep-firs
 @_SIZE
 @click.option("--model-only", is_flag=True, help="Leave out optimizer and extra state.")
 @click.option("--base", help="HF model dir or hub id to take config and tokenizer from (hf output).")
-@click.option("--layout", help="Framework layout of the output: torchtitan (with --to dcp, from an HF source).")
+@click.option("--layout", help="Framework layout of the output: torchtitan (with --to dcp, from an HF source); "
+              "verl (with --to sharded: the device mesh named ('fsdp',), as verl's loader and merger need).")
 @_RANK_LOCAL
 @_OVERWRITE
 @command

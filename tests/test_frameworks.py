@@ -192,6 +192,16 @@ def test_verl_fsdp2_reshard_resumes(verl_fsdp2_save, tmp_path, to):
     assert close(verl_fsdp2_save.resume(dst, to), verl_fsdp2_save.full[SAVE_AT:])
 
 
+def test_verl_resumes_from_another_format_with_its_mesh_named(verl_fsdp2_save, tmp_path):
+    """verl's save converted to DCP and back to rank files at 2 ranks with --layout verl: verl's
+    loader takes them (its model's mesh is named ("fsdp",), and load_state_dict copies DTensors
+    only between meshes of the same names) and the run resumes."""
+    dcp_dir, dst = tmp_path / "dcp", tmp_path / "actor"
+    _ckpt("convert", str(verl_fsdp2_save.saved), str(dcp_dir), "--to", "dcp", "--quiet")
+    _ckpt("convert", str(dcp_dir), str(dst), "--to", "sharded", "--world-size", "2", "--layout", "verl", "--quiet")
+    assert close(verl_fsdp2_save.resume(dst, 2), verl_fsdp2_save.full[SAVE_AT:])
+
+
 def test_verl_lora_side_files_carried(verl_lora_save, tmp_path):
     """LoRA runs: lora_train_meta.json (the merger's alpha) and huggingface/model.safetensors
     come out byte for byte; the resharded LoRA job resumes."""

@@ -33,27 +33,35 @@ def outputs(tmp_path_factory):
     """(source, world size) -> (synthesized output, torch path output)."""
     root = tmp_path_factory.mktemp("synth")
     out = {}
-    cases = [("llama_dcp", 3), ("llama_dcp", 2), ("llama_hf", 4)]
-    for name, ws in cases:
-        a = root / f"{name}_{ws}_synth"
-        ckpt_tools.convert(FIX / name, a, to="sharded", world_size=ws, progress=False)
-        out[(name, ws)] = [a]
+    for name, ws, layout in CASES:
+        a = root / f"{name}_{ws}_{layout}_synth"
+        ckpt_tools.convert(FIX / name, a, to="sharded", world_size=ws, layout=layout, progress=False)
+        out[(name, ws, layout)] = [a]
     real = shardsynth.available
     shardsynth.available = lambda: False
     try:
-        for name, ws in cases:
-            b = root / f"{name}_{ws}_torch"
-            ckpt_tools.convert(FIX / name, b, to="sharded", world_size=ws, progress=False)
-            out[(name, ws)].append(b)
+        for name, ws, layout in CASES:
+            b = root / f"{name}_{ws}_{layout}_torch"
+            ckpt_tools.convert(FIX / name, b, to="sharded", world_size=ws, layout=layout, progress=False)
+            out[(name, ws, layout)].append(b)
     finally:
         shardsynth.available = real
     return out
 
 
-CASES = [("llama_dcp", 3), ("llama_dcp", 2), ("llama_hf", 4)]
+# (source, world size, layout): "verl" names the mesh ("fsdp",) as verl's jobs do
+CASES = [("llama_dcp", 3, None), ("llama_dcp", 2, None), ("llama_hf", 4, None), ("llama_dcp", 2, "verl")]
+IDS = lambda c: f"{c[0]}-ws{c[1]}" + (f"-{c[2]}" if c[2] else "")  # noqa: E731
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-ws{c[1]}")
+def test_verl_layout_names_the_mesh(outputs):
+    for case in CASES:
+        for out in outputs[case]:
+            dt = torch.load(out / f"model_world_size_{case[1]}_rank_0.pt", weights_only=True)["model.norm.weight"]
+            assert dt.device_mesh.mesh_dim_names == (("fsdp",) if case[2] == "verl" else None), (case, out)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_records_are_the_torch_paths(outputs, case):
     synth, torch_path = outputs[case]
     names = sorted(p.name for p in torch_path.iterdir())
@@ -63,7 +71,7 @@ def test_records_are_the_torch_paths(outputs, case):
             assert _records(synth / name) == _records(torch_path / name), name
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-ws{c[1]}")
+@pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_torch_load_reads_the_same(outputs, case):
     synth, torch_path = outputs[case]
     for f in sorted(torch_path.glob("*.pt")):
@@ -106,3 +114,21 @@ def test_one_rank_takes_the_torch_path(tmp_path):
     ckpt_tools.convert(FIX / "llama_dcp", tmp_path / "ws1", to="sharded", world_size=1, progress=False)
     sd = torch.load(tmp_path / "ws1" / "model_world_size_1_rank_0.pt", weights_only=True)
     assert sd and all(v.device_mesh.size() == 1 for v in sd.values() if hasattr(v, "device_mesh"))
+
+
+def test_verl_layout_only_where_it_names_a_mesh(tmp_path):
+    """--layout verl names the mesh of files built from another format; rank files keep their
+    own, and no other format has one. Refused before anything is written."""
+    from ckpt_tools.errors import UsageError
+
+    for src, to in (("llama_sharded_ws2", "sharded"), ("llama_dcp", "dcp"), ("llama_dcp", "torch")):
+        with pytest.raises(UsageError):
+            ckpt_tools.convert(FIX / src, tmp_path / "out", to=to, layout="verl", progress=False)
+        assert not (tmp_path / "out").exists()
+
+
+def test_unnamed_mesh_is_said(tmp_path, capfd):
+    ckpt_tools.convert(FIX / "llama_dcp", tmp_path / "plain", to="sharded", world_size=2)
+    assert "--layout verl" in capfd.readouterr().err
+    ckpt_tools.convert(FIX / "llama_dcp", tmp_path / "verl", to="sharded", world_size=2, layout="verl")
+    assert "--layout verl" not in capfd.readouterr().err

@@ -368,8 +368,11 @@ class Writer:
 
     def __init__(self, *, world_size: int, param_order: tuple[str, ...], keyed: str = "int",
                  template: Path | None = None, src_world: int | None = None, config: dict | None = None,
-                 synth: Path | None = None) -> None:
+                 synth: Path | None = None, mesh_names: tuple[str, ...] | None = None) -> None:
         self.world_size = world_size
+        # the device mesh's dimension names: a loading job's DTensors must be on a mesh of the
+        # same names (load_state_dict refuses to copy across meshes); verl names its ("fsdp",)
+        self.mesh_names = mesh_names
         self.config = config or {}
         self.param_order = param_order
         self.keyed = keyed
@@ -496,7 +499,7 @@ class Writer:
         lazy = LazyStorages()
         provider = from_stream(pieces)
 
-        mesh = _mesh(self.world_size, job.rank)
+        mesh = _mesh(self.world_size, job.rank, self.mesh_names)
         if job.kind == "extra":
             obj = job.meta["extra"]
         else:
@@ -528,15 +531,15 @@ class Writer:
 _MESHES: dict = {}
 
 
-def _mesh(world_size: int, rank: int | None):
+def _mesh(world_size: int, rank: int | None, names: tuple[str, ...] | None = None):
     """A 1-D CPU DeviceMesh for pickling, built without a process group (the loading job's
-    own mesh replaces it when it loads the state dict)."""
+    own mesh, which must have the same dimension ``names``, replaces it when it loads)."""
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-    key = (world_size, rank or 0)
+    key = (world_size, rank or 0, names)
     if key not in _MESHES:
-        mesh = DeviceMesh("cpu", torch.arange(world_size), _init_backend=False, _rank=rank or 0)
+        mesh = DeviceMesh("cpu", torch.arange(world_size), mesh_dim_names=names, _init_backend=False, _rank=rank or 0)
         # a real 1-D FSDP2 mesh names the default process group ("0"); the loading job resolves
         # it when it unpickles, so optimizer states loaded from these files can run collectives
         mesh._dim_group_names = ["0"]

@@ -59,15 +59,15 @@ def _fresh(t: tuple) -> tuple:
     return tuple(list(t))
 
 
-def mesh(emitter: Emitter, world: int, rank: int) -> NewObj:
-    """The 1-D CPU DeviceMesh ``sharded._mesh`` pickles (process group "0")."""
+def mesh(emitter: Emitter, world: int, rank: int, names: tuple[str, ...] | None = None) -> NewObj:
+    """The 1-D CPU DeviceMesh ``sharded._mesh`` pickles (process group "0", dimension ``names``)."""
     if world < 2:
         raise NotSimple("a mesh of one device")  # torch lays it out differently
     rank_map = _local(emitter, "int32", (world,), struct.pack(f"<{world}i", *range(world)))
     layout = NewObj(Global(_LAYOUT, "_MeshLayout"), (), {
         "axes": (NewObj(Global(_LAYOUT, "_FlatLayout"), (), {"shape": (world,), "stride": (1,)}),)})
     return NewObj(DEVICE_MESH, (), {
-        "_device_type": "cpu", "_layout": layout, "_rank_map": rank_map, "_mesh_dim_names": None,
+        "_device_type": "cpu", "_layout": layout, "_rank_map": rank_map, "_mesh_dim_names": names,
         "_root_mesh": None, "_flatten_rank_map": tuple(range(world)), "_thread_id": None, "_flatten_mapping": {},
         "_rank": rank, "_coordinate_on_dim": (rank,), "_hash": None, "_dim_group_names": ["0"]})
 
@@ -108,7 +108,7 @@ def tree_for(writer: Any, job: Any) -> tuple[Any, Emitter]:
         if (p.target.group, p.target.name) in plain:
             return local
         if mesh_node is None:
-            mesh_node = mesh(emitter, writer.world_size, job.rank or 0)
+            mesh_node = mesh(emitter, writer.world_size, job.rank or 0, writer.mesh_names)
         return dtensor(local, mesh_node, p.target.shape, p.target.dtype, layout)
 
     if job.kind == "model":
