@@ -8,9 +8,11 @@ and one piece to the next: allocating fresh blocks costs more in page faults tha
 Memory stays at ``BLOCK_ELEMENTS`` times the element sizes times ``AHEAD``, whatever the
 tensor's size; nothing is materialised whole.
 
-The conversion between bfloat16, float16 and float32 is numpy's (a 64 Ki-entry table for the two
-16-bit types, a shift for bfloat16 → float32, round-to-nearest-even on the bits for float32 →
-bfloat16, numpy's own cast between float16 and float32): importing
+The conversion between bfloat16, float16 and float32 is numpy's, a cache-sized chunk at a time
+(bits moved for bfloat16 → float16, with a 64 Ki-entry table of every value for the rare values
+out of float16's normal range, and for float16 → bfloat16; a shift for bfloat16 → float32;
+round-to-nearest-even on the bits for float32 → bfloat16; numpy's own cast between float16 and
+float32): importing
 torch costs more than a second, and torch's threads spin on the cores the writer needs. The
 results are torch's, bit for bit (tests/test_castio.py compares every 16-bit value and the
 float32 edge cases), except that a NaN may come out with another sign or payload, as it may
@@ -64,23 +66,46 @@ def _ranges(cast: CastSpan, block: int) -> list[tuple[Path, int, int]]:
     return out
 
 
-# -- conversion kernels: (src values, dst values, scratch) -> None, on typed views of the buffers
+# -- conversion kernels: (numpy, src values, dst values, scratch arrays) -> None, run over
+# CHUNK elements at a time, so each of their passes works in the cache
+
+CHUNK = 1 << 16
+_BF16_IN_F16 = (0x3880, 0x4780)  # bfloat16 magnitudes (bits) that are normal float16 numbers: [lo, hi)
 
 
-def _to_bf16_bits(np: Any, u32: Any, out: Any, scratch: Any) -> None:
+def _bf16_to_f16(np: Any, u: Any, out: Any, scratch: tuple) -> None:
+    """bfloat16 bits → float16 bits. A bfloat16 whose value is a normal float16 converts exactly
+    by moving its bits (exponent rebased from 127 to 15, mantissa shifted left 3); the rest
+    (float16 subnormals and zeros, overflow, inf, NaN: a fraction of a percent of weights) is
+    looked up in the table of every value."""
+    mag, sign, odd = (x[:len(u)] for x in scratch)
+    np.bitwise_and(u, 0x7FFF, out=mag)
+    np.bitwise_and(u, 0x8000, out=sign)
+    np.left_shift(mag, 3, out=out)  # wraps in 16 bits: the exponent's 6 low bits remain
+    np.subtract(out, (127 - 15) << 10 & 0xFFFF, out=out)  # (e - 112) << 10 for 0 < e - 112 < 31
+    np.bitwise_or(out, sign, out=out)
+    np.less(mag, _BF16_IN_F16[0], out=odd)
+    np.logical_or(odd, mag >= _BF16_IN_F16[1], out=odd)
+    if odd.any():
+        at = np.flatnonzero(odd)
+        out[at] = _tables()["bf16_to_f16"][u[at]]
+
+
+def _to_bf16_bits(np: Any, u32: Any, out: Any, scratch: tuple) -> None:
     """float32 bits → bfloat16 bits, rounded to nearest even, as torch rounds; NaN stays NaN."""
-    np.right_shift(u32, 16, out=scratch)
-    np.bitwise_and(scratch, 1, out=scratch)
-    np.add(scratch, 0x7FFF, out=scratch)
-    np.add(scratch, u32, out=scratch)  # wraps only for NaNs, fixed below
-    np.right_shift(scratch, 16, out=scratch)
-    np.copyto(out, scratch, casting="unsafe")
-    nan = np.isnan(u32.view(np.float32))
+    work, nan = (x[:len(u32)] for x in scratch)
+    np.right_shift(u32, 16, out=work)
+    np.bitwise_and(work, 1, out=work)
+    np.add(work, 0x7FFF, out=work)
+    np.add(work, u32, out=work)  # wraps only for NaNs, fixed below
+    np.right_shift(work, 16, out=work)
+    np.copyto(out, work, casting="unsafe")
+    np.isnan(u32.view(np.float32), out=nan)
     if nan.any():
         out[nan] = _BF16_NAN
 
 
-def _to_f16(np: Any, f32: Any, out: Any, scratch: Any) -> None:
+def _to_f16(np: Any, f32: Any, out: Any, scratch: tuple) -> None:
     """float32 → float16 (numpy's cast rounds to nearest even, as torch's does; too large → inf)."""
     with np.errstate(over="ignore", invalid="ignore"):
         np.copyto(out, f32, casting="unsafe")
@@ -96,59 +121,72 @@ def _tables() -> dict[str, Any]:
         bf16_to_f16 = (every << 16).view(np.float32).astype(np.float16).view(np.uint16)
     f16_to_bf16 = np.empty(1 << 16, np.uint16)
     as_f32 = every.astype(np.uint16).view(np.float16).astype(np.float32).view(np.uint32)
-    _to_bf16_bits(np, as_f32, f16_to_bf16, np.empty(1 << 16, np.uint32))
+    _to_bf16_bits(np, as_f32, f16_to_bf16, (np.empty(1 << 16, np.uint32), np.empty(1 << 16, bool)))
     return {"bf16_to_f16": bf16_to_f16, "f16_to_bf16": f16_to_bf16}
 
 
-# (src, dst) → (numpy view of the source, of the result, scratch dtype or None, kernel)
-_NUMPY_PAIRS: dict[tuple[str, str], tuple[str, str, str | None, Callable]] = {
-    ("bfloat16", "float16"): ("uint16", "uint16", None,
-                              lambda np, a, b, s: np.take(_tables()["bf16_to_f16"], a, out=b)),
-    ("float16", "bfloat16"): ("uint16", "uint16", None,
+# (src, dst) → (numpy view of the source, of the result, scratch dtypes, kernel)
+_NUMPY_PAIRS: dict[tuple[str, str], tuple[str, str, tuple[str, ...], Callable]] = {
+    ("bfloat16", "float16"): ("uint16", "uint16", ("uint16", "uint16", "bool"), _bf16_to_f16),
+    ("float16", "bfloat16"): ("uint16", "uint16", (),
                               lambda np, a, b, s: np.take(_tables()["f16_to_bf16"], a, out=b)),
-    ("bfloat16", "float32"): ("uint16", "uint32", None,
+    ("bfloat16", "float32"): ("uint16", "uint32", (),
                               lambda np, a, b, s: np.left_shift(a, 16, out=b, dtype=np.uint32)),
-    ("float32", "bfloat16"): ("uint32", "uint16", "uint32", _to_bf16_bits),
-    ("float16", "float32"): ("float16", "float32", None, lambda np, a, b, s: np.copyto(b, a)),
-    ("float32", "float16"): ("float32", "float16", None, _to_f16),
+    ("float32", "bfloat16"): ("uint32", "uint16", ("uint32", "bool"), _to_bf16_bits),
+    ("float16", "float32"): ("float16", "float32", (), lambda np, a, b, s: np.copyto(b, a)),
+    ("float32", "float16"): ("float32", "float16", (), _to_f16),
 }
 
 
+def _read(fd: int, into: memoryview, offset: int) -> None:
+    got = 0
+    while got < len(into):
+        n = os.preadv(fd, [into[got:]], offset + got)
+        if n <= 0:
+            raise OSError(f"a source file ended {len(into) - got} bytes early (changed while read?)")
+        got += n
+
+
 class _Buffers:
-    """Reusable buffers for one block: ``raw`` for source bytes, ``out`` for the converted
-    values (and scratch space for a kernel that needs it)."""
+    """Reusable buffers for one block: ``out`` for the converted values; ``raw`` for source
+    bytes (one cache-sized chunk for numpy's kernels, read and converted while it is in the
+    cache; the whole block for torch's) and scratch space for a kernel that needs it."""
 
     def __init__(self, block: int, src: DType, dst: DType, use_numpy: bool) -> None:
-        self.raw = bytearray(block * src.itemsize)
         self.out = bytearray(block * dst.itemsize)
+        self._itemsizes = src.itemsize, dst.itemsize
         pair = _NUMPY_PAIRS.get((src, dst)) if use_numpy else None
         if pair is not None:
             import numpy as np
 
-            a, b, scratch, kernel = pair
+            a, b, scratch, self._kernel = pair
+            chunk = min(block, CHUNK)
+            self.raw = bytearray(chunk * src.itemsize)
             self._a, self._b = np.frombuffer(self.raw, a), np.frombuffer(self.out, b)
-            self._s = np.empty(block, scratch) if scratch else None
-            self._convert = lambda n: kernel(np, self._a[:n], self._b[:n], None if self._s is None else self._s[:n])
+            self._s = tuple(np.empty(chunk, d) for d in scratch)
+            self._np, self._chunk = np, chunk
         else:
             import torch
 
+            self.raw = bytearray(block * src.itemsize)
             self._a = torch.frombuffer(self.raw, dtype=as_torch(src)) if self.raw else None
             self._b = torch.frombuffer(self.out, dtype=as_torch(dst)) if self.out else None
-            self._convert = lambda n: self._b[:n].copy_(self._a[:n])
-        self._itemsizes = src.itemsize, dst.itemsize
+            self._np = None
 
     def convert(self, fd: int, offset: int, length: int) -> memoryview:
         """Read ``length`` bytes at ``offset`` of ``fd`` and convert them; a view of the result."""
-        raw = memoryview(self.raw)[:length]
-        got = 0
-        while got < length:
-            n = os.preadv(fd, [raw[got:]], offset + got)
-            if n <= 0:
-                raise OSError(f"a source file ended {length - got} bytes early (changed while read?)")
-            got += n
-        numel = length // self._itemsizes[0]
-        self._convert(numel)
-        return memoryview(self.out)[:numel * self._itemsizes[1]]
+        size_in, size_out = self._itemsizes
+        numel = length // size_in
+        if self._np is None:
+            _read(fd, memoryview(self.raw)[:length], offset)
+            self._b[:numel].copy_(self._a[:numel])
+        else:
+            raw = memoryview(self.raw)
+            for i in range(0, numel, self._chunk):
+                n = min(self._chunk, numel - i)
+                _read(fd, raw[:n * size_in], offset + i * size_in)
+                self._kernel(self._np, self._a[:n], self._b[i:i + n], self._s)
+        return memoryview(self.out)[:numel * size_out]
 
 
 _SPARE: dict[tuple, list[_Buffers]] = {}  # the buffers of the last finished cast, for the next
