@@ -251,8 +251,10 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
             writer = dcp.Writer(param_order=ckpt.param_order, source=ckpt.base_dir() if source_dcp else None,
                                 top_level_model=layout == "torchtitan")
     else:
-        writer, jobs = _sharded_plan(ckpt, targets, objects, ws, rank_local,
-                                     mesh_names=("fsdp",) if layout == "verl" else None)
+        # rank files' mesh names: verl's when asked; else a rank-file source's own (kept also where
+        # its files are rebuilt by torch's writer, as for --to 1); else unnamed
+        names = ("fsdp",) if layout == "verl" else ckpt.details.get("mesh_dim_names") if ckpt.format == "sharded" else None
+        writer, jobs = _sharded_plan(ckpt, targets, objects, ws, rank_local, mesh_names=tuple(names) if names else None)
     if carry is not None:
         def after(tmp: Path) -> None:
             copy_side_files(ckpt.base_dir(), carry.files, tmp)

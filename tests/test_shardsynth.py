@@ -132,3 +132,15 @@ def test_unnamed_mesh_is_said(tmp_path, capfd):
     assert "--layout verl" in capfd.readouterr().err
     ckpt_tools.convert(FIX / "llama_dcp", tmp_path / "verl", to="sharded", world_size=2, layout="verl")
     assert "--layout verl" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("to", [1, 3])
+def test_reshard_keeps_the_mesh_names(tmp_path, to):
+    """A reshard keeps the source's mesh names, also at one rank (written by torch's writer)."""
+    src = tmp_path / "verl"
+    ckpt_tools.convert(FIX / "llama_dcp", src, to="sharded", world_size=2, layout="verl", progress=False)
+    for source, names in ((src, ("fsdp",)), (FIX / "llama_sharded_ws2", None)):
+        dst = tmp_path / f"out_{names}"
+        ckpt_tools.reshard(source, dst, to=to, progress=False)
+        dt = torch.load(dst / f"model_world_size_{to}_rank_0.pt", weights_only=True)["model.norm.weight"]
+        assert dt.device_mesh.mesh_dim_names == names, source

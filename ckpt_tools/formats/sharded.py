@@ -121,6 +121,8 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
                     seen.add((d.local.storage.key, d.local.offset))
                 shape, chunk = _tree_chunk(d, rank, ws, zf, name, key)
                 details["fsdp"] = "FSDP2 (DTensor)"
+                if "mesh_dim_names" not in details:  # a loading job's mesh must have the same names
+                    details["mesh_dim_names"] = shardtree.mesh_names(d.mesh)
                 _add(pieces, ("model", key), shape, d.local.dtype, chunk, path / name)
                 continue
             local = shardtree.local_of(v)
@@ -243,6 +245,7 @@ def _tree_chunk(d: shardtree.DTensorNode, rank: int, ws: int, zf: TorchZip, file
 
 def _describe_torch(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Checkpoint:
     import torch
+    from torch.distributed.tensor import DTensor
 
     from ..safeload import load_torch
 
@@ -267,6 +270,9 @@ def _describe_torch(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
             if isinstance(v, torch.Tensor):
                 shape, chunk, mesh, kind = _chunk(v, rank, ws, loc, path / name, key)
                 details["fsdp"] = details["fsdp"] or kind
+                if isinstance(v, DTensor) and "mesh_dim_names" not in details:
+                    names = v.device_mesh.mesh_dim_names
+                    details["mesh_dim_names"] = tuple(names) if names else None
                 mesh_shape = mesh_shape or mesh
                 _add(pieces, ("model", key), shape, v.dtype, chunk, path / name)
             elif rank == 0:

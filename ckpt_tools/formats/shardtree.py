@@ -135,6 +135,12 @@ def _state_dict(node: NewObj | Reduce) -> dict:
     return state
 
 
+def mesh_names(mesh: NewObj) -> tuple[str, ...] | None:
+    """A DeviceMesh node's dimension names (None: unnamed)."""
+    names = _state_dict(mesh).get("_mesh_dim_names")
+    return tuple(str(n) for n in names) if isinstance(names, (tuple, list)) and names else None
+
+
 def dtensor_of(node: Any) -> DTensorNode | None:
     """The DTensor a node stands for (None if it is none)."""
     if type(node) is not Reduce or node.func is not FROM_TYPE:
