@@ -140,11 +140,18 @@ def staged(dst: Path, *, overwrite: bool, is_dir: bool = True) -> Iterator[Path]
     except OSError as e:
         raise DestinationError(f"{dst.parent}: cannot create it ({e.strerror})") from e
     tmp = make_staging(dst) if is_dir else _make_staging_file(dst)
+    with discarded_on_error(tmp, dst), holding(tmp), _sigterm_as_interrupt():
+        yield tmp
+        fsync_tree(tmp)
+        commit_into(tmp, dst, overwrite=overwrite)
+
+
+@contextlib.contextmanager
+def discarded_on_error(tmp: Path, dst: Path) -> Iterator[None]:
+    """Remove the staging ``tmp`` if the body fails; a failed write to ``dst`` (full disk, not
+    writable) is raised as the exit-4 error it stands for."""
     try:
-        with holding(tmp), _sigterm_as_interrupt():
-            yield tmp
-            fsync_tree(tmp)
-            commit_into(tmp, dst, overwrite=overwrite)
+        yield
     except OSError as e:
         remove_path(tmp)
         mapped = destination_error(e, dst)

@@ -37,7 +37,8 @@ MAX_EXPANDED = 1_000_000  # below this, sharing costs nothing worth refusing for
 # node types of other modules whose children are not those of a container (torchfile's
 # Reduce/NewObj, dcpmeta's records): type -> children
 _NODES: dict[type, Callable[[Any], Iterable[Any]]] = {}
-_LABELS: dict[type, Callable[[Any], str]] = {}  # type -> what to call a node in a message
+# type -> why a node of it contains itself, for the refusal (default: a corrupt or hostile file)
+_CYCLES: dict[type, Callable[[Any], str]] = {}
 
 
 class HostileTree(BadInput):
@@ -46,17 +47,19 @@ class HostileTree(BadInput):
     recursively in C: a shared or deeply nested tuple key hangs or crashes the process)."""
 
 
-def register(cls: type, children: Callable[[Any], Iterable[Any]], label: Callable[[Any], str] | None = None) -> None:
+def register(cls: type, children: Callable[[Any], Iterable[Any]], cycle: Callable[[Any], str] | None = None) -> None:
     """Teach the walker the children of ``cls`` (and its subclasses, looked up by exact type
-    first), and ``label``, what its messages call such a node (by default, the type's name)."""
+    first), and ``cycle``, what its refusal says of such a node that contains itself."""
     _NODES[cls] = children
-    if label is not None:
-        _LABELS[cls] = label
+    if cycle is not None:
+        _CYCLES[cls] = cycle
 
 
-def _label(x: Any) -> str:
-    fn = next((f for cls, f in _LABELS.items() if isinstance(x, cls)), None)
-    return fn(x) if fn is not None else type(x).__name__
+def _cycle(x: Any) -> str:
+    fn = next((f for cls, f in _CYCLES.items() if isinstance(x, cls)), None)
+    if fn is not None:
+        return fn(x)
+    return f"the pickle holds a {type(x).__name__} that contains itself; a checkpoint never does (corrupt or hostile file)"
 
 
 _LEAVES = frozenset({str, int, float, bool, bytes, type(None)})
@@ -116,16 +119,7 @@ def check_tree(tree: Any, *, where: str, max_depth: int = MAX_DEPTH) -> None:
                 total += 1
                 continue
             if cid in active:
-                what = _label(child)
-                if what.rpartition(".")[2] == "DeviceMesh":
-                    # the one cycle real saves hold: a sliced or flattened mesh and its root
-                    # refer to each other (tensor-parallel and other multi-dimensional jobs)
-                    raise HostileTree(f"{where}: its DTensors' {what} refers back to itself, as the sliced or "
-                                      "flattened mesh of a tensor-parallel or multi-dimensional job does; ckpt "
-                                      "reads per-rank files saved on 1-D and HSDP meshes only: save such a job "
-                                      "with torch.distributed.checkpoint (DCP), which ckpt reads and reshards")
-                raise HostileTree(f"{where}: the pickle holds a {what} that contains itself; "
-                                  "a checkpoint never does (corrupt or hostile file)")
+                raise HostileTree(f"{where}: {_cycle(child)}")
             if depth >= max_depth:
                 raise HostileTree(f"{where}: the pickle nests deeper than {max_depth} levels; a checkpoint "
                                    "never does (corrupt or hostile file)")

@@ -197,7 +197,7 @@ def progress_bar(total: int, desc: str, enabled: bool) -> tqdm | _NoBar:
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                disable=not enabled, file=sys.stderr, dynamic_ncols=True, leave=False)
+                file=sys.stderr, dynamic_ncols=True, leave=False)
 
 
 def run_jobs(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path, *,

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .atomic import TMP_MARK, check_destination, commit_into, destination_error, fsync_tree, holding, remove_path
+from .atomic import TMP_MARK, check_destination, commit_into, discarded_on_error, fsync_tree, holding, remove_path
 from . import lifeline
 from .describe import Checkpoint
 from .engine import Writer, progress_bar, run_jobs
@@ -118,22 +118,13 @@ def execute_torchrun(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], d
                 merged: dict[str, Any] = {}
                 for w, _ in gathered:
                     merged.update(w)
-                try:
+                with discarded_on_error(tmp, dst):
                     complete(tmp, merged)
                     fsync_tree(tmp)
                     # torchrun's launcher killed meanwhile: the run is over, nothing is published
                     # (the watchdog would end this process within its poll interval anyway)
                     lifeline.end_if_orphaned()
                     commit_into(tmp, dst, overwrite=overwrite)
-                except OSError as e:
-                    remove_path(tmp)
-                    mapped = destination_error(e, dst)
-                    if mapped is not None:
-                        raise mapped from e
-                    raise
-                except BaseException:
-                    remove_path(tmp)
-                    raise
         dist.barrier()
         if failed:
             raise failed[0]

@@ -225,12 +225,21 @@ def check_structure(f: Any, *, where: str, pickles: int = 1) -> None:
         bounded.check_tree(tree, where=where)
 
 
-def _node_label(n: Reduce) -> str:
-    return f"{n.func.module}.{n.func.name}" if isinstance(n.func, Global) else type(n).__name__
+def _cycle(n: Reduce) -> str:
+    """What a refusal says of a pickled object that contains itself."""
+    what = f"{n.func.module}.{n.func.name}" if isinstance(n.func, Global) else type(n).__name__
+    if what.rpartition(".")[2] == "DeviceMesh":
+        # the one cycle real saves hold: a sliced or flattened mesh and its root refer to each
+        # other (tensor-parallel and other multi-dimensional jobs)
+        return (f"its DTensors' {what} refers back to itself, as the sliced or flattened mesh of a "
+                "tensor-parallel or multi-dimensional job does; ckpt reads per-rank files saved on 1-D and "
+                "HSDP meshes only: save such a job with torch.distributed.checkpoint (DCP), which ckpt reads "
+                "and reshards")
+    return f"the pickle holds a {what} that contains itself; a checkpoint never does (corrupt or hostile file)"
 
 
-bounded.register(Reduce, lambda n: (n.func, n.args, n.state), _node_label)
-bounded.register(NewObj, lambda n: (n.func, n.args, n.state), _node_label)
+bounded.register(Reduce, lambda n: (n.func, n.args, n.state), _cycle)
+bounded.register(NewObj, lambda n: (n.func, n.args, n.state), _cycle)
 
 
 def _parse(data: bytes, where: str = "the pickle") -> tuple[Any, dict[str, StorageRef]]:
