@@ -31,6 +31,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from .diskio import WRITE_BYTES
 from .dtypes import DType, as_torch
 
 BLOCK_ELEMENTS = 4 << 20  # 8-16 MiB of source per block
@@ -69,7 +70,7 @@ def _ranges(cast: CastSpan, block: int) -> list[tuple[Path, int, int]]:
 # -- conversion kernels: (numpy, src values, dst values, scratch arrays) -> None, run over
 # CHUNK elements at a time, so each of their passes works in the cache
 
-CHUNK = 1 << 16
+CHUNK = 1 << 17  # 128 Ki elements: a kernel's arrays together stay within a core's L2
 _BF16_IN_F16 = (0x3880, 0x4780)  # bfloat16 magnitudes (bits) that are normal float16 numbers: [lo, hi)
 
 
@@ -78,14 +79,15 @@ def _bf16_to_f16(np: Any, u: Any, out: Any, scratch: tuple) -> None:
     by moving its bits (exponent rebased from 127 to 15, mantissa shifted left 3); the rest
     (float16 subnormals and zeros, overflow, inf, NaN: a fraction of a percent of weights) is
     looked up in the table of every value."""
-    mag, sign, odd = (x[:len(u)] for x in scratch)
+    mag, work, odd = (x[:len(u)] for x in scratch)
     np.bitwise_and(u, 0x7FFF, out=mag)
-    np.bitwise_and(u, 0x8000, out=sign)
     np.left_shift(mag, 3, out=out)  # wraps in 16 bits: the exponent's 6 low bits remain
     np.subtract(out, (127 - 15) << 10 & 0xFFFF, out=out)  # (e - 112) << 10 for 0 < e - 112 < 31
-    np.bitwise_or(out, sign, out=out)
-    np.less(mag, _BF16_IN_F16[0], out=odd)
-    np.logical_or(odd, mag >= _BF16_IN_F16[1], out=odd)
+    np.bitwise_and(u, 0x8000, out=work)
+    np.bitwise_or(out, work, out=out)
+    # outside [lo, hi) ⇔ mag - lo (wrapping) ≥ hi - lo: one comparison, no temporary
+    np.subtract(mag, _BF16_IN_F16[0], out=work)
+    np.greater_equal(work, _BF16_IN_F16[1] - _BF16_IN_F16[0], out=odd)
     if odd.any():
         at = np.flatnonzero(odd)
         out[at] = _tables()["bf16_to_f16"][u[at]]
@@ -194,9 +196,10 @@ _SPARE_LOCK = threading.Lock()
 
 
 def blocks(cast: CastSpan, *, block: int = BLOCK_ELEMENTS, use_numpy: bool = True) -> Iterator[memoryview]:
-    """The bytes of ``cast`` in ``dst``, block by block, in order. Each block is a view of a
-    reused buffer, valid until the next one is asked for. ``use_numpy=False`` converts with
-    torch even where numpy could."""
+    """The bytes of ``cast`` in ``dst``, in order, as views of at most ``WRITE_BYTES`` (what
+    one write takes, see :mod:`ckpt_tools.diskio`) into reused block buffers, each valid until
+    the next one is asked for. ``use_numpy=False``
+    converts with torch even where numpy could."""
     ranges = _ranges(cast, block)
     if not ranges:
         return
@@ -225,7 +228,9 @@ def blocks(cast: CastSpan, *, block: int = BLOCK_ELEMENTS, use_numpy: bool = Tru
                 submit()
             while pending:
                 buf, fut = pending.popleft()
-                yield fut.result()
+                done = fut.result()
+                for at in range(0, len(done), WRITE_BYTES):
+                    yield done[at:at + WRITE_BYTES]
                 free.append(buf)  # the writer is done with it: it asked for the next block
                 submit()
     finally:

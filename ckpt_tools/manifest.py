@@ -13,6 +13,8 @@ from typing import Any, NamedTuple
 
 import xxhash
 
+from .diskio import Flusher
+
 NAME = ".ckpt-manifest.json"
 WINDOW = 64 * 1024 * 1024
 
@@ -50,31 +52,34 @@ class Digest(NamedTuple):
 
 
 class Trailer:
-    """Follows a file while it is written (through ``fd``, which it does not own): background
-    threads hash each new byte range (through a small sliding mapping of the page cache, no
-    copy) and ``fdatasync`` the file as it grows, so at the end neither the checksum nor the
-    flush waits for the whole file, as ``cp`` + ``sync`` would. xxh3 and fdatasync release the GIL.
+    """Follows a file while it is written (through ``fd``, which it does not own): a background
+    thread hashes each new byte range (through a small sliding mapping of the page cache, no
+    copy) and a :class:`~ckpt_tools.diskio.Flusher` flushes the file as it grows, so at the end
+    neither the checksum nor the flush waits for the whole file, as ``cp`` + ``sync`` would.
+    xxh3 and fdatasync release the GIL.
 
-    Call :meth:`advanced` as the file grows, :meth:`finish` when it is complete; ``start`` skips
-    a prefix the digest must not cover (a header patched afterwards)."""
+    Tell it how the file grows, by :meth:`wrote` (bytes written since the last call) or
+    :meth:`advanced` (complete up to a byte); :meth:`finish` when it is complete. ``start``
+    skips a prefix the digest must not cover (a header patched afterwards)."""
 
     def __init__(self, fd: int, *, start: int = 0, every: int = 16 << 20) -> None:
-        self._fd, self._every, self._pos, self._queued = fd, every, start, start
+        self._fd, self._every, self._pos, self._queued, self._written = fd, every, start, start, 0
         self._hash = xxhash.xxh3_64()
         self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
-        self._syncer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-sync")
+        self._flusher = Flusher(fd)
         self._tasks: list[concurrent.futures.Future] = []
-        self._sync: concurrent.futures.Future | None = None
+
+    def wrote(self, n: int) -> None:
+        """``n`` more bytes were written (from the file's start)."""
+        self._written += n
+        self.advanced(self._written)
 
     def advanced(self, upto: int) -> None:
         """The file is complete up to byte ``upto``."""
         if upto - self._queued >= self._every:
+            self._flusher.wrote(upto - self._queued)
             self._queued = upto
             self._tasks.append(self._hasher.submit(self._hash_to, upto))
-            if self._sync is None or self._sync.done():  # one flush at a time; the next catches up
-                if self._sync is not None:
-                    self._sync.result()
-                self._sync = self._syncer.submit(os.fdatasync, self._fd)
 
     def _hash_to(self, upto: int) -> None:
         _hash_mapped(self._fd, self._hash, self._pos, upto)
@@ -85,9 +90,7 @@ class Trailer:
         try:
             size = os.fstat(self._fd).st_size
             self._tasks.append(self._hasher.submit(self._hash_to, size))
-            if self._sync is not None:
-                self._sync.result()
-            self._tasks.append(self._syncer.submit(os.fdatasync, self._fd))
+            self._tasks.append(self._flusher.flush())
             for t in self._tasks:
                 t.result()  # a failed read or flush (EIO, ENOSPC) fails the write
             return Digest(size, self._hash.hexdigest())
@@ -99,7 +102,7 @@ class Trailer:
         for t in self._tasks:
             t.cancel()
         self._hasher.shutdown(wait=True)
-        self._syncer.shutdown(wait=True)
+        self._flusher.close(check=False)
 
 
 class Sealer:

@@ -9,7 +9,6 @@ copied file-to-file by ``os.copy_file_range``. Round trips of the fixtures are b
 
 from __future__ import annotations
 
-import errno
 import io
 import mmap
 import os
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from . import bounded, safefs
+from .diskio import Flusher, copy_range, write_all
 from .errors import BadInput, UnsafeInput, brief
 
 try:  # zlib-ng's CRC-32 (carry-less multiply) runs 4-5x faster than the system zlib's
@@ -455,7 +455,7 @@ class TorchZipWriter:
     ``close`` adds ``version`` (and ``byteorder``) if missing, then ``.data/serialization_id``."""
 
     def __init__(self, path: str | os.PathLike, prefix: str, *, alignment: int = 64, page_phase: bool = False,
-                 fd: int | None = None) -> None:
+                 fd: int | None = None, flusher: Flusher | None = None) -> None:
         self.path, self.prefix, self.alignment = Path(path), prefix, alignment
         # copy_record puts each record's data at its first source's offset within a page, not
         # at the next multiple of ``alignment`` (padding of up to a page; the file then differs
@@ -466,6 +466,8 @@ class TorchZipWriter:
         # and the caller keeps the fd (an incomplete zip is the caller's to discard)
         self._own = fd is None
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if fd is None else fd
+        # the file is flushed to disk while it is written (the caller's flusher for a shared fd)
+        self._flusher = Flusher(self._fd) if fd is None else flusher
         self._pos, self._central, self._names = 0, bytearray(), []
         self._crc_hash = 0  # the CRC half of the serialization id, folded as torch does
 
@@ -478,15 +480,13 @@ class TorchZipWriter:
         elif self._fd is not None and not self._own:
             self._fd = None
         elif self._fd is not None:  # incomplete: leave nothing that looks like a checkpoint
+            self._flusher.close(check=False)
             os.close(self._fd)
             self._fd = None
             self.path.unlink(missing_ok=True)
 
     def _write(self, data: bytes | bytearray | memoryview) -> None:
-        view = memoryview(data)
-        while view:
-            n = os.write(self._fd, view)
-            view, self._pos = view[n:], self._pos + n
+        self._pos += write_all(self._fd, data, self._flusher)
 
     @staticmethod
     def _zip64(size: int, ofs: int, comp: int) -> bytes:
@@ -584,24 +584,8 @@ class TorchZipWriter:
         self._end(full, ofs, size, crc, head)
 
     def _copy(self, src: int, start: int, length: int, path: Any) -> None:
-        end, fast = start + length, True
-        while start < end:
-            if fast:
-                try:
-                    n = os.copy_file_range(src, self._fd, end - start, start)
-                except OSError as e:
-                    if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-                        raise
-                    fast = False
-                    continue
-                self._pos += n
-            else:
-                chunk = os.pread(src, min(end - start, 1 << 20), start)
-                n = len(chunk)
-                self._write(chunk)
-            if n == 0:
-                raise BadInput(f"{path}: ended while a record was copied from it (changed underneath?)")
-            start += n
+        copy_range(src, self._fd, start, length, what=path, flusher=self._flusher)
+        self._pos += length
 
     def close(self, name_hash: str | None = None) -> str:
         """Finish like torch's ``writeEndOfFile``; returns the serialization id written.
@@ -634,7 +618,10 @@ class TorchZipWriter:
                     + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
                                   min(cd_size, _MAX32), min(cd_ofs, _MAX32), 0))
         if self._own:
-            os.close(self._fd)
+            try:
+                self._flusher.close()
+            finally:
+                os.close(self._fd)
         self._fd = None
         return sid.decode()
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from .. import metapickle as mp
 from ..describe import Checkpoint, ObjectInfo
+from ..diskio import Flusher, copy_range
 from ..errors import BadInput
 from ..torchfile import Global, NewObj, Reduce, StorageRef, TorchZipWriter, dumps, loads_blob
 from .dcp import METADATA, canonical, dcp_key
@@ -286,55 +287,59 @@ class Writer:
                     raise NotNative("an object that is not plain data")
 
     def write(self, path: Path, job, pieces, objects) -> list:
-        from ..castio import CastSpan, blocks
-        from ..engine import Span
-
-        records = []
+        records: list = []
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            it = iter(pieces)
-            for i, p in enumerate(job.pieces):
-                got, values = next(it)
-                if got is not p:
-                    raise RuntimeError("the engine's stream is out of the plan's order")
-                start = os.lseek(fd, 0, os.SEEK_CUR)
-                with TorchZipWriter(path, "archive", fd=fd) as z:
-                    z.write_record("data.pkl", tensor_pickle(p.target.dtype, p.sizes))
-                    for name, data in _SMALL:
-                        z.write_record(name, data)
-                    if isinstance(values, Span):
-                        z.copy_record("data/0", values.parts)
-                    elif isinstance(values, CastSpan):
-                        z.write_stream("data/0", values.nbytes, blocks(values))
-                    else:
-                        from .hf import tensor_bytes
-
-                        z.write_record("data/0", tensor_bytes(values))
-                    z.close(name_hash=TENSOR_NAME_HASH)
-                records.append(("tensor", i, start, os.lseek(fd, 0, os.SEEK_CUR) - start))
-            for i, o in enumerate(job.objects):
-                if self._as_saved(o):
-                    start = os.lseek(fd, 0, os.SEEK_CUR)
-                    loc = o.location
-                    with open(self.root / loc.file, "rb") as src:
-                        _copy(src.fileno(), fd, loc.offset, loc.length, self.root / loc.file)
-                    # the object's index: finish() takes its path from the plan
-                    records.append(("object", i, start, loc.length))
-            for key, obj_path, leaf in self._rest(job):
-                start = os.lseek(fd, 0, os.SEEK_CUR)
-                if leaf.blob is not None:
-                    with open(leaf.blob[0], "rb") as src:
-                        _copy(src.fileno(), fd, leaf.blob[1], leaf.blob[2], leaf.blob[0])
-                else:
-                    with TorchZipWriter(path, "archive", fd=fd) as z:
-                        z.write_record("data.pkl", dumps(leaf.value))
-                        for name, data in _SMALL:
-                            z.write_record(name, data)
-                        z.close(name_hash=OBJECT_NAME_HASH)
-                records.append(("bytes", (key, obj_path), start, os.lseek(fd, 0, os.SEEK_CUR) - start))
+            with Flusher(fd) as flusher:  # the file reaches the disk while it is written
+                self._write_items(path, fd, flusher, job, pieces, records)
         finally:
             os.close(fd)
         return records
+
+    def _write_items(self, path: Path, fd: int, flusher: Flusher, job, pieces, records: list) -> None:
+        from ..castio import CastSpan, blocks
+        from ..engine import Span
+
+        it = iter(pieces)
+        for i, p in enumerate(job.pieces):
+            got, values = next(it)
+            if got is not p:
+                raise RuntimeError("the engine's stream is out of the plan's order")
+            start = os.lseek(fd, 0, os.SEEK_CUR)
+            with TorchZipWriter(path, "archive", fd=fd, flusher=flusher) as z:
+                z.write_record("data.pkl", tensor_pickle(p.target.dtype, p.sizes))
+                for name, data in _SMALL:
+                    z.write_record(name, data)
+                if isinstance(values, Span):
+                    z.copy_record("data/0", values.parts)
+                elif isinstance(values, CastSpan):
+                    z.write_stream("data/0", values.nbytes, blocks(values))
+                else:
+                    from .hf import tensor_bytes
+
+                    z.write_record("data/0", tensor_bytes(values))
+                z.close(name_hash=TENSOR_NAME_HASH)
+            records.append(("tensor", i, start, os.lseek(fd, 0, os.SEEK_CUR) - start))
+        for i, o in enumerate(job.objects):
+            if self._as_saved(o):
+                start = os.lseek(fd, 0, os.SEEK_CUR)
+                loc = o.location
+                with open(self.root / loc.file, "rb") as src:
+                    copy_range(src.fileno(), fd, loc.offset, loc.length, what=self.root / loc.file, flusher=flusher)
+                # the object's index: finish() takes its path from the plan
+                records.append(("object", i, start, loc.length))
+        for key, obj_path, leaf in self._rest(job):
+            start = os.lseek(fd, 0, os.SEEK_CUR)
+            if leaf.blob is not None:
+                with open(leaf.blob[0], "rb") as src:
+                    copy_range(src.fileno(), fd, leaf.blob[1], leaf.blob[2], what=leaf.blob[0], flusher=flusher)
+            else:
+                with TorchZipWriter(path, "archive", fd=fd, flusher=flusher) as z:
+                    z.write_record("data.pkl", dumps(leaf.value))
+                    for name, data in _SMALL:
+                        z.write_record(name, data)
+                    z.close(name_hash=OBJECT_NAME_HASH)
+            records.append(("bytes", (key, obj_path), start, os.lseek(fd, 0, os.SEEK_CUR) - start))
 
     def finish(self, out: Path, jobs, written: dict) -> None:
         parts: dict[str, list] = {}  # a part directory (accelerate's pytorch_model_fsdp_0/) each
@@ -378,15 +383,6 @@ class Writer:
         # written last, as dcp.save does: a reader that finds it knows the data files are complete
         with open(out / METADATA, "wb") as f:
             f.write(mp.dumps(meta))
-
-
-def _copy(src: int, dst: int, offset: int, length: int, path: Path) -> None:
-    from .hf import _copy_range
-
-    try:
-        _copy_range(src, dst, offset, length)
-    except BadInput as e:
-        raise BadInput(f"{path}: {e}") from e
 
 
 def native_writer(ckpt: Checkpoint, jobs, *, param_order: tuple[str, ...], extras: bool = False,

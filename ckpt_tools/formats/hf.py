@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..describe import Checkpoint, Chunk, FileEntry, Location, TensorInfo
+from ..diskio import copy_range, write_all
 from ..dtypes import DType
 from .. import safefs
 from ..errors import BadInput
@@ -182,29 +183,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy())
 
 
-def _write_all(f, data) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = f.write(view)
-        view = view[n:]
-
-
-def _copy_range(src_fd: int, dst_fd: int, offset: int, length: int) -> None:
-    """Copy ``length`` bytes at ``offset`` of ``src_fd`` to ``dst_fd``'s position, in the kernel."""
-    while length:
-        try:
-            n = os.copy_file_range(src_fd, dst_fd, length, offset)
-        except OSError:
-            n = 0
-        if n == 0:  # not supported here (or across filesystems): read and write instead
-            block = os.pread(src_fd, min(length, 64 << 20), offset)
-            if not block:
-                raise BadInput(f"source ended {length} bytes early; truncated")
-            n = os.write(dst_fd, block)
-        offset += n
-        length -= n
-
-
 class Writer:
     """safetensors: one file, or shards of ``max_shard_size`` with HF's names and index.
 
@@ -254,23 +232,18 @@ class Writer:
             # a lone file's checksum covers its data (the header is patched after); a shard's, all of it
             trailer = Trailer(f.fileno(), start=data_start if self.single_file else 0)
             try:
-                _write_all(f, struct.pack("<Q", len(raw)) + raw)
-                pos = data_start
+                write_all(f.fileno(), struct.pack("<Q", len(raw)) + raw, trailer)
                 for p, values in pieces:
                     if isinstance(values, Span):
                         for src, offset, length in values.parts:
                             if src not in sources:
                                 sources[src] = os.open(src, os.O_RDONLY)
-                            _copy_range(sources[src], f.fileno(), offset, length)
+                            copy_range(sources[src], f.fileno(), offset, length, what=src, flusher=trailer)
                     elif isinstance(values, CastSpan):
-                        written = f.tell()
                         for block in blocks(values):
-                            _write_all(f, block)
-                            trailer.advanced(written := written + len(block))
+                            write_all(f.fileno(), block, trailer)
                     else:
-                        _write_all(f, tensor_bytes(values))
-                    pos += p.nbytes
-                    trailer.advanced(pos)
+                        write_all(f.fileno(), tensor_bytes(values), trailer)
                 digest = trailer.finish()
             except BaseException:
                 trailer.close()
