@@ -6,6 +6,9 @@
     python bench/bench.py verl [--gb 1.2] [--repeat 5]     # verl FSDP2 actor -> HF: cp, ckpt export, verl.model_merger
 
 Each tool runs in its own process, once per round (5 rounds, medians reported); peak RSS (total and anonymous) is sampled from /proc every 20 ms.
+In `paths`, each path runs right after its baseline (`cp -r` of its source, or `cat` of it for
+`verify`), and its ratio is the median of those pairs. ckpt_tools is compiled to bytecode first, as
+`pip install` does.
 Page cache is not dropped between runs (no root assumed): every tool reads warm files, cp included.
 """
 
@@ -121,21 +124,46 @@ class Peak:
 REPEAT = 5
 
 
-def timed_rounds(tools: list[tuple[str, list[str], Path]], clean_after: bool = False) -> list[dict]:
+def timed_rounds(tools: list[tuple[str, list[str], Path]], clean_after: bool = False,
+                 bases: dict[str, str] | None = None) -> list[dict]:
     """Run every tool once per round, REPEAT rounds (removing its output before each run); report
     each tool's median run. Rounds, not one tool's runs back to back: a virtual disk's speed
-    drifts over a minute, and every tool should meet the same drift."""
+    drifts over a minute, and every tool should meet the same drift.
+
+    With ``bases`` (tool → the name of its baseline, another of ``tools``), each such tool runs
+    right after a fresh run of its baseline, and its row also gets ``ratio``: the median over
+    rounds of its time over that baseline's just before. A baseline then runs only paired, and
+    its row is the median of all its runs. Pairs, because this disk's speed for the same copy
+    drifts by 2x within a minute: a ratio of two runs seconds apart is what one can trust."""
+    bases = bases or {}
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in tools}
+    by_name = {name: (argv, out) for name, argv, out in tools}
+
+    def once(name: str) -> dict:
+        argv, out = by_name[name]
+        r = _timed_once(name, argv, out)
+        runs[name].append(r)
+        if clean_after and out.exists():  # many outputs at once would push the sources out of the cache
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        return r
+
+    paired = set(bases.values())
     for _ in range(REPEAT):
-        for name, argv, out in tools:
-            runs[name].append(_timed_once(name, argv, out))
-            if clean_after and out.exists():  # many outputs at once would push the sources out of the cache
-                shutil.rmtree(out) if out.is_dir() else out.unlink()
+        for name, _, _ in tools:
+            if name in bases:
+                base = once(bases[name])
+                run = once(name)
+                run["ratio"] = run["seconds"] / max(base["seconds"], 1e-9)
+            elif name not in paired:
+                once(name)
     rows = []
     for name, _, _ in tools:
         ordered = sorted(runs[name], key=lambda r: r["seconds"])
         row = dict(ordered[len(ordered) // 2])
         row["all_seconds"] = [r["seconds"] for r in runs[name]]
+        if name in bases:
+            ratios = sorted(r["ratio"] for r in runs[name])
+            row["ratio"], row["all_ratios"] = ratios[len(ratios) // 2], [round(x, 2) for x in ratios]
         rows.append(row)
     return rows
 
@@ -248,10 +276,12 @@ def bench_paths(work: Path, gb: float) -> tuple[list[dict], dict[str, str]]:
          work / "o7", "cp -r ws8"),
         ("`convert` sharded 8 → dcp, 2 ranks", [*ck, "convert", str(ws8), str(work / "o8"), "--to", "dcp",
                                                 "--world-size", "2", "--quiet"], work / "o8", "cp -r ws8"),
-        ("`verify` of the 8-rank checkpoint alone", [*ck, "verify", str(ws8), "--quiet"], work / "none", "cp -r ws8"),
+        ("`verify` of the 8-rank checkpoint alone", [*ck, "verify", str(ws8), "--quiet"], work / "none",
+         "cat ws8 > /dev/null"),
     ]
-    rows = timed_rounds([(name, argv, out) for name, argv, out, _ in tools], clean_after=True)
-    return rows, {name: base for name, _, _, base in tools if base}
+    bases = {name: base for name, _, _, base in tools if base}
+    rows = timed_rounds([(name, argv, out) for name, argv, out, _ in tools], clean_after=True, bases=bases)
+    return rows, bases
 
 
 def make_verl_actor(dst: Path, gb: float, world: int) -> None:
@@ -355,17 +385,25 @@ def _cast_equal(fp32: Path, bf16: Path) -> tuple[bool, str]:
 
 
 def paths_table(rows: list[dict], bases: dict[str, str]) -> str:
-    by = {r["tool"]: r for r in rows}
-    lines = ["| path | time (s) | x cp | peak anon MiB |", "|---|---|---|---|"]
+    lines = ["| path | time (s) | × its baseline (median of pairs; range) | peak anon MiB |", "|---|---|---|---|"]
     for r in rows:
         base = bases.get(r["tool"])
-        ratio = f"{r['seconds'] / by[base]['seconds']:.2f}" if base else "1.00" if r["tool"].startswith("cp") else "-"
+        ratio = (f"{r['ratio']:.2f} × {base.split()[0]} ({min(r['all_ratios']):.2f}-{max(r['all_ratios']):.2f})"
+                 if base else "baseline")
         lines.append(f"| {r['tool']} | {r['seconds']:.2f} | {ratio} | {r['peak_anon'] / 2**20:.0f} |"
                      + ("" if r["ok"] else " FAILED"))
-    verify, cat = by.get("`verify` of the 8-rank checkpoint alone"), by.get("cat ws8 > /dev/null")
-    if verify and cat:
-        lines.append(f"\n`verify` alone / `cat` of the same files: {verify['seconds'] / cat['seconds']:.2f}")
     return "\n".join(lines)
+
+
+def compile_package() -> None:
+    """Compile ckpt_tools' modules to bytecode first, as ``pip install`` does: from a source
+    checkout run with PYTHONDONTWRITEBYTECODE, every run would otherwise compile the package
+    again (about 80 ms of each ckpt run, which no installed copy pays)."""
+    import compileall
+
+    import ckpt_tools
+
+    compileall.compile_dir(str(Path(ckpt_tools.__file__).parent), quiet=1)
 
 
 def main() -> None:
@@ -379,6 +417,7 @@ def main() -> None:
     REPEAT = max(1, args.repeat)
     work = Path(args.out or tempfile.mkdtemp(prefix="ckpt-bench-"))
     work.mkdir(parents=True, exist_ok=True)
+    compile_package()
     try:
         gb = args.gb or {"export": 1.5, "reshard": 2.0, "paths": 1.4, "verl": 1.2}[args.which]
         if args.which == "verl":
@@ -394,7 +433,7 @@ def main() -> None:
         if args.which == "paths":
             rows, bases = bench_paths(work, gb)
             print(f"\npaths, {gb} GiB bf16 DCP / {gb * 1.36:.2f} GiB fp32+AdamW 8 ranks, {os.cpu_count()} cores, "
-                  f"torch {torch.__version__}, median of {REPEAT} interleaved rounds\n")
+                  f"torch {torch.__version__}, {REPEAT} rounds; each path right after its baseline\n")
             print(paths_table(rows, bases))
             print(json.dumps(rows))
             return
