@@ -218,7 +218,7 @@ def bench_export(work: Path, gb: float) -> list[dict]:
         ("torch dcp_to_torch_save", py(
             "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
             f"dcp_to_torch_save({str(src)!r}, {str(work / 'dcp.pt')!r})"), work / "dcp.pt"),
-    ])
+    ], clean_after=True)  # one output on disk at a time: a 12.5 GiB run fits a 64 GiB disk
 
 
 def bench_reshard(work: Path, gb: float) -> list[dict]:
