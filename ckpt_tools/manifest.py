@@ -58,28 +58,23 @@ class Trailer:
     neither the checksum nor the flush waits for the whole file, as ``cp`` + ``sync`` would.
     xxh3 and fdatasync release the GIL.
 
-    Tell it how the file grows, by :meth:`wrote` (bytes written since the last call) or
-    :meth:`advanced` (complete up to a byte); :meth:`finish` when it is complete. ``start``
-    skips a prefix the digest must not cover (a header patched afterwards)."""
+    Tell it each write by :meth:`wrote`, and :meth:`finish` when the file is complete;
+    ``start`` skips a prefix the digest must not cover (a header patched afterwards)."""
 
     def __init__(self, fd: int, *, start: int = 0, every: int = 16 << 20) -> None:
         self._fd, self._every, self._pos, self._queued, self._written = fd, every, start, start, 0
         self._hash = xxhash.xxh3_64()
         self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
-        self._flusher = Flusher(fd)
+        self._flusher = Flusher(fd, every=every)
         self._tasks: list[concurrent.futures.Future] = []
 
     def wrote(self, n: int) -> None:
-        """``n`` more bytes were written (from the file's start)."""
+        """``n`` more bytes were written (counted from the file's start)."""
+        self._flusher.wrote(n)
         self._written += n
-        self.advanced(self._written)
-
-    def advanced(self, upto: int) -> None:
-        """The file is complete up to byte ``upto``."""
-        if upto - self._queued >= self._every:
-            self._flusher.wrote(upto - self._queued)
-            self._queued = upto
-            self._tasks.append(self._hasher.submit(self._hash_to, upto))
+        if self._written - self._queued >= self._every:
+            self._queued = self._written
+            self._tasks.append(self._hasher.submit(self._hash_to, self._written))
 
     def _hash_to(self, upto: int) -> None:
         _hash_mapped(self._fd, self._hash, self._pos, upto)

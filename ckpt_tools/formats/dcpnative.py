@@ -287,19 +287,19 @@ class Writer:
                     raise NotNative("an object that is not plain data")
 
     def write(self, path: Path, job, pieces, objects) -> list:
-        records: list = []
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             with Flusher(fd) as flusher:  # the file reaches the disk while it is written
-                self._write_items(path, fd, flusher, job, pieces, records)
+                return self._write_items(path, fd, flusher, job, pieces)
         finally:
             os.close(fd)
-        return records
 
-    def _write_items(self, path: Path, fd: int, flusher: Flusher, job, pieces, records: list) -> None:
+    def _write_items(self, path: Path, fd: int, flusher: Flusher, job, pieces) -> list:
+        """Each item, written at ``fd``'s position: ``(kind, which, offset, length)`` each."""
         from ..castio import CastSpan, blocks
         from ..engine import Span
 
+        records = []
         it = iter(pieces)
         for i, p in enumerate(job.pieces):
             got, values = next(it)
@@ -340,6 +340,7 @@ class Writer:
                         z.write_record(name, data)
                     z.close(name_hash=OBJECT_NAME_HASH)
             records.append(("bytes", (key, obj_path), start, os.lseek(fd, 0, os.SEEK_CUR) - start))
+        return records
 
     def finish(self, out: Path, jobs, written: dict) -> None:
         parts: dict[str, list] = {}  # a part directory (accelerate's pytorch_model_fsdp_0/) each
