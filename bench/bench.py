@@ -76,7 +76,7 @@ def make_sharded_with_adam(dst: Path, gb: float, world: int) -> None:
     """A verl-style fp32 checkpoint (model + AdamW exp_avg/exp_avg_sq + step) at ``world`` ranks,
     built from a synthetic HF model through ckpt's own sharded writer (one third model)."""
     import ckpt_tools
-    from ckpt_tools.describe import TensorInfo
+    from ckpt_tools.core.describe import TensorInfo
     from ckpt_tools.formats import describe
 
     tmp = dst.parent / "hf_src"
@@ -311,7 +311,7 @@ def _name_mesh(dst: Path, world: int) -> None:
     (``init_device_mesh(..., mesh_dim_names=["fsdp"])``): verl's merger asserts that name, and
     ckpt's sharded writer, building files from an HF source, leaves the mesh unnamed (as a
     plain ``fully_shard`` job's default mesh is)."""
-    from ckpt_tools.safeload import load_torch
+    from ckpt_tools.security.safeload import load_torch
 
     for r in range(world):
         f = dst / f"model_world_size_{world}_rank_{r}.pt"

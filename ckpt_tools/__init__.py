@@ -8,14 +8,13 @@ Every ``ckpt`` command is also a plain function here::
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .errors import BadInput, CkptError, DestinationError, UsageError, VerifyFailed  # noqa: E402
-from .convert import convert, export, reshard  # noqa: E402
-from .estimate import estimate  # noqa: E402
-from .inspect import inspect  # noqa: E402
-from .shard import shard  # noqa: E402
-from .verify import verify  # noqa: E402
+from .commands.convert import convert, export, reshard  # noqa: E402
+from .commands.estimate import estimate  # noqa: E402
+from .commands.inspect import inspect  # noqa: E402
+from .commands.shard import shard  # noqa: E402
+from .commands.verify import verify  # noqa: E402
 
 
 __all__ = ["__version__", "inspect", "convert", "export", "reshard", "shard", "verify", "estimate",

@@ -1,4 +1,4 @@
-from ckpt_tools.lifeline import tie_to_launcher
+from ckpt_tools.runtime.lifeline import tie_to_launcher
 
 tie_to_launcher()  # under torchrun: end with the launcher, even if it dies while we start up
 

@@ -63,17 +63,17 @@ def emit_json(obj: Any) -> None:
 @command
 def inspect_cmd(path: str, as_json: bool, tensors: bool, progress: bool) -> None:
     """Say what the checkpoint at PATH is and what it holds (reads headers only)."""
-    from ckpt_tools.inspect import format_summary
+    from ckpt_tools.commands.inspect import format_summary
 
     info = ckpt_tools.inspect(path, tensors=tensors)
     emit_json(info) if as_json else click.echo(format_summary(info))
 
 
 def _report(report: dict, progress: bool) -> None:
-    from ckpt_tools.scaleout import torchrun_rank
+    from ckpt_tools.engine.scaleout import torchrun_rank
 
     if progress and torchrun_rank() == 0:
-        from ckpt_tools.inspect import human_bytes
+        from ckpt_tools.commands.inspect import human_bytes
 
         n, size = report.get("num_tensors"), report.get("total_bytes")
         click.echo(f"wrote {report['dst']} ({report['format']}"
@@ -160,7 +160,7 @@ def reshard_cmd(src, dst, to, from_, workers, rank_local, overwrite, progress):
 @command
 def shard_cmd(model, dst, ranks, fmt, device, mixed_precision, cpu_offload, with_optimizer, check, overwrite, progress):
     """Load Hugging Face MODEL, shard it with FSDP2 over --ranks ranks, save a checkpoint at DST."""
-    from ckpt_tools.shard import shard
+    from ckpt_tools.commands.shard import shard
 
     report = shard(model, dst, ranks=ranks, format=fmt, device=device, mixed_precision=mixed_precision,
                    cpu_offload=cpu_offload, with_optimizer=with_optimizer, overwrite=overwrite, check=check,
@@ -185,7 +185,7 @@ def verify_cmd(a, b, as_json, atol, rtol, nan_check, progress):
     """Check checkpoint A (manifest checksums, shard coverage, every tensor readable), or
     compare A with B (any formats and world sizes) bit for bit, or within --atol/--rtol.
     Exits 1 when anything differs or is damaged."""
-    from ckpt_tools.verify import format_report, verify
+    from ckpt_tools.commands.verify import format_report, verify
 
     report = verify(a, b, atol=atol, rtol=rtol, nan_check=nan_check, progress=progress)
     emit_json(report) if as_json else click.echo(format_report(report))
@@ -199,7 +199,7 @@ def verify_cmd(a, b, as_json, atol, rtol, nan_check, progress):
 def clean_cmd(dst, progress):
     """Remove what interrupted runs writing DST left beside it (hidden .DST.ckpt-tmp-* staging);
     staging a live run is writing is kept."""
-    from ckpt_tools.atomic import clean_staging
+    from ckpt_tools.storage.atomic import clean_staging
 
     result = clean_staging(dst)
     for p in result["removed"]:

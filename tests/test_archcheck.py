@@ -20,9 +20,9 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from ckpt_tools import archcheck
+from ckpt_tools.hf import archcheck
 from ckpt_tools.cli.main import main as cli
-from ckpt_tools.dtypes import DType
+from ckpt_tools.core.dtypes import DType
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
 

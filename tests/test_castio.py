@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import ckpt_tools
-from ckpt_tools.castio import CastSpan, blocks
-from ckpt_tools.dtypes import DType
+from ckpt_tools.storage.castio import CastSpan, blocks
+from ckpt_tools.core.dtypes import DType
 
 FLOATS = ["float32", "bfloat16", "float16", "float64"]
 

@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 import ckpt_tools
 from ckpt_tools.cli.main import main as cli
 from ckpt_tools.formats import describe
-from ckpt_tools.reader import Reader
+from ckpt_tools.engine.reader import Reader
 
 try:
     from dist import run_ranks

@@ -19,12 +19,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import ckpt_tools
-from ckpt_tools import metapickle as mp
-from ckpt_tools.convert import DTYPES, layout_dcp
-from ckpt_tools.engine import execute
+from ckpt_tools.codecs import metapickle as mp
+from ckpt_tools.commands.convert import DTYPES, layout_dcp
+from ckpt_tools.engine.execute import execute
 from ckpt_tools.formats import dcp, dcpnative, describe
-from ckpt_tools.plan import targets_from
-from ckpt_tools.torchfile import TorchZipWriter, dumps
+from ckpt_tools.core.plan import targets_from
+from ckpt_tools.security.torchfile import TorchZipWriter, dumps
 
 try:
     from dist import run_ranks
@@ -131,7 +131,7 @@ def _sharded_with_moments(tmp_path: Path) -> Path:
     """Sharded at 2 ranks with Adam-like moments and no param groups (as bench.py builds it)."""
     from dataclasses import replace
 
-    from ckpt_tools.describe import TensorInfo
+    from ckpt_tools.core.describe import TensorInfo
 
     ck = describe(_mixed_hf(tmp_path))
     moments = [TensorInfo("optimizer", f"state.{t.name}.exp_avg", t.shape, t.dtype, t.chunks, t.name, "exp_avg")

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import save_file
 
 import ckpt_tools
-from ckpt_tools import diskio
-from ckpt_tools.castio import CastSpan, blocks
-from ckpt_tools.dtypes import DType
+from ckpt_tools.storage import diskio
+from ckpt_tools.storage.castio import CastSpan, blocks
+from ckpt_tools.core.dtypes import DType
 from ckpt_tools.errors import BadInput
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ckpt_tools
-from ckpt_tools.dtypes import DType, as_torch
+from ckpt_tools.core.dtypes import DType, as_torch
 
 NAMES = ["float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "complex64", "complex128",
          "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool"]

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from ckpt_tools.errors import BadInput, UsageError
-from ckpt_tools.estimate import estimate, plan_memory, unit_of
+from ckpt_tools.commands.estimate import estimate, plan_memory, unit_of
 
 LLAMA2_7B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,

@@ -24,9 +24,9 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 import ckpt_tools
-from ckpt_tools.atomic import TMP_MARK
+from ckpt_tools.storage.atomic import TMP_MARK
 from ckpt_tools.cli.main import main
-from ckpt_tools.verify import verify
+from ckpt_tools.commands.verify import verify
 
 LAYERS = 24  # 24 x 1024 x 1024 float32 = 96 MiB
 

@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 import ckpt_tools
-from ckpt_tools.atomic import TMP_MARK
+from ckpt_tools.storage.atomic import TMP_MARK
 from ckpt_tools.cli.main import main
 from capped import run_batch
 
@@ -167,7 +167,7 @@ def test_staging_of_a_live_run_is_neither_reported_nor_removed(fixtures_dir: Pat
 
 def test_a_running_conversion_locks_its_staging(fixtures_dir: Path, tmp_path: Path) -> None:
     """The lock is real: while ckpt writes, its staging cannot be locked by anyone else."""
-    from ckpt_tools.atomic import staged
+    from ckpt_tools.storage.atomic import staged
 
     dst = tmp_path / "out"
     with staged(dst, overwrite=False) as tmp:

@@ -249,7 +249,7 @@ def test_verl_fsdp1_model_exports(verl_fsdp1_save, tmp_path):
     dst = tmp_path / "hf"
     _ckpt("export", str(verl_fsdp1_save), str(dst), "--quiet")
     sd = load_file(dst / "model.safetensors")
-    from ckpt_tools.safeload import load_torch  # torch.load(weights_only=True), DTensor globals allowed
+    from ckpt_tools.security.safeload import load_torch  # torch.load(weights_only=True), DTensor globals allowed
 
     ranks = [load_torch(verl_fsdp1_save / f"model_world_size_4_rank_{r}.pt") for r in range(4)]
     assert sorted(sd) == sorted(ranks[0])

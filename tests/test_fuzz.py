@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ckpt_tools.errors import BadInput, CkptError, UnsafeInput
 from ckpt_tools.formats import dcp, hf
-from ckpt_tools.dcpmeta import load_dcp_metadata
+from ckpt_tools.security.dcpmeta import load_dcp_metadata
 
 FUZZ = settings(max_examples=200, deadline=2000, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckpt_tools import bounded
-from ckpt_tools.dcpmeta import load_dcp_metadata
+from ckpt_tools.security import bounded
+from ckpt_tools.security.dcpmeta import load_dcp_metadata
 from ckpt_tools.errors import CkptError
-from ckpt_tools.torchfile import TorchZip, loads
+from ckpt_tools.security.torchfile import TorchZip, loads
 
 FUZZ = settings(max_examples=150, deadline=3000, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

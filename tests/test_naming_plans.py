@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckpt_tools.describe import Chunk, Location, TensorInfo
-from ckpt_tools.dtypes import DType
+from ckpt_tools.core.describe import Chunk, Location, TensorInfo
+from ckpt_tools.core.dtypes import DType
 from ckpt_tools.naming import torchtitan
-from ckpt_tools.plan import Target, permuted_rows
+from ckpt_tools.core.plan import Target, permuted_rows
 
 
 @pytest.mark.parametrize("n_heads,head_dim", [(1, 2), (4, 8), (2, 16), (8, 4)])

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from ckpt_tools import formats
 from ckpt_tools.errors import BadInput
-from ckpt_tools.reader import Reader
+from ckpt_tools.engine.reader import Reader
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 REFERENCE_BIN = FIXTURES / "llama_torch" / "pytorch_model.bin"

@@ -29,9 +29,9 @@ from click.testing import CliRunner
 
 import ckpt_tools
 from ckpt_tools.cli.main import main as cli
-from ckpt_tools.describe import chunk_rows
+from ckpt_tools.core.describe import chunk_rows
 from ckpt_tools.formats import describe
-from ckpt_tools.reader import Reader
+from ckpt_tools.engine.reader import Reader
 
 try:
     from dist import run_ranks
@@ -373,9 +373,9 @@ def test_reshard_reads_each_source_file_a_few_times(tmp_path, monkeypatch):
     torch.load is not called at all."""
     import collections
 
-    import ckpt_tools.safeload as safeload
+    import ckpt_tools.security.safeload as safeload
     from ckpt_tools.formats import shardtree
-    from ckpt_tools.torchfile import TorchZip
+    from ckpt_tools.security.torchfile import TorchZip
 
     parses: collections.Counter = collections.Counter()
     loads: collections.Counter = collections.Counter()
@@ -443,7 +443,7 @@ def test_files_rebuilt_from_pickle_trees_load_as_torch_writes_them(tmp_path, mon
     records copied by the kernel) gives files that torch.load reads exactly as it reads the
     files written through torch.save: same keys, DTensor meshes, coordinates, specs, bits."""
     from ckpt_tools.formats import shardtree
-    from ckpt_tools.safeload import load_torch
+    from ckpt_tools.security.safeload import load_torch
 
     trees, saved = tmp_path / "trees", tmp_path / "saved"
     ckpt_tools.reshard(FIXTURES / fixture, trees, to=to, progress=False)

@@ -17,14 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckpt_tools.errors import BadInput, DestinationError, UsageError
-from ckpt_tools.shard import (
-    build_meta_model,
-    commit,
-    plan_reads,
-    read_sources,
-    shard,
-    transformer_blocks,
-)
+from ckpt_tools.commands.shard import build_meta_model, commit, plan_reads, read_sources, shard, transformer_blocks
 
 try:
     from dist import run_ranks
@@ -224,7 +217,7 @@ def test_spawned_ranks_mixed_precision_offload_overwrite(sources, tmp_path):
     assert sorted(p.name for p in dst.iterdir()) == [
         ".ckpt-manifest.json", "fsdp_config.json", "huggingface",
         "model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"]
-    from ckpt_tools.verify import verify
+    from ckpt_tools.commands.verify import verify
 
     checked = verify(dst, progress=False)  # the manifest, written last, lists every rank's file
     assert checked["ok"], checked["problems"] or checked["mismatches"]
@@ -248,7 +241,7 @@ def _failing_rank(ctx, kind):
 
 @pytest.mark.parametrize("kind", ["ckpt", "bug"])
 def test_a_failing_rank_stops_the_job(kind):
-    from ckpt_tools.launch import RankFailed, run
+    from ckpt_tools.runtime.launch import RankFailed, run
 
     expected = DestinationError if kind == "ckpt" else RankFailed
     with pytest.raises(expected, match="out of space" if kind == "ckpt" else "rank 1 of 2 failed: ValueError: boom"):
@@ -296,7 +289,7 @@ def _offline_cache(tmp_path, monkeypatch) -> Path:
 
 
 def test_offline_hub_id_from_the_cache(sources, tmp_path, monkeypatch):
-    from ckpt_tools.shard import fetch_model
+    from ckpt_tools.commands.shard import fetch_model
 
     cache = _offline_cache(tmp_path, monkeypatch)
     repo = cache / "models--someorg--tiny"

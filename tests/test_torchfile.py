@@ -24,10 +24,10 @@ import torch
 import torch.distributed.tensor  # noqa: F401 - makes DTensor & co. safe globals for weights_only loads
 from torch.distributed.tensor import DTensor
 
-from ckpt_tools import torchfile
+from ckpt_tools.security import torchfile
 from ckpt_tools.errors import BadInput, UnsafeInput
-from ckpt_tools.torchfile import (Global, NewObj, Reduce, StorageRef, TorchZip, TorchZipWriter, crc32_combine,
-                                  dumps, loads)
+from ckpt_tools.security.torchfile import (Global, NewObj, Reduce, StorageRef, TorchZip, TorchZipWriter,
+                                           crc32_combine, dumps, loads)
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import save_file
 
 import ckpt_tools
-from ckpt_tools import manifest
+from ckpt_tools.storage import manifest
 from ckpt_tools.errors import BadInput, UsageError
-from ckpt_tools.verify import format_report, verify
+from ckpt_tools.commands.verify import format_report, verify
 
 SRC_NAME = "llama_sharded_ws2"
 NUM_TENSORS = 84  # 21 model + 63 optimizer (exp_avg, exp_avg_sq, step per parameter)

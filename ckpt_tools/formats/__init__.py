@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from ..describe import Checkpoint, check_coverage
-from .. import bounded, safefs
+from ..core.describe import Checkpoint, check_coverage
+from ..security import bounded, safefs
 from ..errors import BadInput
 from . import dcp, hf, sharded, torchsave
 

@@ -7,11 +7,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo
-from ..dtypes import as_torch
-from .. import bounded, safefs
+from ..core.describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo
+from ..core.dtypes import as_torch
+from ..security import bounded, safefs
 from ..errors import BadInput, brief
-from ..dcpmeta import load_dcp_metadata
+from ..security.dcpmeta import load_dcp_metadata
 
 METADATA = ".metadata"
 ACCELERATE_MODEL = re.compile(r"^pytorch_model_fsdp_(\d+)$")
@@ -79,7 +79,7 @@ def _param_order(path: Path, tensors: list[TensorInfo], objects: list[ObjectInfo
 
 
 def _describe_one(path: Path, prefix: str):
-    from ..dcpmeta import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+    from ..security.dcpmeta import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
     meta = load_dcp_metadata(path / METADATA)
     storage = meta.storage_data or {}
@@ -173,7 +173,7 @@ def _load_item(blob: bytes, *, where: str) -> Any:
     holds plain data only; otherwise torch's weights_only loader reads it, or refuses it."""
     import io
 
-    from ..torchfile import Global, NewObj, Reduce, StorageRef, loads_blob
+    from ..security.torchfile import Global, NewObj, Reduce, StorageRef, loads_blob
 
     try:
         tree = loads_blob(io.BytesIO(blob), where=where)
@@ -183,7 +183,7 @@ def _load_item(blob: bytes, *, where: str) -> Any:
         raise  # torch's loader would build the same runaway tree
     except BadInput:
         pass
-    from ..safeload import load_torch_bytes
+    from ..security.safeload import load_torch_bytes
 
     return load_torch_bytes(blob, where=where)
 
@@ -281,10 +281,10 @@ class Writer:
 
         import torch
 
-        from ..engine import compact
-        from ..state import gather, param_groups_keyed
+        from ..engine.execute import compact
+        from ..core.state import gather, param_groups_keyed
 
-        from ..torchzip import recorded_writes
+        from ..codecs.torchzip import recorded_writes
 
         records = []
         with open(path, "wb") as raw, recorded_writes(raw) as f:

@@ -28,11 +28,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .. import metapickle as mp
-from ..describe import Checkpoint, ObjectInfo
-from ..diskio import Flusher, copy_range
+from ..codecs import metapickle as mp
+from ..core.describe import Checkpoint, ObjectInfo
+from ..storage.diskio import Flusher, copy_range
 from ..errors import BadInput
-from ..torchfile import Global, NewObj, Reduce, StorageRef, TorchZipWriter, dumps, loads_blob
+from ..security.torchfile import Global, NewObj, Reduce, StorageRef, TorchZipWriter, dumps, loads_blob
 from .dcp import METADATA, canonical, dcp_key
 from .shardtree import REBUILD_V2, STORAGE_DTYPES, contiguous_stride
 
@@ -296,8 +296,8 @@ class Writer:
 
     def _write_items(self, path: Path, fd: int, flusher: Flusher, job, pieces) -> list:
         """Each item, written at ``fd``'s position: ``(kind, which, offset, length)`` each."""
-        from ..castio import CastSpan, blocks
-        from ..engine import Span
+        from ..storage.castio import CastSpan, blocks
+        from ..engine.execute import Span
 
         records = []
         it = iter(pieces)

@@ -8,10 +8,10 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..describe import Checkpoint, Chunk, FileEntry, Location, TensorInfo
-from ..diskio import copy_range, write_all
-from ..dtypes import DType
-from .. import safefs
+from ..core.describe import Checkpoint, Chunk, FileEntry, Location, TensorInfo
+from ..storage.diskio import copy_range, write_all
+from ..core.dtypes import DType
+from ..security import safefs
 from ..errors import BadInput
 
 if TYPE_CHECKING:
@@ -199,7 +199,7 @@ class Writer:
     def plan(self, pieces: list) -> list:
         from huggingface_hub.serialization._base import split_state_dict_into_shards_factory
 
-        from ..plan import FileJob
+        from ..core.plan import FileJob
 
         by_name = {p.target.name: p for p in pieces}
         if self.single_file:
@@ -222,9 +222,9 @@ class Writer:
             pos += p.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # keep data 8-byte aligned, as safetensors does
-        from ..castio import CastSpan, blocks
-        from ..engine import Span
-        from ..manifest import Trailer
+        from ..storage.castio import CastSpan, blocks
+        from ..engine.execute import Span
+        from ..storage.manifest import Trailer
 
         sources: dict[Path, int] = {}
         data_start = 8 + len(raw)

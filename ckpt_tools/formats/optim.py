@@ -77,7 +77,7 @@ def param_order_from_model(model_sd: dict) -> tuple[str, ...]:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from ..fsdp1 import is_sharded_tensor
+    from ..security.fsdp1 import is_sharded_tensor
 
     def sharded(v) -> bool:
         return isinstance(v, DTensor) or is_sharded_tensor(v)

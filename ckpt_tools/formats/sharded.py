@@ -12,11 +12,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo, chunk_rows
-from ..dtypes import DType
-from .. import bounded, safefs
+from ..core.describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo, chunk_rows
+from ..core.dtypes import DType
+from ..security import bounded, safefs
 from ..errors import BadInput
-from ..torchfile import TorchZip
+from ..security.torchfile import TorchZip
 from . import shardtree
 from .shardtree import NotSimple
 from . import optim
@@ -247,7 +247,7 @@ def _describe_torch(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
     import torch
     from torch.distributed.tensor import DTensor
 
-    from ..safeload import load_torch
+    from ..security.safeload import load_torch
 
     pieces: dict[tuple[str, str], dict[str, Any]] = {}
     objects: list[ObjectInfo] = []
@@ -312,7 +312,7 @@ def _chunk(v: torch.Tensor, rank: int, ws: int, loc: Location, file: Path, name:
     """Global shape and the chunk that ``rank`` holds, from a DTensor's placements."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from ..fsdp1 import is_sharded_tensor
+    from ..security.fsdp1 import is_sharded_tensor
 
     if isinstance(v, DTensor):
         mesh = v.device_mesh.mesh
@@ -465,9 +465,9 @@ class Writer:
         return tree, emitter, source
 
     def _write_tree(self, path: Path, job, pieces) -> None:
-        from ..castio import CastSpan
-        from ..engine import Span, by_piece
-        from ..plan import Piece
+        from ..storage.castio import CastSpan
+        from ..engine.execute import Span, by_piece
+        from ..core.plan import Piece
         from .hf import tensor_bytes
 
         tree, emitter, source = self.tree_for(job)
@@ -499,8 +499,8 @@ class Writer:
         if self.template is not None or self.synth is not None:
             self._write_tree(path, job, pieces)
             return
-        from ..state import gather, param_groups_keyed
-        from ..torchzip import LazyStorages, from_stream, save
+        from ..core.state import gather, param_groups_keyed
+        from ..codecs.torchzip import LazyStorages, from_stream, save
 
         lazy = LazyStorages()
         provider = from_stream(pieces)

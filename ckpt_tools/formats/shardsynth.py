@@ -21,8 +21,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from ..describe import ObjectInfo
-from ..torchfile import Global, NewObj, Reduce, StorageRef
+from ..core.describe import ObjectInfo
+from ..security.torchfile import Global, NewObj, Reduce, StorageRef
 from .dcpnative import NotNative, STORAGE_OF, Writer as _ObjectReader
 from .shardtree import DEVICE_MESH, DTENSOR, FROM_TYPE, REBUILD_V2, SHARD, WRAPPER, Emitter, NotSimple, contiguous_stride
 
@@ -113,7 +113,7 @@ def tree_for(writer: Any, job: Any) -> tuple[Any, Emitter]:
 
     if job.kind == "model":
         return {p.target.name: node(p) for p in job.pieces}, emitter
-    from ..state import param_groups_keyed
+    from ..core.state import param_groups_keyed
 
     state: dict = {}
     for p in job.pieces:

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..describe import Location
-from ..dtypes import DType
+from ..core.describe import Location
+from ..core.dtypes import DType
 from ..errors import BadInput
-from ..torchfile import Global, NewObj, Reduce, StorageRef, TorchZip, TorchZipWriter, dumps
+from ..security.torchfile import Global, NewObj, Reduce, StorageRef, TorchZip, TorchZipWriter, dumps
 
 _T = "torch._utils"
 REBUILD_V2 = Global(_T, "_rebuild_tensor_v2")
@@ -292,7 +292,7 @@ def write_file(path: Path, tree: Any, emitter: Emitter, small_records: list[tupl
             if isinstance(source, (bytes, bytearray, memoryview)):
                 out.write_record(f"data/{key}", bytes(source))
             elif hasattr(source, "dst"):  # a castio.CastSpan: converted block by block
-                from ..castio import blocks
+                from ..storage.castio import blocks
 
                 out.write_stream(f"data/{key}", source.nbytes, blocks(source))
             else:

@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..describe import Checkpoint
-from ..plan import Piece
+from ..core.describe import Checkpoint
+from ..core.plan import Piece
 from .dcpnative import NotNative, STORAGE_OF, Writer as _ObjectReader, plain
 from .shardsynth import SMALL_RECORDS, _local
 from .shardtree import Emitter, NotSimple, write_file
@@ -60,8 +60,8 @@ class Writer:
         return build(self.obj(job)), emitter
 
     def write(self, path: Path, job: Any, pieces: Any, objects: Any) -> None:
-        from ..castio import CastSpan
-        from ..engine import Span, by_piece
+        from ..storage.castio import CastSpan
+        from ..engine.execute import Span, by_piece
         from .hf import tensor_bytes
 
         tree, emitter = self.tree_for(job)

@@ -10,11 +10,11 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo
-from ..dtypes import DType
+from ..core.describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo
+from ..core.dtypes import DType
 from ..errors import BadInput
 from . import optim
-from .. import safefs
+from ..security import safefs
 from .hf import safe_relative
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def _files(path: Path) -> tuple[Path, list[str], dict[str, str] | None]:
 def describe(path: Path) -> Checkpoint:
     import torch
 
-    from ..safeload import load_torch
+    from ..security.safeload import load_torch
 
     base, files, weight_map = _files(path)
     tensors: list[TensorInfo] = []
@@ -139,8 +139,8 @@ class Writer:
         self.param_order = param_order
 
     def write(self, path: Path, job, pieces, objects) -> None:
-        from ..state import gather
-        from ..torchzip import LazyStorages, from_stream, save
+        from ..core.state import gather
+        from ..codecs.torchzip import LazyStorages, from_stream, save
 
         lazy = LazyStorages()
         provider = from_stream(pieces)
@@ -158,7 +158,7 @@ def training_state(pieces, values: dict, rest: dict, param_order: tuple[str, ...
     """What a full ``torch.save`` file holds: the model state dict alone, or ``{"model",
     "optimizer" (FQN-keyed state and param_groups), ...}`` with the other saved state (``rest``).
     ``values[piece]`` is what stands for each piece's tensor (shared by both torch writers)."""
-    from ..state import param_groups_keyed
+    from ..core.state import param_groups_keyed
 
     model: dict = {}
     state: dict = {}

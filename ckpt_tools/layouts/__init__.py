@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..atomic import TMP_MARK
-from ..describe import Checkpoint, ObjectInfo
-from ..state import short_list, warn_rank_local
+from ..storage.atomic import TMP_MARK
+from ..core.describe import Checkpoint, ObjectInfo
+from ..core.state import short_list, warn_rank_local
 from . import accelerate, plain, torchtitan, trainer, verl
 
 LAYOUTS = ("plain", "verl", "accelerate", "trainer", "torchtitan")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..describe import Checkpoint, TensorInfo
+from ..core.describe import Checkpoint, TensorInfo
 from ..errors import BadInput
 
 PEFT_PREFIX = "base_model.model."
@@ -106,7 +106,7 @@ def base_name(name: str) -> str:
 def find(ckpt: Checkpoint, *, alpha: float | None = None) -> Lora | None:
     """The LoRA in ``ckpt``'s model tensors, or None. ``alpha`` (``--lora-alpha``) wins over
     the side files. Raises BadInput for LoRA variants whose merge is not plain ``W + BA``."""
-    from ..convert import normalize_name
+    from ..commands.convert import normalize_name
 
     model = [t for t in ckpt.tensors if t.group == "model"]
     names = {normalize_name(t.name): t for t in model}

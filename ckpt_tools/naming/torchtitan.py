@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..errors import BadInput
-from ..plan import Piece, Target, permuted_rows, rename_piece, rows_of
+from ..core.plan import Piece, Target, permuted_rows, rename_piece, rows_of
 
 _COMMON = {
     "model.embed_tokens.weight": "tok_embeddings.weight",

@@ -1,0 +1,146 @@
+"""``ckpt inspect``: what a checkpoint is and what it holds, from headers and metadata."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from ..core.describe import GROUPS, Checkpoint, dtype_name
+from ..formats import describe
+from ..layouts import layout_of
+from ..engine.reader import Reader
+
+
+def inspect(path: str | Path, *, tensors: bool = False) -> dict[str, Any]:
+    """Describe the checkpoint at ``path`` as CONTRACT.md's ``inspect --json`` object.
+
+    Example: ``ckpt_tools.inspect("ckpt/global_step_100/actor")["world_size"]``.
+    Reads headers and metadata only, plus the optimizer's scalar ``step`` when there is one.
+    """
+    ckpt = describe(path)
+    return summarize(ckpt, tensors=tensors)
+
+
+def summarize(ckpt: Checkpoint, *, tensors: bool = False) -> dict[str, Any]:
+    groups: dict[str, dict[str, int]] = {}
+    for g in GROUPS:
+        ts = ckpt.group(g)
+        objs = [o for o in ckpt.objects if o.group == g]
+        if ts or objs:
+            groups[g] = {"num_tensors": len(ts), "total_bytes": sum(t.nbytes for t in ts),
+                         "num_objects": len({o.name for o in objs})}
+    out: dict[str, Any] = {
+        "format": ckpt.format,
+        "path": str(ckpt.root),
+        "world_size": ckpt.world_size,
+        "num_tensors": len(ckpt.tensors),
+        "total_bytes": ckpt.total_bytes,
+        "groups": groups,
+        "dtypes": dict(Counter(dtype_name(t.dtype) for t in ckpt.tensors)),
+        "num_files": len(ckpt.files),
+        "file_bytes": sum(f.size for f in ckpt.files),
+    }
+    if ckpt.mesh_shape:
+        out["mesh_shape"] = list(ckpt.mesh_shape)
+    out["lora"] = lora_summary(ckpt)
+    if ckpt.details.get("fsdp"):
+        out["fsdp"] = ckpt.details["fsdp"]
+    out.update(layout_of(ckpt).to_json())
+    if "optimizer" in groups:
+        out["optimizer"] = _optimizer(ckpt)
+    extra = sorted({str(o.path[0]) if o.path else o.name for o in ckpt.objects if o.group == "extra"})
+    if extra:
+        out["extra_state"] = extra
+    if ckpt.world_size and ckpt.format == "sharded":
+        per_rank = Counter()
+        for t in ckpt.tensors:
+            for c in t.chunks:
+                if c.rank is not None:
+                    per_rank[c.rank] += c.numel * (t.nbytes // max(t.numel, 1))
+        out["bytes_per_rank"] = [per_rank.get(r, 0) for r in range(ckpt.world_size)]
+    if tensors:
+        out["tensors"] = [{"name": t.name, "group": t.group, "shape": list(t.shape), "dtype": dtype_name(t.dtype)}
+                          for t in ckpt.tensors]
+    return out
+
+
+def lora_summary(ckpt: Checkpoint) -> dict[str, Any] | None:
+    """PEFT LoRA in the model tensors: rank, alpha (None when no side file says), targets."""
+    from ..errors import BadInput
+    from ..naming import lora
+
+    if not any(".lora_" in t.name for t in ckpt.tensors if t.group == "model"):
+        return None
+    try:
+        found = lora.find(ckpt)
+    except BadInput as e:
+        return {"rank": None, "alpha": None, "target_modules": [], "adapter_only": None, "unsupported": str(e)}
+    return found.summary() if found else None
+
+
+def _optimizer(ckpt: Checkpoint) -> dict[str, Any]:
+    states = {t.state for t in ckpt.group("optimizer") if t.state}
+    kind = "Adam/AdamW" if {"exp_avg", "exp_avg_sq"} <= states else ("SGD (momentum)" if "momentum_buffer" in states else None)
+    info: dict[str, Any] = {"type": kind, "states": sorted(states),
+                            "keyed": ckpt.details.get("optimizer_keyed"),
+                            "params": len({t.param for t in ckpt.group("optimizer") if t.param})}
+    if ckpt.details.get("optimizer_flat"):
+        info["flat_parameters"] = True  # FSDP1 flat-parameter state: not mapped to parameters
+    step = next((t for t in ckpt.group("optimizer") if t.state == "step" and t.numel == 1), None)
+    if step is not None:
+        with Reader(ckpt) as r:
+            info["step"] = r.full(step).item()
+    return info
+
+
+def format_summary(info: dict[str, Any]) -> str:
+    """The human-readable form of :func:`inspect`'s result."""
+    lines = [f"{info['path']}",
+             f"  format      {info['format']}" + (f", {info['layout']} layout" if info.get("layout") else "")
+             + (f", FSDP{info['fsdp_version']}" if info.get("fsdp_version") else ""),
+             f"  world size  {info['world_size'] if info['world_size'] is not None else '- (unsharded)'}"
+             + (f", mesh {tuple(info['mesh_shape'])}" if info.get("mesh_shape") else "")
+             + (f", {info['fsdp']}" if info.get("fsdp") else ""),
+             f"  tensors     {info['num_tensors']} ({human_bytes(info['total_bytes'])})",
+             f"  files       {info['num_files']} ({human_bytes(info['file_bytes'])} on disk)",
+             "  dtypes      " + ", ".join(f"{k} {v}" for k, v in sorted(info["dtypes"].items())),
+             "  groups"]
+    for g, s in info["groups"].items():
+        objs = f", {s['num_objects']} other entries" if s.get("num_objects") else ""
+        lines.append(f"    {g:<10}{s['num_tensors']:>6} tensors  {human_bytes(s['total_bytes']):>10}{objs}")
+    if "optimizer" in info:
+        o = info["optimizer"]
+        step = f", step {o['step']:g}" if isinstance(o.get("step"), (int, float)) else ""
+        if o.get("flat_parameters"):
+            lines.append("  optimizer   FSDP1 flat-parameter state (not mapped to parameters; reshard refuses it)")
+        else:
+            lines.append(f"  optimizer   {o['type'] or 'unknown'} over {o['params']} parameters "
+                         f"({', '.join(o['states'])}; {o['keyed']}-keyed{step})")
+    if info.get("extra_state"):
+        lines.append("  extra state " + ", ".join(info["extra_state"]))
+    if info.get("side_files"):
+        files = info["side_files"]
+        lines.append(f"  side files  {', '.join(files[:6])}" + (f" ... ({len(files)} in all)" if len(files) > 6 else ""))
+    if info.get("lora"):
+        lo = info["lora"]
+        lines.append(f"  LoRA        rank {lo['rank']}, alpha {lo['alpha'] if lo['alpha'] is not None else 'unknown'}, "
+                     f"targets {', '.join(lo['target_modules'])}"
+                     + ("; adapter weights only (no base model)" if lo["adapter_only"] else ""))
+    if info.get("bytes_per_rank"):
+        b = info["bytes_per_rank"]
+        lines.append(f"  per rank    {human_bytes(min(b))} .. {human_bytes(max(b))} of tensors")
+    if info.get("tensors"):
+        lines.append("  tensors:")
+        width = max(len(t["name"]) for t in info["tensors"])
+        for t in info["tensors"]:
+            lines.append(f"    {t['group']:<10}{t['name']:<{width}}  {t['dtype']:<9} {tuple(t['shape'])}")
+    return "\n".join(lines)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"

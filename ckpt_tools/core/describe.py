@@ -1,0 +1,194 @@
+"""What a checkpoint holds, described from headers and metadata alone.
+
+A :class:`Checkpoint` lists every logical (unsharded) tensor with its global shape and dtype,
+and, for each tensor, the chunks that store it: which rectangle of the global tensor a chunk
+covers and where its bytes live. Plans are computed from two descriptions; no tensor data is
+needed until the engine carries a plan out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .dtypes import DType
+from ..errors import BadInput
+
+GROUPS = ("model", "optimizer", "extra")
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where the bytes of one stored chunk (or object) live.
+
+    kind:
+      ``raw``        row-major bytes of the chunk at ``[offset, offset + length)`` (safetensors);
+      ``torch_item`` a ``torch.save``'d tensor at ``[offset, offset + length)`` (a DCP item);
+      ``bytes_item`` a ``torch.save``'d object at ``[offset, offset + length)`` (DCP BYTE_IO);
+      ``pickled``    a value inside a ``torch.save``'d file, reached through ``key``.
+    """
+
+    file: str
+    kind: str
+    offset: int = 0
+    length: int = 0
+    key: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored rectangle of a logical tensor."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    location: Location
+    rank: int | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A logical tensor: its group, its name as its state dict spells it, shape, dtype, chunks.
+
+    Optimizer tensors are named ``state.<param fqn>.<key>`` and also carry ``param`` and ``state``.
+    """
+
+    group: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: DType
+    chunks: tuple[Chunk, ...]
+    param: str | None = None
+    state: str | None = None
+    # Where a DCP source keeps the tensor: its nesting path as ``dcp.save`` recorded it
+    # (``("model", "lm_head.weight")``, torchtitan's ``("tok_embeddings.weight",)``); a DCP
+    # written from this source keeps it, so no key is renamed, nested or un-nested.
+    path: tuple[Any, ...] = field(default=(), compare=False)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.group, self.name)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """A non-tensor value (param_groups, LR scheduler, RNG state, ...); ``rank`` for per-rank ones."""
+
+    group: str
+    name: str
+    location: Location
+    rank: int | None = None
+    # Where the value sits in the saved state: ("lr_scheduler",), ("optimizer", "param_groups"),
+    # or DCP's flattened path ("optimizer", "param_groups", 0, "lr").
+    path: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The description of one checkpoint. ``root`` is its directory (or its single file)."""
+
+    format: str
+    root: Path
+    world_size: int | None
+    tensors: tuple[TensorInfo, ...]
+    objects: tuple[ObjectInfo, ...] = ()
+    files: tuple[FileEntry, ...] = ()
+    mesh_shape: tuple[int, ...] | None = None
+    # Facts shown by `inspect` that plans do not need: optimizer type, step, extra-state keys...
+    details: dict[str, Any] = field(default_factory=dict, compare=False)
+    # Parameter FQNs in the order an int-keyed optimizer state dict numbers them.
+    param_order: tuple[str, ...] = ()
+    # the source files as they were before they were described (safefs.stamps): an output is
+    # published only if they are still the same when it is complete
+    stamps: dict[str, tuple[int, int, int, int]] | None = field(default=None, compare=False, repr=False)
+
+    def base_dir(self) -> Path:
+        return self.root if self.root.is_dir() else self.root.parent
+
+    def path_of(self, location: Location) -> Path:
+        return self.base_dir() / location.file
+
+    def group(self, name: str) -> tuple[TensorInfo, ...]:
+        return tuple(t for t in self.tensors if t.group == name)
+
+    def tensor_map(self) -> dict[tuple[str, str], TensorInfo]:
+        return {t.key: t for t in self.tensors}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def dtype_size(dtype: DType) -> int:
+    return DType.of(dtype).itemsize
+
+
+def dtype_name(dtype: DType) -> str:
+    return str(DType.of(dtype))
+
+
+def chunk_rows(dim0: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Rows [start, stop) that FSDP2's ``Shard(0)`` gives ``rank``: ``torch.chunk`` sizes,
+    so ranks at the end may hold fewer rows or none."""
+    size = -(-dim0 // world_size) if dim0 else 0
+    start = min(rank * size, dim0)
+    return start, min(start + size, dim0)
+
+
+def check_coverage(ckpt: Checkpoint) -> None:
+    """Every tensor must be covered by its chunks exactly once (replicas, i.e. identical boxes,
+    allowed): no hole, no partial overlap, no chunk outside the tensor."""
+    for t in ckpt.tensors:
+        boxes = {}
+        for c in t.chunks:
+            if len(c.offsets) != len(t.shape) or len(c.sizes) != len(t.shape) or any(
+                o < 0 or s < 0 or o + s > d for o, s, d in zip(c.offsets, c.sizes, t.shape)
+            ):
+                raise BadInput(
+                    f"{ckpt.root}: tensor {t.name!r}: chunk at {c.offsets} of size {c.sizes} "
+                    f"lies outside its shape {t.shape} ({c.location.file}); the shards are inconsistent"
+                )
+            if c.numel:
+                boxes[(c.offsets, c.sizes)] = c
+        unique = list(boxes.values())
+        covered = sum(c.numel for c in unique)
+        if covered != t.numel or _any_overlap(unique):
+            kind = "overlapping shards" if covered > t.numel or _any_overlap(unique) else "a hole"
+            files = sorted({c.location.file for c in t.chunks})
+            raise BadInput(
+                f"{ckpt.root}: tensor {t.name!r} has {kind}: its chunks cover {covered} of "
+                f"{t.numel} elements (files: {', '.join(files[:4])}{'...' if len(files) > 4 else ''}); "
+                "is a rank file missing or from another save?"
+            )
+
+
+def _any_overlap(chunks: list[Chunk]) -> bool:
+    # Shards are few per tensor; sort on the first dimension and compare neighbours in it.
+    ordered = sorted(chunks, key=lambda c: c.offsets)
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1:]:
+            if all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in
+                   zip(a.offsets, a.sizes, b.offsets, b.sizes)):
+                return True
+            if a.offsets and b.offsets[0] >= a.offsets[0] + a.sizes[0]:
+                break
+    return False

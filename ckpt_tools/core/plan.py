@@ -1,0 +1,183 @@
+"""Plans: which source bytes make which destination piece. Pure data, computed from
+descriptions; :mod:`ckpt_tools.engine` carries them out.
+
+A :class:`Target` is a tensor to write (its source, new name, new dtype); a :class:`Piece` is
+the rectangle of it that one destination file holds, with the :class:`Copy` list that fills
+it from source chunks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from .describe import Chunk, ObjectInfo, TensorInfo, chunk_rows, dtype_size
+from .dtypes import DType
+from ..errors import BadInput
+
+
+@dataclass(frozen=True)
+class Target:
+    """A destination tensor: read from ``source``, written as ``group``/``name`` in ``dtype``."""
+
+    source: TensorInfo
+    group: str
+    name: str
+    dtype: DType
+    param: str | None = None
+    state: str | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.source.shape
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Copy ``sizes`` elements from ``chunk`` (starting at ``src_start`` within it) to
+    ``dst_start`` within the destination piece."""
+
+    chunk: Chunk
+    src_start: tuple[int, ...]
+    dst_start: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LowRank:
+    """``scale * (b @ a)`` added to a whole 2-D piece: a low-rank update (LoRA) folded into
+    its base weight. ``a`` and ``b`` are small; they are read whole."""
+
+    a: TensorInfo
+    b: TensorInfo
+    scale: float
+    transposed: bool = False  # an embedding's update: scale * (b @ a).T
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The rectangle ``offsets``/``sizes`` of ``target`` that one destination file holds,
+    filled by ``copies`` (plus ``add``, when a low-rank update is folded in)."""
+
+    target: Target
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    copies: tuple[Copy, ...]
+    add: LowRank | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_size(self.target.dtype)
+
+    @property
+    def whole(self) -> bool:
+        return self.sizes == self.target.shape
+
+
+@dataclass(frozen=True)
+class FileJob:
+    """One destination file: its path relative to DST, the pieces and objects it holds, in
+    order, and writer-specific facts (``rank``, ``kind``)."""
+
+    path: str
+    pieces: tuple[Piece, ...] = ()
+    objects: tuple[ObjectInfo, ...] = ()
+    rank: int | None = None
+    kind: str = ""
+    meta: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+
+def targets_from(tensors: Iterable[TensorInfo], *, dtype: DType | None = None,
+                 rename=lambda t: t.name) -> list[Target]:
+    """Targets for ``tensors``: renamed by ``rename``, floating-point ones cast to ``dtype``
+    (integer, bool and ``step`` tensors keep theirs)."""
+    out = []
+    for t in tensors:
+        cast = dtype is not None and t.dtype.is_floating_point and t.state != "step"
+        out.append(Target(t, t.group, rename(t), dtype if cast else t.dtype, t.param, t.state))
+    return out
+
+
+def piece(target: Target, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Piece:
+    """Plan the copies that fill ``offsets``/``sizes`` of ``target`` from its source chunks.
+
+    Identical chunks (replicas on several ranks) are read once, from the first.
+    """
+    copies = []
+    remaining = math.prod(sizes)
+    seen = set()
+    for c in target.source.chunks:
+        box = (c.offsets, c.sizes)
+        if box in seen or not c.numel:
+            continue
+        seen.add(box)
+        lo = [max(o, co) for o, co in zip(offsets, c.offsets)]
+        hi = [min(o + s, co + cs) for o, s, co, cs in zip(offsets, sizes, c.offsets, c.sizes)]
+        if any(h <= l for l, h in zip(lo, hi)) and lo:
+            continue
+        n = tuple(h - l for l, h in zip(lo, hi))
+        copies.append(Copy(c, tuple(l - co for l, co in zip(lo, c.offsets)),
+                           tuple(l - o for l, o in zip(lo, offsets)), n))
+        remaining -= math.prod(n)
+        if remaining <= 0:
+            break
+    if remaining != 0 and math.prod(sizes):
+        raise BadInput(f"tensor {target.source.name!r}: the source chunks do not cover rows "
+                       f"{offsets}+{sizes}; the checkpoint has a hole")
+    return Piece(target, tuple(offsets), tuple(sizes), tuple(copies))
+
+
+def whole(target: Target) -> Piece:
+    return piece(target, (0,) * len(target.shape), target.shape)
+
+
+def rows_of(target: Target, world_size: int, rank: int) -> Piece:
+    """Rank ``rank``'s piece under FSDP2's ``Shard(0)`` at ``world_size`` (0-dim: the whole)."""
+    shape = target.shape
+    if not shape:
+        return whole(target)
+    start, stop = chunk_rows(shape[0], world_size, rank)
+    return piece(target, (start, *([0] * (len(shape) - 1))), (stop - start, *shape[1:]))
+
+
+def permuted_rows(target: Target, rows, *, rank: int = 0, world_size: int = 1) -> Piece:
+    """``target`` with its rows reordered (row ``i`` of the result is row ``rows[i]`` of the
+    source), whole or as rank ``rank``'s ``Shard(0)`` rows at ``world_size``. One copy per
+    row, so the engine streams it like any piece."""
+    shape = target.shape
+    if len(rows) != shape[0] or sorted(rows) != list(range(shape[0])):
+        raise ValueError(f"{target.name}: {len(rows)} rows is not a permutation of {shape[0]}")
+    rest = tuple(shape[1:])
+    owner = {}
+    for c in target.source.chunks:
+        if c.numel and c.sizes[1:] == rest:
+            for r in range(c.offsets[0], c.offsets[0] + c.sizes[0]):
+                owner.setdefault(r, c)
+    if len(owner) != shape[0]:  # chunks that split columns: whole rows are not stored together
+        raise BadInput(f"tensor {target.source.name!r}: its chunks do not hold whole rows; cannot reorder them")
+    start, stop = chunk_rows(shape[0], world_size, rank)
+    zeros = (0,) * len(rest)
+    copies = tuple(Copy(owner[src], (src - owner[src].offsets[0], *zeros), (dst - start, *zeros), (1, *rest))
+                   for dst, src in enumerate(rows) if start <= dst < stop)
+    return Piece(target, (start, *zeros), (stop - start, *rest), copies)
+
+
+def rename_piece(p: Piece, **changes) -> Piece:
+    return replace(p, target=replace(p.target, **changes))

@@ -1,0 +1,270 @@
+"""Reading the bytes a description points at: one chunk or one object at a time.
+
+Files are memory-mapped, so a chunk costs page cache, not process memory, until it is copied.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import struct
+import zipfile
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..core.describe import Checkpoint, Chunk, Location, ObjectInfo, TensorInfo
+from ..core.dtypes import as_torch
+from ..security import safefs
+from ..errors import BadInput
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Reader:
+    """Reads chunks and objects of one checkpoint. Use as a context manager.
+
+    ``torch.save``'d files are loaded memory-mapped (their tensors cost page cache, not
+    memory) and kept, so a plan that walks W rank files tensor by tensor unpickles each once.
+    """
+
+    def __init__(self, ckpt: Checkpoint, *, cache_files: int | None = None):
+        self.ckpt = ckpt
+        self._maps: dict[str, mmap.mmap] = {}
+        self._loaded: OrderedDict[str, Any] = OrderedDict()
+        self._cache_files = cache_files
+        # the engine's prefetch thread reads chunks while the writer reads objects
+        self._lock = threading.RLock()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._loaded.clear()
+        for m in self._maps.values():
+            try:
+                m.close()
+            except BufferError:  # a tensor still views it; the GC closes it later
+                pass
+        self._maps.clear()
+
+    # -- raw bytes ----------------------------------------------------------------------
+    def _map(self, file: str) -> mmap.mmap:
+        with self._lock:
+            return self._map_locked(file)
+
+    def _map_locked(self, file: str) -> mmap.mmap:
+        m = self._maps.get(file)
+        if m is None:
+            path = self.ckpt.base_dir() / file
+            with safefs.open_file(path) as f:
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    raise BadInput(f"{path}: empty file")
+                # ACCESS_COPY: a writable (copy-on-write) view, so torch.frombuffer needs no copy
+                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._maps[file] = m
+        return m
+
+    def raw(self, loc: Location) -> memoryview:
+        """The stored bytes of a ``raw`` location (a view of the mapped file)."""
+        return self._bytes(loc)
+
+    def _bytes(self, loc: Location) -> memoryview:
+        m = self._map(loc.file)
+        safefs.check_span(loc.offset, loc.length, len(m), what=str(self.ckpt.base_dir() / loc.file))
+        return memoryview(m)[loc.offset: loc.offset + loc.length]
+
+    def _pickled(self, file: str) -> Any:
+        with self._lock:
+            return self._pickled_locked(file)
+
+    def _pickled_locked(self, file: str) -> Any:
+        obj = self._loaded.get(file)
+        if obj is None:
+            from ..security.safeload import load_torch
+
+            obj = load_torch(self.ckpt.base_dir() / file)
+            self._loaded[file] = obj
+            while self._cache_files is not None and len(self._loaded) > self._cache_files:
+                self._loaded.popitem(last=False)
+        else:
+            self._loaded.move_to_end(file)
+        return obj
+
+    def _lookup(self, loc: Location) -> Any:
+        obj = self._pickled(loc.file)
+        for k in loc.key:
+            try:
+                obj = obj[k]
+            except (KeyError, IndexError, TypeError) as e:
+                raise BadInput(f"{self.ckpt.base_dir() / loc.file}: no entry {loc.key!r}; the file changed since it was described") from e
+        return obj
+
+    # -- public ---------------------------------------------------------------------------
+    def chunk(self, tensor: TensorInfo, chunk: Chunk) -> torch.Tensor:
+        """The stored values of ``chunk`` as a tensor of its sizes (may view a mapped file:
+        copy it before the reader closes)."""
+        import torch
+
+        loc = chunk.location
+        if loc.kind == "raw":
+            data = self._bytes(loc)
+            if not chunk.numel:
+                return torch.empty(chunk.sizes, dtype=as_torch(tensor.dtype))
+            return torch.frombuffer(data, dtype=as_torch(tensor.dtype)).view(chunk.sizes)
+        if loc.kind == "torch_item":
+            value = self._torch_item(loc, tensor.name)
+        elif loc.kind == "pickled":
+            value = self._lookup(loc)
+        else:
+            raise BadInput(f"{loc.file}: cannot read a {loc.kind!r} item as a tensor")
+        value = _local(value)
+        if not isinstance(value, torch.Tensor):
+            raise BadInput(f"{self.ckpt.base_dir() / loc.file}: {tensor.name!r} is a {type(value).__name__}, not a tensor")
+        if tuple(value.shape) != tuple(chunk.sizes) or value.dtype != tensor.dtype:
+            raise BadInput(f"{self.ckpt.base_dir() / loc.file}: {tensor.name!r} holds {tuple(value.shape)} "
+                           f"{value.dtype}, its metadata says {chunk.sizes} {tensor.dtype}")
+        return value
+
+    def span(self, tensor: TensorInfo, chunk: Chunk) -> tuple[Path, int, int] | None:
+        """``(file, offset, length)`` when the chunk's values are exactly one contiguous,
+        row-major byte range of a file (safetensors, simple DCP items); else None."""
+        loc = chunk.location
+        nbytes = chunk.numel * tensor.dtype.itemsize
+        path = self.ckpt.base_dir() / loc.file
+        if loc.kind == "raw" and loc.length == nbytes:
+            return path, loc.offset, loc.length
+        if loc.kind == "torch_item":
+            m = self._map(loc.file)
+            local = _item_tensor(m, loc.offset, loc.length)
+            start, size = _storage_record(m, loc.offset, loc.length)
+            if (start is not None and local is not None and local.size == tuple(chunk.sizes)
+                    and local.dtype == tensor.dtype and local.offset * local.dtype.itemsize + nbytes <= size):
+                return path, start + local.offset * local.dtype.itemsize, nbytes
+        return None
+
+    def _torch_item(self, loc: Location, name: str) -> torch.Tensor:
+        """A ``torch.save``'d tensor inside a larger file (a DCP item), as a view of the mapped
+        file: the pickle is read for shape, stride and offset (on the meta device, no data),
+        the zip record for where the raw bytes start. Anything unusual is loaded normally."""
+        import torch
+
+        from ..security.safeload import load_torch_bytes, load_torch_meta
+
+        where = f"{self.ckpt.base_dir() / loc.file} ({name})"
+        m = self._map(loc.file)
+        safefs.check_span(loc.offset, loc.length, len(m), what=where)
+        meta = load_torch_meta(_MapSlice(m, loc.offset, loc.length), where=where)
+        start, size = _storage_record(m, loc.offset, loc.length)
+        if not isinstance(meta, torch.Tensor) or start is None:
+            return load_torch_bytes(self._bytes(loc), where=where)
+        if not meta.numel():
+            return torch.empty(meta.shape, dtype=meta.dtype)
+        storage = torch.frombuffer(m, dtype=torch.uint8, count=size, offset=start).untyped_storage()
+        try:
+            return torch.empty(0, dtype=meta.dtype).set_(storage, meta.storage_offset(), meta.shape, meta.stride())
+        except RuntimeError as e:
+            raise BadInput(f"{where}: the item's tensor does not fit its {size} stored bytes ({e})") from e
+
+    def object(self, obj: ObjectInfo) -> Any:
+        from ..security.safeload import load_torch_bytes
+
+        loc = obj.location
+        if loc.kind == "bytes_item":
+            return load_torch_bytes(self._bytes(loc), where=f"{self.ckpt.base_dir() / loc.file} ({obj.name})")
+        if loc.kind == "pickled":
+            return _local(self._lookup(loc))
+        raise BadInput(f"{loc.file}: cannot read a {loc.kind!r} item as an object")
+
+    def full(self, tensor: TensorInfo) -> torch.Tensor:
+        """Assemble a whole logical tensor (for small tensors and tests)."""
+        import torch
+
+        out = torch.empty(tensor.shape, dtype=as_torch(tensor.dtype))
+        for c in tensor.chunks:
+            region = out
+            for d, (o, s) in enumerate(zip(c.offsets, c.sizes)):
+                region = region.narrow(d, o, s)
+            region.copy_(self.chunk(tensor, c))
+        return out
+
+
+class _MapSlice(io.RawIOBase):
+    """A read-only file over ``[start, start + length)`` of a mapped file (no copy)."""
+
+    def __init__(self, m: mmap.mmap, start: int, length: int):
+        self._view = memoryview(m)[start:start + length]
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self._pos, len(self._view))[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), len(self._view) - self._pos))
+        b[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+
+def _item_tensor(m: mmap.mmap, start: int, length: int):
+    """The plain contiguous tensor a ``torch.save`` blob holds, read from its pickle without
+    torch (:mod:`ckpt_tools.torchfile`: allowlisted globals only, nothing runs); None when it
+    holds anything else."""
+    from ..formats.shardtree import NotSimple, local_of
+    from ..security.torchfile import loads_blob
+
+    try:
+        return local_of(loads_blob(_MapSlice(m, start, length)))
+    except (NotSimple, BadInput):  # the torch path reads it, or refuses it with its reasons
+        return None
+
+
+def _storage_record(m: mmap.mmap, start: int, length: int) -> tuple[int | None, int]:
+    """Absolute offset and size of the single uncompressed ``*/data/0`` record of a
+    ``torch.save`` blob at ``[start, start + length)``; ``(None, 0)`` if it is not that simple."""
+    try:
+        with zipfile.ZipFile(_MapSlice(m, start, length)) as z:
+            records = [i for i in z.infolist() if "/data/" in i.filename and not i.filename.endswith("/data.pkl")]
+            if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
+                return None, 0
+            info = records[0]
+    except (zipfile.BadZipFile, ValueError, OSError):
+        return None, 0
+    header = start + info.header_offset
+    if m[header:header + 4] != b"PK\x03\x04":
+        return None, 0
+    name_len, extra_len = struct.unpack("<HH", m[header + 26:header + 30])
+    data = header + 30 + name_len + extra_len
+    if data + info.file_size > start + length:
+        return None, 0
+    return data, info.file_size
+
+
+def _local(value: Any) -> Any:
+    """A DTensor or ShardedTensor's local data; anything else as it is."""
+    from ..security.fsdp1 import is_sharded_tensor
+
+    if type(value).__name__ == "DTensor":
+        return value._local_tensor
+    if is_sharded_tensor(value):
+        shards = value.local_shards()
+        return shards[0].tensor if shards else value
+    return value

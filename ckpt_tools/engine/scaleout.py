@@ -1,0 +1,143 @@
+"""Writing one plan with several processes: ``--workers K`` (a local process pool), or every
+process of a ``torchrun`` launch taking its share of the output files. Each output file is
+written by exactly one process, so the result is byte-identical to a single process's."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..storage.atomic import (TMP_MARK, check_destination, commit_into, discarded_on_error, fsync_tree, holding,
+                              remove_path)
+from ..runtime import lifeline
+from ..core.describe import Checkpoint
+from .execute import Writer, progress_bar, run_jobs
+from ..errors import CkptError
+from ..core.plan import FileJob
+
+
+def balance(jobs: Sequence[FileJob], k: int) -> list[list[FileJob]]:
+    """Split whole files over ``k`` processes, largest first onto the least loaded."""
+    shares: list[list[FileJob]] = [[] for _ in range(k)]
+    loads = [0] * k
+    for job in sorted(jobs, key=lambda j: (-j.nbytes, j.path)):
+        i = loads.index(min(loads))
+        shares[i].append(job)
+        loads[i] += job.nbytes
+    return shares
+
+
+def _run_share(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path) -> dict[str, Any]:
+    if "torch" in sys.modules:  # workers share the cores: one intra-op thread each
+        sys.modules["torch"].set_num_threads(1)
+    return run_jobs(src, writer, jobs, out, progress=False, desc="")
+
+
+def run_parallel(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path, *,
+                 workers: int, progress: bool, desc: str) -> dict[str, Any]:
+    """Write ``jobs`` with ``workers`` spawned processes, each taking whole files."""
+    import multiprocessing
+
+    shares = balance(jobs, workers)
+    written: dict[str, Any] = {}
+    ctx = multiprocessing.get_context("spawn")
+    # each worker dies with this process: a SIGKILL here must not leave them waiting forever
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=lifeline.tie_to_parent,
+                                                initargs=(os.getpid(),)) as pool, \
+            progress_bar(sum(j.nbytes for j in jobs), desc, progress) as bar:
+        futures = {pool.submit(_run_share, src, writer, share, out): share for share in shares if share}
+        for fut in concurrent.futures.as_completed(futures):
+            written.update(fut.result())
+            bar.update(sum(j.nbytes for j in futures[fut]))
+    return written
+
+
+def torchrun_rank() -> int:
+    """This process's rank in a ``torchrun`` launch (0 outside one)."""
+    try:
+        return int(os.environ.get("RANK", "0")) if torchrun_world() > 1 else 0
+    except ValueError:
+        return 0
+
+
+def torchrun_world() -> int:
+    """The number of processes of the ``torchrun`` launch this process belongs to (1 outside)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
+        return 1
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def execute_torchrun(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path, *, overwrite: bool,
+                     progress: bool, desc: str, complete: Callable[[Path, dict[str, Any]], None]) -> None:
+    """Every process of the launch writes its share of ``jobs`` into one staging directory;
+    rank 0 then writes the describing files and commits. Any process's error fails all."""
+    import torch.distributed as dist
+
+    # a process of the launch ends with torchrun's agent: killed, it can no longer stop us
+    lifeline.tie_to_launcher()
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    tmp = dst.parent / f".{dst.name}{TMP_MARK}run-{run_id}"
+    lock = contextlib.ExitStack()
+    try:
+        error = None
+        if rank == 0:
+            try:
+                check_destination(src.root, dst, overwrite=overwrite)
+                remove_path(tmp)
+                tmp.mkdir(parents=True)
+                lock.enter_context(holding(tmp))  # marks the staging live until this process ends
+            except CkptError as e:
+                error = e
+        (error,) = _bcast(error)
+        if error is not None:
+            raise error
+        written, error = {}, None
+        try:
+            written = run_jobs(src, writer, balance(jobs, world)[rank], tmp, progress=progress and rank == 0, desc=desc)
+        except Exception as e:  # reported to every process, raised everywhere
+            error = CkptError(f"process {rank} of the torchrun launch failed: {e}")
+            error.exit_code = getattr(e, "exit_code", 5)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, (written, error))
+        failed = [e for _, e in gathered if e is not None]
+        if rank == 0:
+            if failed:
+                remove_path(tmp)
+            else:
+                merged: dict[str, Any] = {}
+                for w, _ in gathered:
+                    merged.update(w)
+                with discarded_on_error(tmp, dst):
+                    complete(tmp, merged)
+                    fsync_tree(tmp)
+                    # torchrun's launcher killed meanwhile: the run is over, nothing is published
+                    # (the watchdog would end this process within its poll interval anyway)
+                    lifeline.end_if_orphaned()
+                    commit_into(tmp, dst, overwrite=overwrite)
+        dist.barrier()
+        if failed:
+            raise failed[0]
+    finally:
+        lock.close()
+        if own:
+            dist.destroy_process_group()
+
+
+def _bcast(value: Any) -> list:
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box

@@ -1,0 +1,204 @@
+"""The tensors an HF export writes, under the names its architecture loads.
+
+Order of work (pure planning, no tensor data except the tied-embedding comparison):
+  1. names as the model's state dict spells them (wrapper prefixes removed, no two alike);
+  2. a naming scheme maps them (:mod:`.naming.lora`: merge the update, or split out a PEFT
+     adapter; :mod:`.naming.torchtitan`: torchtitan's names and rotary row order);
+  3. tied embeddings written once;
+  4. :mod:`.archcheck`: ``from_pretrained`` of the config's architecture must find every name
+     and shape it needs and nothing it does not. A mismatch is exit 3, before a byte is written.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ..hf import archcheck, assets as hfassets
+from ..core.describe import Checkpoint, TensorInfo
+from ..core.dtypes import DType
+from ..errors import BadInput, UsageError
+from . import lora as peft_lora
+from . import torchtitan
+from ..core.plan import LowRank, Piece, Target, whole
+from ..engine.reader import Reader
+
+LORA_MODES = ("merge", "adapter")
+
+
+@dataclass
+class ExportPlan:
+    """What to write: whole pieces under their HF names; ``adapter_config`` for a PEFT adapter.
+
+    ``check`` asks the architecture (it raises BadInput, or returns notes); it costs an import
+    of transformers, so the caller may run it while the files are written, as long as it waits
+    for it before the commit (:func:`checked_in_background`)."""
+
+    ckpt: Checkpoint  # the source, plus --base's weights when an adapter-only save is merged
+    pieces: list[Piece]
+    adapter_config: dict[str, Any] | None = None
+    check: Callable[[], list[str]] = lambda: []
+    asks_transformers: bool = False  # whether ``check`` builds the architecture (imports torch)
+
+
+def target(t: TensorInfo, name: str, cast: DType | None) -> Target:
+    dtype = cast if cast is not None and t.dtype.is_floating_point and t.state != "step" else t.dtype
+    return Target(t, t.group, name, dtype, t.param, t.state)
+
+
+def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DType | None, config: dict,
+                lora: str | None = None, lora_alpha: float | None = None, base: str | None = None) -> ExportPlan:
+    """Plan an HF export of ``keep`` (the model tensors of ``ckpt``); see the module docstring.
+
+    ``lora``: ``"merge"`` (default) or ``"adapter"``. Raises BadInput (exit 3) for names the
+    architecture would not load, LoRA without a known alpha, adapter-only weights without ``base``.
+    """
+    from ..commands.convert import normalize_name
+
+    if lora is not None and lora not in LORA_MODES:
+        raise UsageError(f"--lora must be one of {', '.join(LORA_MODES)}, not {lora!r}")
+    names: dict[str, TensorInfo] = {}
+    for t in keep:
+        n = normalize_name(t.name)
+        if n in names:
+            raise BadInput(f"{src}: two tensors become {n!r} once wrapper prefixes are removed")
+        names[n] = t
+    found = peft_lora.find(ckpt, alpha=lora_alpha) if any(".lora_" in n for n in names) else None
+    if found is None and lora == "adapter":
+        raise BadInput(f"{src}: holds no LoRA weights (lora_A/lora_B) to write as an adapter; drop --lora adapter")
+    if found is not None and lora == "adapter":
+        peft_lora.check_alpha(found, src)
+        pieces = [whole(target(t, n, cast)) for n, t in peft_lora.adapter_names(found, names)]
+        return ExportPlan(ckpt, pieces, peft_lora.adapter_config(found, base_model=base, config=config),
+                          lambda: check_adapter(found, config, src),
+                          bool(config) and not archcheck.known_good(config, _adapter_targets(found)))
+    if found is not None:
+        base_tensors = None
+        if found.adapter_only and base:
+            ckpt, base_tensors = _with_base_weights(ckpt, base)
+        pieces = []
+        for n, t, tgt in peft_lora.merge_plan(found, names, src, base_tensors):
+            p = whole(target(t, n, cast))
+            pieces.append(replace(p, add=LowRank(tgt.a, tgt.b, found.scale(tgt), tgt.embedding)) if tgt else p)
+    else:
+        pieces = [whole(target(t, n, cast)) for n, t in names.items()]
+    if torchtitan.detect(p.target.name for p in pieces):
+        pieces = torchtitan.to_hf_pieces(pieces, config, src)
+    pieces = untie(ckpt, pieces, config, src)
+    return ExportPlan(ckpt, pieces, None, lambda: check(pieces, config, src),
+                      bool(config) and not archcheck.known_good(config, _asked(pieces)))
+
+
+def _with_base_weights(ckpt: Checkpoint, base: str) -> tuple[Checkpoint, dict[str, TensorInfo]]:
+    """``ckpt`` extended with the safetensors weights of ``base`` (located by absolute file
+    names, so one reader reads both), and those weights by name."""
+    from ..formats import describe
+    from ..hf.hub import resolve_model_dir
+
+    folder = resolve_model_dir(base, allow_patterns=["*.safetensors", "*.json"])
+    try:
+        other = describe(folder)
+    except BadInput as e:
+        raise BadInput(f"--base {base}: has no weights to merge the adapter into ({e})") from e
+    if other.format != "hf":
+        raise BadInput(f"--base {base}: is {other.format!r}; merging an adapter-only save needs HF safetensors weights")
+    root = other.base_dir().resolve()
+    moved = tuple(replace(t, chunks=tuple(replace(c, location=replace(c.location, file=str(root / c.location.file)))
+                                          for c in t.chunks)) for t in other.tensors)
+    from ..commands.convert import normalize_name
+
+    return replace(ckpt, tensors=ckpt.tensors + moved), {normalize_name(t.name): t for t in moved}
+
+
+def untie(ckpt: Checkpoint, pieces: list[Piece], config: dict, src: Path) -> list[Piece]:
+    """Tied embeddings: write the input embedding once (after checking the output copy
+    equals it); untied: both must be there."""
+    by_name = {p.target.name: p for p in pieces}
+    head = by_name.get("lm_head.weight")
+    embed = next((by_name[n] for n in by_name if n.endswith(("embed_tokens.weight", "wte.weight", "word_embeddings.weight"))), None)
+    if not config or head is None and embed is None:
+        return pieces
+    if hfassets.tied(config):
+        if embed is not None and embed.add is not None:
+            raise BadInput(f"{src}: LoRA on {embed.target.name}, whose config ties lm_head.weight to it: one merged "
+                           "weight cannot be both the trained embedding and the untouched head; export with --lora adapter")
+        if head is not None and embed is not None:
+            import torch
+
+            from ..engine.execute import materialize
+
+            with Reader(ckpt) as r:
+                if not torch.equal(materialize(r, head), materialize(r, embed)):
+                    raise BadInput(f"{src}: the config ties lm_head.weight to {embed.target.name}, but they differ; "
+                                   "fix tie_word_embeddings in config.json (or pass --base) and re-run")
+            return [p for p in pieces if p is not head]
+        return pieces
+    if head is None and (config.get("architectures") or [""])[0].endswith("ForCausalLM"):
+        raise BadInput(f"{src}: the config does not tie embeddings, but there is no lm_head.weight; "
+                       "the checkpoint is incomplete, or config.json should say tie_word_embeddings: true")
+    return pieces
+
+
+def check(pieces: list[Piece], config: dict, src: Path) -> list[str]:
+    """Refuse names ``from_pretrained`` of the config's architecture would not load; return
+    notes when the names could not be checked."""
+    if not config:
+        return ["the names were not checked against an architecture (no config.json; pass --base MODEL)"]
+    try:
+        report = archcheck.load_report(config, _asked(pieces))
+    except archcheck.Unchecked as e:
+        return [f"the names were not checked against the architecture: {e}"]
+    if not report.ok:
+        raise BadInput(f"{src}: {report.architecture} (config.json) would not load these weights: {report.describe()}; "
+                       f"{archcheck.likely_fix(report)}")
+    return []
+
+
+def _asked(pieces: list[Piece]) -> dict[str, tuple[tuple[int, ...], DType]]:
+    return {p.target.name: (p.target.shape, p.target.dtype) for p in pieces}
+
+
+def _adapter_targets(found: peft_lora.Lora) -> dict[str, tuple[tuple[int, ...], DType]]:
+    return {f"{t.module}.weight": (t.weight_shape, t.a.dtype) for t in found.targets}
+
+
+def check_adapter(found: peft_lora.Lora, config: dict, src: Path) -> list[str]:
+    """Every LoRA target must be a weight of the base architecture with the shape ``B @ A`` has
+    (the base weights themselves need not be in the checkpoint)."""
+    if not config:
+        return ["the adapter's targets were not checked against a base architecture (no config.json; pass --base)"]
+    try:
+        report = archcheck.load_report(config, _adapter_targets(found))
+    except archcheck.Unchecked as e:
+        return [f"the adapter's targets were not checked against the base architecture: {e}"]
+    if report.unexpected or report.mismatched:
+        bad = archcheck.LoadReport(report.architecture, (), report.unexpected, report.mismatched)
+        raise BadInput(f"{src}: the LoRA targets are not weights of {report.architecture} (config.json): "
+                       f"{bad.describe()}; pass --base with the model the adapter was trained on")
+    return []
+
+
+@contextlib.contextmanager
+def checked_in_background(plan: ExportPlan):
+    """Run ``plan.check`` in a thread while the caller writes; the yielded ``wait()`` returns its
+    notes or raises its BadInput, and must be called before the commit (so a refusal leaves
+    nothing at DST). Importing transformers mostly holds the GIL, copying files mostly not."""
+    if plan.asks_transformers:
+        # torch first, here: the writer may import it too, and two threads importing the same
+        # package tree at once can deadlock on the import locks
+        import torch  # noqa: F401
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-archcheck") as pool:
+        future = pool.submit(plan.check)
+        yield future.result
+
+
+def say(notes: list[str], progress: bool) -> None:
+    for n in notes:
+        if progress:
+            print(f"note: {n}", file=sys.stderr)

@@ -1,0 +1,233 @@
+"""Trees unpickled from untrusted files, measured before anything walks them.
+
+A pickle's memo lets one object be referenced any number of times: 60 levels of "a list
+holding the previous level twice" is about 1 KB on disk and 2**60 nodes to anything that walks
+it as a tree (``str()``, ``==``, a recursive visitor). A pickle also nests 200,000 levels deep
+without its (iterative) unpickler noticing, and every recursive walker then raises
+RecursionError. :func:`check_tree` is the one gate every loader passes its result through:
+
+- it visits each distinct container once (recursing no deeper than :data:`MAX_DEPTH`, far
+  inside Python's limit), so its own cost is linear in what the file holds;
+- it refuses (:class:`HostileTree`, a BadInput) a tree deeper than :data:`MAX_DEPTH`, a
+  container that contains itself, or a tree whose size walked as a tree (shared nodes counted
+  each time they are reached) is more than :data:`RATIO` times the work of walking it once, so
+  any later walk costs at most a constant factor more than reading the file did.
+
+Real checkpoints are far inside these bounds (depth under 30; sharing limited to a device mesh
+per DTensor, a ratio under 3).
+
+Hashing is the other walk: an unpickler inserting a dict key hashes it at once, recursively and
+in C (a shared tuple key hangs, one nested 200,000 deep segfaults). :func:`guard_dispatch` gives a
+pure-Python unpickler key checks (:func:`check_key`) that run before any hash does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from ..errors import BadInput, brief
+
+MAX_DEPTH = 100
+RATIO = 16
+MAX_EXPANDED = 1_000_000  # below this, sharing costs nothing worth refusing for
+
+# node types of other modules whose children are not those of a container (torchfile's
+# Reduce/NewObj, dcpmeta's records): type -> children
+_NODES: dict[type, Callable[[Any], Iterable[Any]]] = {}
+# type -> why a node of it contains itself, for the refusal (default: a corrupt or hostile file)
+_CYCLES: dict[type, Callable[[Any], str]] = {}
+
+
+class HostileTree(BadInput):
+    """A pickled tree too deep, cyclic, or sharing nodes enough to blow up any walk of it; or
+    keyed by values whose hash would (Python does not cache a tuple's hash, and computes it
+    recursively in C: a shared or deeply nested tuple key hangs or crashes the process)."""
+
+
+def register(cls: type, children: Callable[[Any], Iterable[Any]], cycle: Callable[[Any], str] | None = None) -> None:
+    """Teach the walker the children of ``cls`` (and its subclasses, looked up by exact type
+    first), and ``cycle``, what its refusal says of such a node that contains itself."""
+    _NODES[cls] = children
+    if cycle is not None:
+        _CYCLES[cls] = cycle
+
+
+def _cycle(x: Any) -> str:
+    fn = next((f for cls, f in _CYCLES.items() if isinstance(x, cls)), None)
+    if fn is not None:
+        return fn(x)
+    return f"the pickle holds a {type(x).__name__} that contains itself; a checkpoint never does (corrupt or hostile file)"
+
+
+_LEAVES = frozenset({str, int, float, bool, bytes, type(None)})
+
+
+def _children(x: Any) -> Iterable[Any] | None:
+    """The children of a container or registered node; None for a leaf."""
+    t = type(x)
+    if t in _LEAVES:
+        return None
+    if t is tuple or t is list:
+        return x
+    fn = _NODES.get(t)
+    if fn is not None:
+        return fn(x)
+    if isinstance(x, dict):
+        extra = getattr(x, "__dict__", None)  # an OrderedDict state dict's ``_metadata``
+        items = [v for kv in x.items() for v in kv]
+        return [*items, extra] if extra else items
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return x
+    for cls, fn in list(_NODES.items()):
+        if isinstance(x, cls):
+            _NODES[t] = fn  # a subclass: found directly next time
+            return fn(x)
+    return None
+
+
+def check_tree(tree: Any, *, where: str, max_depth: int = MAX_DEPTH) -> None:
+    """Raise :class:`HostileTree` naming ``where`` if ``tree`` is too deep, cyclic, or blows up
+    when walked as a tree; else return, having touched each distinct container once."""
+    kids = _children(tree)
+    if kids is None:
+        return
+    sizes: dict[int, int] = {}  # id -> size walked as a tree, for finished containers
+    active: set[int] = set()
+    work = 0
+
+    # recursion, bounded by max_depth (far below Python's limit): the fastest walk in Python
+    def size(node: Any, kids: Iterable[Any], depth: int) -> int:
+        nonlocal work
+        nid = id(node)
+        active.add(nid)
+        total = 1
+        for child in kids:
+            work += 1
+            if type(child) in _LEAVES:
+                total += 1
+                continue
+            cid = id(child)
+            known = sizes.get(cid)
+            if known is not None:
+                total += known
+                continue
+            grand = _children(child)
+            if grand is None:
+                total += 1
+                continue
+            if cid in active:
+                raise HostileTree(f"{where}: {_cycle(child)}")
+            if depth >= max_depth:
+                raise HostileTree(f"{where}: the pickle nests deeper than {max_depth} levels; a checkpoint "
+                                   "never does (corrupt or hostile file)")
+            total += size(child, grand, depth + 1)
+        active.discard(nid)
+        sizes[nid] = total
+        return total
+
+    total = size(tree, kids, 1)
+    if total > max(MAX_EXPANDED, RATIO * (work + 1)):
+        raise HostileTree(f"{where}: the pickle reuses shared objects to stand for {_magnitude(total)} nodes "
+                           f"from {work + 1} ({'a billion laughs' if total > 1 << 40 else 'far more than a checkpoint'}); "
+                           "refusing it (corrupt or hostile file)")
+
+
+def distinct_nodes(tree: Any) -> Iterator[Any]:
+    """Every node of ``tree`` once (containers by identity), iteratively; for a walker that only
+    asks "is there a node of this kind" of a tree :func:`check_tree` has passed."""
+    seen: set[int] = set()
+    todo = [tree]
+    while todo:
+        x = todo.pop()
+        yield x
+        kids = _children(x)
+        if kids is not None and id(x) not in seen:
+            seen.add(id(x))
+            todo.extend(kids)
+
+
+def _magnitude(n: int) -> str:
+    return f"about 2^{n.bit_length() - 1}" if n > 1 << 40 else f"{n:,}"
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection while a file's many small objects are built: each pass of
+    the collector walks the whole growing heap, which makes building N objects cost N^2
+    (10^5 DCP items: 3.4 s instead of 1.1 s). Pickles and descriptions hold no cycles to free."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+MAX_KEY_ITEMS = 1024
+
+
+def check_key(key: Any) -> None:
+    """Refuse (HostileTree) a dict key or set member from a pickle whose hash is not cheap: only
+    names, numbers, flat tuples of them, and types that declare a safe hash of their own
+    (``_safe_hash = True``) are admitted. Called before the unpickler inserts it."""
+    t = type(key)
+    if t in _LEAVES or isinstance(key, (str, int, float, bytes)) and t.__hash__ in _PLAIN_HASHES:
+        return
+    if t is tuple and len(key) <= MAX_KEY_ITEMS and all(type(k) in _LEAVES or isinstance(k, str) for k in key):
+        return
+    if getattr(t, "_safe_hash", False):
+        return
+    raise HostileTree(f"the pickle keys a dict by a {t.__name__} ({brief(key)}); checkpoints key by names and numbers")
+
+
+_PLAIN_HASHES = frozenset({str.__hash__, int.__hash__, float.__hash__, bytes.__hash__})
+
+
+def guard_dispatch(dispatch: dict) -> dict:
+    """A pure-Python unpickler's dispatch table with every opcode that hashes a value it built
+    (SETITEM, SETITEMS, DICT) checking the key with :func:`check_key` first, and the set
+    opcodes (protocol 4: EMPTY_SET, ADDITEMS, FROZENSET; neither torch.save nor dcp.save writes
+    them) refused."""
+    import pickle
+
+    def load_setitem(self: Any) -> None:
+        value, key = self.stack.pop(), self.stack.pop()
+        check_key(key)
+        self.stack[-1][key] = value
+
+    def load_setitems(self: Any) -> None:
+        items = self.pop_mark()
+        target = self.stack[-1]
+        for i in range(0, len(items) - 1, 2):
+            check_key(items[i])
+            target[items[i]] = items[i + 1]
+
+    def load_dict(self: Any) -> None:
+        items = self.pop_mark()
+        for k in items[::2]:
+            check_key(k)
+        self.append({items[i]: items[i + 1] for i in range(0, len(items) - 1, 2)})
+
+    def refuse_set(self: Any) -> None:
+        raise HostileTree("the pickle builds a set with opcodes checkpoints never use")
+
+    out = dict(dispatch)
+    out.update({pickle.SETITEM[0]: load_setitem, pickle.SETITEMS[0]: load_setitems, pickle.DICT[0]: load_dict,
+                pickle.EMPTY_SET[0]: refuse_set, pickle.ADDITEMS[0]: refuse_set, pickle.FROZENSET[0]: refuse_set})
+    return out
+
+
+def safe_set(items: Any = ()) -> set:
+    """``set(items)`` for an unpickler's REDUCE, each member checked with :func:`check_key`."""
+    items = list(items)
+    for k in items:
+        check_key(k)
+    return set(items)
+
+
+def safe_frozenset(items: Any = ()) -> frozenset:
+    return frozenset(safe_set(items))

@@ -1,0 +1,275 @@
+"""Never a partial destination: write into a temporary sibling of DST, fsync, rename.
+
+Ctrl-C, SIGTERM, a crash or a full disk leave DST as it was (absent, or the old one); the
+temporary sibling is removed on every exit the process lives through. One it cannot live
+through (SIGKILL, power loss) leaves the sibling behind: while a run writes into it, the run
+holds an ``flock`` on it, which the kernel drops when the process dies, so the next run to the
+same DST tells a stale sibling from a live one, reports it, and removes it with ``--overwrite``
+(or ``ckpt clean DST``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import sys
+import shutil
+import signal
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import DestinationError, UsageError, one_line
+
+TMP_MARK = ".ckpt-tmp-"
+
+
+def check_destination(src: Path | None, dst: Path, *, overwrite: bool) -> None:
+    """Refuse a DST that exists (without overwrite), equals SRC or lies inside it."""
+    d = dst.resolve()
+    s = src.resolve() if src is not None else None
+    if s is not None and (d == s or d.is_relative_to(s) or s.is_relative_to(d)):
+        raise DestinationError(f"{dst}: the destination must not be the source, lie inside it, or contain it; "
+                               "choose another DST")
+    if dst.exists() and not overwrite:
+        raise DestinationError(f"{dst} exists; pass --overwrite to replace it (the old one stays until the new one is complete)")
+    parent = d.parent
+    if parent.exists() and not os.access(parent, os.W_OK):
+        raise DestinationError(f"{parent}: not writable")
+    report_stale(dst, remove=overwrite)
+
+
+def stale_staging(dst: Path) -> list[Path]:
+    """Temporary siblings of ``dst`` that ckpt runs left behind: ones no live run holds locked."""
+    dst = Path(dst)
+    prefix = f".{dst.name}{TMP_MARK}"
+    try:
+        names = sorted(p for p in dst.parent.iterdir() if p.name.startswith(prefix))
+    except OSError:
+        return []
+    return [p for p in names if not _in_use(p)]
+
+
+def _in_use(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # drops the probe's lock with it
+    return False
+
+
+def _size(path: Path) -> int:
+    if not path.is_dir() or path.is_symlink():
+        return path.lstat().st_size
+    return sum(f.lstat().st_size for f in path.rglob("*") if not f.is_dir())
+
+
+_reported: set[Path] = set()  # said once per process (convert and a torchrun commit both check)
+
+
+def report_stale(dst: Path, *, remove: bool) -> list[Path]:
+    """Say on stderr which stale temporary siblings of ``dst`` were left by interrupted runs;
+    remove them when ``remove``. Returns them. Rank 0 alone speaks for a torchrun launch."""
+    from ..engine.scaleout import torchrun_rank
+
+    if torchrun_rank() != 0:
+        return []
+    found = stale_staging(dst)
+    for p in found:
+        what = "the previous DST, moved aside by an interrupted commit" if f"{TMP_MARK}old-" in p.name else \
+            "the unfinished output of an interrupted run"
+        with contextlib.suppress(OSError):
+            size = _size(p)
+            if remove:
+                remove_path(p)
+                print(f"note: removed {one_line(str(p))} ({what}, {size:,} bytes)", file=sys.stderr)
+            elif p not in _reported:
+                print(f"note: {one_line(str(p))} is {what} ({size:,} bytes); --overwrite or "
+                      f"`ckpt clean {one_line(str(dst))}` removes it", file=sys.stderr)
+        _reported.add(p)
+    return found
+
+
+def clean_staging(dst: str | Path) -> dict[str, list[str]]:
+    """``ckpt clean DST``: remove the temporary siblings of ``dst`` that interrupted runs left;
+    ones a live run is writing are kept. Returns ``{"removed": [...], "in_use": [...]}``."""
+    dst = Path(dst)
+    prefix = f".{dst.name}{TMP_MARK}"
+    removed, in_use = [], []
+    siblings = sorted(p for p in dst.parent.iterdir() if p.name.startswith(prefix)) if dst.parent.is_dir() else []
+    for p in siblings:
+        if _in_use(p):
+            in_use.append(str(p))
+        else:
+            remove_path(p)
+            removed.append(str(p))
+    return {"removed": removed, "in_use": in_use}
+
+
+@contextlib.contextmanager
+def holding(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (a staging directory or file) while writing into
+    it: the mark of a live run, dropped by the kernel however the process ends."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        with contextlib.suppress(OSError):  # a file system without flock: staging is still atomic
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def staged(dst: Path, *, overwrite: bool, is_dir: bool = True) -> Iterator[Path]:
+    """Yield a temporary sibling of ``dst`` to write into; on success, fsync and rename it to
+    ``dst``. With ``overwrite`` the old DST is moved aside only once the new one is complete."""
+    dst = Path(dst)
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DestinationError(f"{dst.parent}: cannot create it ({e.strerror})") from e
+    tmp = make_staging(dst) if is_dir else _make_staging_file(dst)
+    with discarded_on_error(tmp, dst), holding(tmp), _sigterm_as_interrupt():
+        yield tmp
+        fsync_tree(tmp)
+        commit_into(tmp, dst, overwrite=overwrite)
+
+
+@contextlib.contextmanager
+def discarded_on_error(tmp: Path, dst: Path) -> Iterator[None]:
+    """Remove the staging ``tmp`` if the body fails; a failed write to ``dst`` (full disk, not
+    writable) is raised as the exit-4 error it stands for."""
+    try:
+        yield
+    except OSError as e:
+        remove_path(tmp)
+        mapped = destination_error(e, dst)
+        if mapped is not None:
+            raise mapped from e
+        raise
+    except BaseException:
+        remove_path(tmp)
+        raise
+
+
+def destination_error(e: OSError, dst: Path) -> DestinationError | None:
+    """The exit-4 error a failed write to ``dst`` stands for (full disk, not writable), if any."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return DestinationError(f"{dst}: out of space ({e.strerror}); nothing was written, free space and re-run")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return DestinationError(f"{dst}: not writable ({e.strerror})")
+    return None
+
+
+def make_staging(dst: Path) -> Path:
+    """A hidden sibling directory of ``dst`` on the same file system (so the final rename is
+    atomic), with the permissions a plain mkdir would give."""
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}{TMP_MARK}", dir=dst.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would make DST private
+    except OSError as e:
+        raise DestinationError(f"{dst.parent}: cannot write there ({e.strerror})") from e
+    return tmp
+
+
+def _make_staging_file(dst: Path) -> Path:
+    """An empty hidden sibling file of ``dst``, created here so it can be locked; the writer
+    then truncates and fills the same file."""
+    tmp = dst.parent / f".{dst.name}{TMP_MARK}{uuid.uuid4().hex[:8]}"
+    try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+    except OSError as e:
+        raise DestinationError(f"{dst.parent}: cannot write there ({e.strerror})") from e
+    return tmp
+
+
+def commit_into(tmp: Path, dst: Path, *, overwrite: bool) -> None:
+    """Rename the finished ``tmp`` to ``dst``; an old ``dst`` is moved aside first and deleted
+    only once the new one is in place, so a crash leaves either the old or the new one."""
+    if dst.exists() or dst.is_symlink():
+        if not overwrite:
+            raise DestinationError(f"{dst} appeared while writing; pass --overwrite to replace it")
+        old = dst.parent / f".{dst.name}{TMP_MARK}old-{uuid.uuid4().hex[:8]}"
+        os.rename(dst, old)
+        try:
+            os.rename(tmp, dst)
+        except OSError as e:
+            os.rename(old, dst)
+            raise DestinationError(f"{dst}: could not move the new checkpoint into place ({e.strerror})") from e
+        fsync_dir(dst.parent)
+        remove_path(old)
+    else:
+        os.rename(tmp, dst)
+        fsync_dir(dst.parent)
+
+
+def remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def fsync_tree(path: Path) -> None:
+    if path.is_file():
+        _fsync_file(path)
+        return
+    for root, _, files in os.walk(path):
+        for f in files:
+            _fsync_file(Path(root) / f)
+        fsync_dir(Path(root))
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt (main thread only), so cleanup runs."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def validate_option(ok: bool, message: str) -> None:
+    if not ok:
+        raise UsageError(message)
