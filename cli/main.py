@@ -70,9 +70,9 @@ def inspect_cmd(path: str, as_json: bool, tensors: bool, progress: bool) -> None
 
 
 def _report(report: dict, progress: bool) -> None:
-    from ckpt_tools.engine.scaleout import torchrun_rank
+    from ckpt_tools.runtime import env
 
-    if progress and torchrun_rank() == 0:
+    if progress and env.rank() == 0:
         from ckpt_tools.commands.inspect import human_bytes
 
         n, size = report.get("num_tensors"), report.get("total_bytes")

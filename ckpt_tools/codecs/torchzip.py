@@ -51,7 +51,7 @@ class LazyStorages:
 def from_stream(pieces: Iterator[tuple[Any, torch.Tensor]]) -> Callable[[Any], Callable[[], torch.Tensor]]:
     """Providers over the engine's stream of ``(piece, values)``: ``provider(piece)()`` returns
     that piece's values, pulling the stream forward (and holding any piece asked for later)."""
-    from ..engine.execute import by_piece
+    from ..core.plan import by_piece
 
     values = by_piece(iter(pieces))
 

@@ -3,13 +3,16 @@ descriptions; :mod:`ckpt_tools.engine` carries them out.
 
 A :class:`Target` is a tensor to write (its source, new name, new dtype); a :class:`Piece` is
 the rectangle of it that one destination file holds, with the :class:`Copy` list that fills
-it from source chunks.
+it from source chunks. A :class:`Span` is a piece whose bytes lie whole in source files, for
+the kernel to copy; :func:`by_piece` serves a stream of pieces to a writer in its own order.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
 from dataclasses import dataclass, field, replace
 
 from .describe import Chunk, ObjectInfo, TensorInfo, chunk_rows, dtype_size
@@ -181,3 +184,26 @@ def permuted_rows(target: Target, rows, *, rank: int = 0, world_size: int = 1) -
 
 def rename_piece(p: Piece, **changes) -> Piece:
     return replace(p, target=replace(p.target, **changes))
+
+
+@dataclass(frozen=True)
+class Span:
+    """A piece whose bytes are, in order, byte ranges ``(file, offset, length)`` of source
+    files, to be copied as they are (``os.copy_file_range``: the kernel copies, nothing passes
+    through this process)."""
+
+    parts: tuple[tuple[Path, int, int], ...]
+
+
+def by_piece(stream: Iterator[tuple[Piece, Any]]) -> Callable[[Piece], Any]:
+    """``values(piece)`` for a writer that needs the stream's pieces in another order than the
+    plan's: pulls the stream forward, holding the pieces it passes until they are asked for."""
+    ready: dict = {}
+
+    def values(piece: Piece) -> Any:
+        while piece not in ready:
+            got, v = next(stream)
+            ready[got] = v
+        return ready.pop(piece)
+
+    return values

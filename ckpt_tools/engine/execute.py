@@ -1,228 +1,23 @@
 """The one engine that moves bytes: it carries out a writer's plan (a list of
-:class:`~ckpt_tools.plan.FileJob`) from a source description into a staged destination.
-
-For each destination piece it reads only the source regions the plan names, assembles them
-(a piece that is exactly one stored chunk is passed through as a view of the mapped file),
-casts when asked, and hands it to the writer. A background thread prepares the next pieces
-while the writer writes, within a fixed byte budget, so memory stays near the largest piece
-plus that budget whatever the model's size.
+:class:`~ckpt_tools.core.plan.FileJob`) from a source description into a staged destination, in
+this process (:mod:`.stream`), in ``--workers`` processes or across a ``torchrun`` launch
+(:mod:`.parallel`), and commits it whole (:mod:`ckpt_tools.storage.atomic`).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import math
-import sys
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
-from ..storage import manifest
+from ..core.describe import Checkpoint
+from ..core.plan import FileJob
+from ..runtime import env
 from ..security import safefs
+from ..storage import manifest
 from ..storage.atomic import check_destination, staged
-from ..storage.castio import CastSpan
-from ..core.describe import Checkpoint, Chunk, ObjectInfo
-from ..core.dtypes import as_torch
-from ..errors import BadInput
-from ..core.plan import FileJob, Piece
-from .reader import Reader
-
-if TYPE_CHECKING:
-    import torch
-    from tqdm import tqdm
-
-PREFETCH_BYTES = 256 * 1024 * 1024
-
-
-class Writer(Protocol):
-    """A format's writer: plans files from targets, writes one file, then the files that
-    describe the others (index, metadata), last."""
-
-    single_file: bool
-
-    def write(self, path: Path, job: FileJob, pieces: Iterator[tuple[Piece, torch.Tensor]],
-              objects: Callable[[ObjectInfo], Any]) -> Any:
-        """Write one file; may return facts that ``finish`` needs (picklable)."""
-
-    def finish(self, out: Path, jobs: Sequence[FileJob], written: dict[str, Any]) -> None: ...
-
-
-def narrow(t: torch.Tensor, start: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
-    for d, (o, s) in enumerate(zip(start, sizes)):
-        if o != 0 or s != t.shape[d]:
-            t = t.narrow(d, o, s)
-    return t
-
-
-@dataclass(frozen=True)
-class Span:
-    """A piece whose bytes are, in order, byte ranges ``(file, offset, length)`` of source
-    files, to be copied as they are (``os.copy_file_range``: the kernel copies, nothing passes
-    through this process)."""
-
-    parts: tuple[tuple[Path, int, int], ...]
-
-
-def spans_of(reader: Reader, piece: Piece, *, casts: bool = False) -> Span | CastSpan | None:
-    """The byte ranges that make ``piece``, when every copy takes whole rows of a chunk stored
-    contiguously (Shard(0) pieces of safetensors and DCP items). A piece to cast is a
-    :class:`~ckpt_tools.castio.CastSpan` (converted block by block as it is written) with
-    ``casts``, else None."""
-    target = piece.target
-    cast = target.dtype != target.source.dtype
-    if piece.add is not None or (cast and not casts):
-        return None
-    row = math.prod(piece.sizes[1:]) * target.source.dtype.itemsize
-    parts = []
-    found: dict[Chunk, tuple | None] = {}  # a row-permuted piece copies from each chunk many times
-    for c in sorted(piece.copies, key=lambda c: c.dst_start):
-        if c.sizes[1:] != piece.sizes[1:] or c.chunk.sizes[1:] != piece.sizes[1:]:
-            return None
-        if c.chunk not in found:
-            found[c.chunk] = reader.span(target.source, c.chunk)
-        span = found[c.chunk]
-        if span is None:
-            return None
-        path, offset, _ = span
-        start = c.src_start[0] * row if c.sizes else 0
-        parts.append((path, offset + start, (c.sizes[0] * row) if c.sizes else row))
-    if sum(n for _, _, n in parts) != piece.numel * target.source.dtype.itemsize:
-        return None
-    return CastSpan(tuple(parts), target.source.dtype, target.dtype) if cast else Span(tuple(parts))
-
-
-def materialize(reader: Reader, piece: Piece, *, spans: bool = False,
-                casts: bool = False) -> torch.Tensor | Span | CastSpan:
-    """The values of ``piece`` in its target dtype (or, with ``spans``, where its bytes lie
-    when they can be copied straight from the source files; with ``casts`` too, where they lie
-    when they are to be cast block by block as they are written)."""
-    target = piece.target
-    if piece.add is not None:
-        return _plus_low_rank(reader, piece)
-    if spans:
-        found = spans_of(reader, piece, casts=casts)
-        if found is not None:
-            return found
-    if len(piece.copies) == 1:
-        c = piece.copies[0]
-        if c.sizes == c.chunk.sizes == piece.sizes:
-            src = reader.chunk(target.source, c.chunk)
-            return src if src.dtype == target.dtype else src.to(as_torch(target.dtype))
-    import torch
-
-    out = torch.empty(piece.sizes, dtype=as_torch(target.dtype))
-    for c in piece.copies:
-        src = reader.chunk(target.source, c.chunk)
-        narrow(out, c.dst_start, c.sizes).copy_(narrow(src, c.src_start, c.sizes))
-    return out
-
-
-def _plus_low_rank(reader: Reader, piece: Piece) -> torch.Tensor:
-    """``W + scale * (B @ A)`` (its transpose for an embedding) computed in fp32 (as PEFT merges
-    on CPU), then cast."""
-    from dataclasses import replace
-
-    base = materialize(reader, replace(piece, add=None, target=replace(piece.target, dtype=piece.target.source.dtype)))
-    lr = piece.add
-    delta = reader.full(lr.b).float() @ reader.full(lr.a).float()
-    if lr.transposed:
-        delta = delta.T
-    if tuple(delta.shape) != tuple(piece.sizes):
-        raise BadInput(f"tensor {piece.target.source.name!r}: its LoRA update {lr.b.name!r} @ {lr.a.name!r} is "
-                       f"{list(delta.shape)}, the weight is {list(piece.sizes)}")
-    out = base.float() + delta * lr.scale
-    return out.to(as_torch(piece.target.dtype))
-
-
-def stream(reader: Reader, pieces: Sequence[Piece], bar: tqdm | _NoBar | None = None,
-           budget: int = PREFETCH_BYTES, spans: bool = False,
-           casts: bool = False) -> Iterator[tuple[Piece, torch.Tensor | Span | CastSpan]]:
-    """Yield ``(piece, values)`` in order, preparing the next ones in a background thread."""
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-read") as pool:
-        pending: deque = deque()
-        it = iter(pieces)
-        inflight = 0
-
-        def fill() -> None:
-            nonlocal inflight
-            while not pending or inflight < budget:
-                p = next(it, None)
-                if p is None:
-                    return
-                pending.append((p, pool.submit(materialize, reader, p, spans=spans, casts=casts)))
-                inflight += p.nbytes
-
-        fill()
-        while pending:
-            p, fut = pending.popleft()
-            values = fut.result()
-            inflight -= p.nbytes
-            fill()
-            yield p, values
-            if bar is not None:
-                bar.update(p.nbytes)
-
-
-def by_piece(stream: Iterator[tuple[Piece, Any]]) -> Callable[[Piece], Any]:
-    """``values(piece)`` for a writer that needs the stream's pieces in another order than the
-    plan's: pulls the stream forward, holding the pieces it passes until they are asked for."""
-    ready: dict = {}
-
-    def values(piece: Piece) -> Any:
-        while piece not in ready:
-            got, v = next(stream)
-            ready[got] = v
-        return ready.pop(piece)
-
-    return values
-
-
-class _NoBar:
-    """What a disabled bar does (nothing), without importing tqdm (~70 ms of a quiet run)."""
-
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def __enter__(self) -> _NoBar:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        pass
-
-
-def progress_bar(total: int, desc: str, enabled: bool) -> tqdm | _NoBar:
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                file=sys.stderr, dynamic_ncols=True, leave=False)
-
-
-def run_jobs(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path, *,
-             progress: bool, desc: str, sealed: dict[Path, tuple[int, str]] | None = None) -> dict[str, Any]:
-    """Write ``jobs`` under ``out`` (a staging directory, or the staging file itself).
-
-    With ``sealed``, each file is hashed and fsynced in the background as soon as it is
-    written, and its (size, digest) recorded there for the manifest."""
-    total = sum(j.nbytes for j in jobs)
-    written = {}
-    with Reader(src) as reader, progress_bar(total, desc, progress) as bar, manifest.Sealer() as sealer:
-        for job in jobs:
-            path = out if writer.single_file else out / job.path
-            path.parent.mkdir(parents=True, exist_ok=True)
-            pieces = stream(reader, job.pieces, bar, spans=getattr(writer, "accepts_spans", False),
-                            casts=getattr(writer, "accepts_casts", False))
-            written[job.path] = writer.write(path, job, pieces, reader.object)
-            if sealed is not None:
-                # a writer that hashed its file as it wrote it returns the digest
-                known = written[job.path] if isinstance(written[job.path], manifest.Digest) else None
-                sealer.seal(path, known)
-    if sealed is not None:
-        sealed.update(sealer.digests)
-    return written
+from . import parallel
+from .stream import Writer, run_jobs
 
 
 def execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path, *,
@@ -230,8 +25,6 @@ def execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path,
             workers: int = 1, after: Callable[[Path], None] | None = None) -> None:
     """Carry out ``jobs`` into ``dst`` atomically: staged in a temporary sibling, fsynced,
     renamed into place. ``after(staging)`` adds files (HF assets, manifest) before the commit."""
-    from . import scaleout
-
     dst = Path(dst)
     sealed: dict[Path, tuple[int, str]] = {}
 
@@ -247,24 +40,15 @@ def execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path,
             # last: a manifest vouches for every file beside it
             manifest.write(tmp, source=str(src.root), source_format=src.format, format=fmt, known=sealed)
 
-    if scaleout.torchrun_world() > 1 and not writer.single_file:
-        scaleout.execute_torchrun(src, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=desc,
+    if env.world() > 1 and not writer.single_file:
+        parallel.execute_torchrun(src, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=desc,
                                   complete=complete)
         return
     check_destination(src.root, dst, overwrite=overwrite)
     with staged(dst, overwrite=overwrite, is_dir=not writer.single_file) as tmp:
         if workers > 1 and len(jobs) > 1 and not writer.single_file:
-            written = scaleout.run_parallel(src, writer, jobs, tmp, workers=workers, progress=progress, desc=desc)
+            written = parallel.run_parallel(src, writer, jobs, tmp, workers=workers, progress=progress, desc=desc)
         else:
             written = run_jobs(src, writer, jobs, tmp, progress=progress, desc=desc,
                                sealed=None if writer.single_file else sealed)
         complete(tmp, written)
-
-
-def compact(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with a storage of exactly its own bytes (torch.save writes whole storages)."""
-    t = t.contiguous()
-    if t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        t = t.clone()
-    return t
-

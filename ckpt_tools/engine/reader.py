@@ -228,7 +228,7 @@ def _item_tensor(m: mmap.mmap, start: int, length: int):
     """The plain contiguous tensor a ``torch.save`` blob holds, read from its pickle without
     torch (:mod:`ckpt_tools.torchfile`: allowlisted globals only, nothing runs); None when it
     holds anything else."""
-    from ..formats.shardtree import NotSimple, local_of
+    from ..codecs.tensornodes import NotSimple, local_of
     from ..security.torchfile import loads_blob
 
     try:

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo
 from ..core.dtypes import as_torch
 from ..security import bounded, safefs
 from ..errors import BadInput, brief
 from ..security.dcpmeta import load_dcp_metadata
+
+if TYPE_CHECKING:
+    import torch
 
 METADATA = ".metadata"
 ACCELERATE_MODEL = re.compile(r"^pytorch_model_fsdp_(\d+)$")
@@ -281,7 +284,6 @@ class Writer:
 
         import torch
 
-        from ..engine.execute import compact
         from ..core.state import gather, param_groups_keyed
 
         from ..codecs.torchzip import recorded_writes
@@ -368,3 +370,11 @@ class Writer:
         # written last, as dcp.save does: a reader that finds it knows the data files are complete
         with open(out / METADATA, "wb") as f:
             pickle.dump(meta, f)
+
+
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a storage of exactly its own bytes (torch.save writes whole storages)."""
+    t = t.contiguous()
+    if t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t

@@ -4,7 +4,7 @@
 Why: a ``.distcp`` file is a sequence of ``torch.save`` blobs, and ``.metadata`` a pickle of
 DCP's dataclasses. Importing torch to write them costs over a second, and ``torch.save`` copies
 every byte through the process. Here each tensor item is a zip laid out by
-:class:`~ckpt_tools.torchfile.TorchZipWriter` exactly as torch's stream writer lays it out, its
+:class:`~ckpt_tools.codecs.torchwriter.TorchZipWriter` exactly as torch's stream writer lays it out, its
 pickle the one torch writes for a plain contiguous tensor, its storage record copied file to
 file by the kernel when no cast is asked (its CRC computed alongside by another thread), or
 cast block by block (:mod:`ckpt_tools.castio`). The non-tensor items (``param_groups``,
@@ -32,9 +32,10 @@ from ..codecs import metapickle as mp
 from ..core.describe import Checkpoint, ObjectInfo
 from ..storage.diskio import Flusher, copy_range
 from ..errors import BadInput
-from ..security.torchfile import Global, NewObj, Reduce, StorageRef, TorchZipWriter, dumps, loads_blob
+from ..codecs.torchwriter import TorchZipWriter, dumps
+from ..security.torchfile import Global, NewObj, Reduce, StorageRef, loads_blob
 from .dcp import METADATA, canonical, dcp_key
-from .shardtree import REBUILD_V2, STORAGE_DTYPES, contiguous_stride
+from ..codecs.tensornodes import REBUILD_V2, STORAGE_DTYPES, contiguous_stride
 
 STORAGE_OF = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
 _ODICT = Global("collections", "OrderedDict")
@@ -297,7 +298,7 @@ class Writer:
     def _write_items(self, path: Path, fd: int, flusher: Flusher, job, pieces) -> list:
         """Each item, written at ``fd``'s position: ``(kind, which, offset, length)`` each."""
         from ..storage.castio import CastSpan, blocks
-        from ..engine.execute import Span
+        from ..core.plan import Span
 
         records = []
         it = iter(pieces)

@@ -466,7 +466,7 @@ class Writer:
 
     def _write_tree(self, path: Path, job, pieces) -> None:
         from ..storage.castio import CastSpan
-        from ..engine.execute import Span, by_piece
+        from ..core.plan import Span, by_piece
         from ..core.plan import Piece
         from .hf import tensor_bytes
 

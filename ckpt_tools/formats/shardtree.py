@@ -1,6 +1,6 @@
 """verl's per-rank files read and written as pickle trees, without torch.
 
-:mod:`ckpt_tools.torchfile` parses a ``torch.save`` pickle into inert nodes. Here those nodes
+:mod:`ckpt_tools.security.torchfile` parses a ``torch.save`` pickle into inert nodes. Here those nodes
 are read as what they stand for (a plain tensor, an FSDP2 DTensor with ``Shard(0)`` on a 1-D
 mesh), so a sharded checkpoint is described with every chunk a raw byte range of its zip
 record; and a destination rank's file is written as its source's tree with the tensor nodes
@@ -24,29 +24,20 @@ from pathlib import Path
 from typing import Any
 
 from ..core.describe import Location
-from ..core.dtypes import DType
-from ..errors import BadInput
-from ..security.torchfile import Global, NewObj, Reduce, StorageRef, TorchZip, TorchZipWriter, dumps
+from ..codecs.torchwriter import TorchZipWriter, dumps
+from ..codecs.tensornodes import REBUILD_V2, Local, NotSimple, contiguous_stride, local_of  # noqa: F401 - served here too
+from ..security.torchfile import Global, NewObj, Reduce, StorageRef, TorchZip
 
 _T = "torch._utils"
-REBUILD_V2 = Global(_T, "_rebuild_tensor_v2")
 FROM_TYPE = Global("torch._tensor", "_rebuild_from_type_v2")
 WRAPPER = Global(_T, "_rebuild_wrapper_subclass")
 DTENSOR = Global("torch.distributed.tensor", "DTensor")
 SHARD = Global("torch.distributed.tensor.placement_types", "Shard")
 REPLICATE = Global("torch.distributed.tensor.placement_types", "Replicate")
 DEVICE_MESH = Global("torch.distributed.device_mesh", "DeviceMesh")
-STORAGE_DTYPES = {"DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
-                  "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-                  "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
-                  "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128"}
 # DeviceMesh state as torch 2.10-2.13 pickles it; a mesh with other fields is not rebuilt here
 _MESH_FIELDS = {"_device_type", "_layout", "_rank_map", "_mesh_dim_names", "_root_mesh", "_flatten_rank_map",
                 "_thread_id", "_flatten_mapping", "_dim_group_names", "_rank", "_coordinate_on_dim", "_hash"}
-
-
-class NotSimple(Exception):
-    """The file uses something only the torch path handles."""
 
 
 @dataclass(frozen=True)
@@ -56,21 +47,6 @@ class Entry:
 
     file: str
     key: Any
-
-
-@dataclass(frozen=True)
-class Local:
-    """A plain tensor node: ``_rebuild_tensor_v2(storage, offset, size, stride, ...)``."""
-
-    node: Reduce
-    storage: StorageRef
-    offset: int
-    size: tuple[int, ...]
-    dtype: DType
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.size) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -96,34 +72,6 @@ def parsed(path: Path) -> TorchZip:
 @functools.lru_cache(maxsize=1024)
 def _parsed(path: str, size: int, mtime_ns: int) -> TorchZip:
     return TorchZip(path)
-
-
-def contiguous_stride(size: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(size):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
-
-
-def local_of(node: Any) -> Local | None:
-    """The plain tensor a node stands for (None if it is no tensor); NotSimple if it is one this
-    path cannot copy as bytes (non-contiguous, an untyped storage, ...)."""
-    if type(node) is not Reduce or node.func is not REBUILD_V2:
-        return None
-    args = node.args
-    if len(args) < 4 or type(args[0]) is not StorageRef:
-        raise NotSimple("unexpected tensor rebuild arguments")
-    storage, offset, size, stride = args[:4]
-    name = STORAGE_DTYPES.get(storage.type.name)
-    if name is None or not isinstance(offset, int) or not isinstance(size, tuple) or not isinstance(stride, tuple):
-        raise NotSimple(f"tensor stored as {storage.type.name}")
-    size = tuple(size)
-    if any(a != b for a, b, s in zip(stride, contiguous_stride(size), size) if s > 1) or len(stride) != len(size):
-        raise NotSimple("non-contiguous tensor")
-    if offset < 0 or offset + math.prod(size) > storage.numel:
-        raise BadInput(f"a tensor of {size} at element {offset} does not fit its storage of {storage.numel}")
-    return Local(node, storage, offset, size, DType(name))
 
 
 def _state_dict(node: NewObj | Reduce) -> dict:

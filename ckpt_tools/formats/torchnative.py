@@ -61,7 +61,7 @@ class Writer:
 
     def write(self, path: Path, job: Any, pieces: Any, objects: Any) -> None:
         from ..storage.castio import CastSpan
-        from ..engine.execute import Span, by_piece
+        from ..core.plan import Span, by_piece
         from .hf import tensor_bytes
 
         tree, emitter = self.tree_for(job)

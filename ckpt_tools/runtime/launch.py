@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CkptError, UsageError
+from . import env
 
 if TYPE_CHECKING:
     import torch
@@ -73,23 +74,11 @@ def check_device(device: str) -> None:
         raise UsageError("--device cuda: no CUDA device is visible here; use --device cpu")
 
 
-def torchrun_env() -> tuple[int, int, int] | None:
-    """(rank, world_size, local_rank) when launched by torchrun (or any env:// launcher)."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return None
-    try:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local = int(os.environ.get("LOCAL_RANK", rank))
-    except ValueError as e:
-        raise UsageError(f"RANK/WORLD_SIZE/LOCAL_RANK are not integers ({e}); check the launcher") from e
-    return rank, world, local
-
-
 def will_spawn() -> bool:
     """True when :func:`run` would start the ranks itself (no torchrun, no process group)."""
     import torch.distributed as dist
 
-    return not (dist.is_available() and dist.is_initialized()) and torchrun_env() is None
+    return not (dist.is_available() and dist.is_initialized()) and env.launch() is None
 
 
 def run(fn: Callable[..., Any], *args: Any, ranks: int, device: str = "cpu",
@@ -110,9 +99,9 @@ def run(fn: Callable[..., Any], *args: Any, ranks: int, device: str = "cpu",
     if dist.is_available() and dist.is_initialized():
         return _join(fn, args, ranks, device, dist.get_rank(), dist.get_world_size(),
                      int(os.environ.get("LOCAL_RANK", dist.get_rank())), own_group=False)
-    env = torchrun_env()
-    if env is not None:
-        return _join(fn, args, ranks, device, *env, own_group=True)
+    launched = env.launch()
+    if launched is not None:
+        return _join(fn, args, ranks, device, launched.rank, launched.world, launched.local_rank, own_group=True)
     return _spawn(fn, args, ranks, device, threads_per_rank)
 
 

@@ -48,9 +48,14 @@ def tie_to_launcher() -> None:
     """In a process of a ``torchrun`` launch, :func:`tie_to_parent` on the launcher's agent, as
     early as possible. One already re-parented to init (``getppid() == 1``: the agent died
     before this process got here) ends at once."""
-    from ..engine.scaleout import torchrun_world
+    from ..errors import UsageError
+    from . import env
 
-    if torchrun_world() > 1:
+    try:
+        launched = env.world() > 1
+    except UsageError:  # a malformed launch: the command reports it, where its errors are said
+        return
+    if launched:
         if os.getppid() == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         tie_to_parent(kernel_signal=False)

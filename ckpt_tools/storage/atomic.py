@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import DestinationError, UsageError, one_line
+from ..runtime import env
 
 TMP_MARK = ".ckpt-tmp-"
 
@@ -81,9 +82,7 @@ _reported: set[Path] = set()  # said once per process (convert and a torchrun co
 def report_stale(dst: Path, *, remove: bool) -> list[Path]:
     """Say on stderr which stale temporary siblings of ``dst`` were left by interrupted runs;
     remove them when ``remove``. Returns them. Rank 0 alone speaks for a torchrun launch."""
-    from ..engine.scaleout import torchrun_rank
-
-    if torchrun_rank() != 0:
+    if env.rank() != 0:
         return []
     found = stale_staging(dst)
     for p in found:
@@ -268,8 +267,3 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def validate_option(ok: bool, message: str) -> None:
-    if not ok:
-        raise UsageError(message)

@@ -12,13 +12,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..core.describe import Checkpoint
+from ..core.plan import FileJob
+from ..errors import CkptError
+from ..runtime import env, lifeline
 from ..storage.atomic import (TMP_MARK, check_destination, commit_into, discarded_on_error, fsync_tree, holding,
                               remove_path)
-from ..runtime import lifeline
-from ..core.describe import Checkpoint
-from .execute import Writer, progress_bar, run_jobs
-from ..errors import CkptError
-from ..core.plan import FileJob
+from .stream import Writer, progress_bar, run_jobs
 
 
 def balance(jobs: Sequence[FileJob], k: int) -> list[list[FileJob]]:
@@ -57,24 +57,6 @@ def run_parallel(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: 
     return written
 
 
-def torchrun_rank() -> int:
-    """This process's rank in a ``torchrun`` launch (0 outside one)."""
-    try:
-        return int(os.environ.get("RANK", "0")) if torchrun_world() > 1 else 0
-    except ValueError:
-        return 0
-
-
-def torchrun_world() -> int:
-    """The number of processes of the ``torchrun`` launch this process belongs to (1 outside)."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
-        return 1
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
-
-
 def execute_torchrun(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path, *, overwrite: bool,
                      progress: bool, desc: str, complete: Callable[[Path, dict[str, Any]], None]) -> None:
     """Every process of the launch writes its share of ``jobs`` into one staging directory;
@@ -87,7 +69,8 @@ def execute_torchrun(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], d
     if own:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    launched = env.launch()
+    run_id = launched.run_id if launched else "none"
     tmp = dst.parent / f".{dst.name}{TMP_MARK}run-{run_id}"
     lock = contextlib.ExitStack()
     try:
