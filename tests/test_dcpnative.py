@@ -20,11 +20,12 @@ from safetensors.torch import load_file, save_file
 
 import ckpt_tools
 from ckpt_tools.codecs import metapickle as mp
-from ckpt_tools.commands.convert import DTYPES, layout_dcp
+from ckpt_tools.commands.options import DTYPES
+from ckpt_tools.formats.writers import layout_dcp
 from ckpt_tools.engine.execute import execute
 from ckpt_tools.formats import dcp, dcpnative, describe
 from ckpt_tools.core.plan import targets_from
-from ckpt_tools.security.torchfile import TorchZipWriter, dumps
+from ckpt_tools.codecs.torchwriter import TorchZipWriter, dumps
 
 try:
     from dist import run_ranks

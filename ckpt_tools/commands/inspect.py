@@ -9,6 +9,7 @@ from typing import Any
 from ..core.describe import GROUPS, Checkpoint, dtype_name
 from ..formats import describe
 from ..layouts import layout_of
+from ..naming import lora
 from ..engine.reader import Reader
 
 
@@ -43,7 +44,7 @@ def summarize(ckpt: Checkpoint, *, tensors: bool = False) -> dict[str, Any]:
     }
     if ckpt.mesh_shape:
         out["mesh_shape"] = list(ckpt.mesh_shape)
-    out["lora"] = lora_summary(ckpt)
+    out["lora"] = lora.summary(ckpt)
     if ckpt.details.get("fsdp"):
         out["fsdp"] = ckpt.details["fsdp"]
     out.update(layout_of(ckpt).to_json())
@@ -63,20 +64,6 @@ def summarize(ckpt: Checkpoint, *, tensors: bool = False) -> dict[str, Any]:
         out["tensors"] = [{"name": t.name, "group": t.group, "shape": list(t.shape), "dtype": dtype_name(t.dtype)}
                           for t in ckpt.tensors]
     return out
-
-
-def lora_summary(ckpt: Checkpoint) -> dict[str, Any] | None:
-    """PEFT LoRA in the model tensors: rank, alpha (None when no side file says), targets."""
-    from ..errors import BadInput
-    from ..naming import lora
-
-    if not any(".lora_" in t.name for t in ckpt.tensors if t.group == "model"):
-        return None
-    try:
-        found = lora.find(ckpt)
-    except BadInput as e:
-        return {"rank": None, "alpha": None, "target_modules": [], "adapter_only": None, "unsupported": str(e)}
-    return found.summary() if found else None
 
 
 def _optimizer(ckpt: Checkpoint) -> dict[str, Any]:

@@ -5,7 +5,8 @@ beside ``fsdp_config.json`` and ``huggingface/``, accelerate's ``save_state`` di
 transformers Trainer ``checkpoint-N/``, a torchtitan ``step-N/``. Each framework is one module
 here that says how to recognise it and which of its files and entries are rank-local; the
 core (describe, plan, engine) never learns their names. :func:`layout_of` names the layout of
-a described checkpoint; :func:`carry_plan` says which side files a resharded copy carries.
+a described checkpoint; :func:`keep_layout` and :func:`carry_plan` say what a resharded copy
+keeps (entries, side files); :func:`output` says how ``convert --layout NAME`` writes a layout.
 
 Adapter modules provide ``NAME``, ``detect(ckpt) -> bool``, ``fsdp_version(ckpt) -> int | None``,
 ``RANK_LOCAL_FILE`` (a regex whose group 1 is the rank, or None) and
@@ -14,18 +15,22 @@ Adapter modules provide ``NAME``, ``detect(ckpt) -> bool``, ``fsdp_version(ckpt)
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+from ..storage import manifest
 from ..storage.atomic import TMP_MARK
 from ..core.describe import Checkpoint, ObjectInfo
 from ..core.state import short_list, warn_rank_local
+from ..errors import UsageError
+from ..security import safefs
 from . import accelerate, plain, torchtitan, trainer, verl
 
 LAYOUTS = ("plain", "verl", "accelerate", "trainer", "torchtitan")
 # most specific first: a Trainer checkpoint is also an accelerate save_state directory
 _ADAPTERS = (verl, trainer, accelerate, torchtitan)
-MANIFEST = ".ckpt-manifest.json"
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,7 @@ def side_files(ckpt: Checkpoint, adapter=plain) -> list[str]:
         if p.is_symlink() or not p.is_file():
             continue
         rel = p.relative_to(root).as_posix()
-        if rel in owned or rel == MANIFEST or TMP_MARK in rel:
+        if rel in owned or rel == manifest.NAME or TMP_MARK in rel:
             continue
         out.append(rel)
     return out
@@ -119,3 +124,84 @@ def carry_plan(layout: Layout, *, src_world: int | None, dst_world: int, policy:
                         "cannot be split or merged", src_world=src_world, dst_world=dst_world, policy=policy,
                         warn=warn)
     return Carry(tuple(files), tuple(dropped))
+
+
+def keep_layout(ckpt: Checkpoint, objects: tuple[ObjectInfo, ...], ws: int, policy: str
+                ) -> tuple[Layout, tuple[ObjectInfo, ...], Carry]:
+    """What a copy of ``ckpt`` in its own format and framework layout at ``ws`` ranks keeps:
+    its side files (carried as files, so entries read from them are not written again), its
+    rank-local entries (by ``policy`` when the world size changes, with a warning)."""
+    lay = layout_of(ckpt)
+    side = set(lay.side_files)
+    kept, local = [], []
+    for o in objects:
+        if o.location.file in side:
+            continue
+        rank = lay.rank_local_object(o) if o.rank is None else None
+        if rank is not None and ckpt.world_size != ws:
+            local.append(".".join(map(str, o.path)))
+            if policy != "keep-first" or rank >= ws:
+                continue
+        kept.append(o)
+    if local:
+        warn_rank_local(f"rank-local entries {short_list(sorted(local))} ({lay.name}) cannot be split or merged",
+                        src_world=ckpt.world_size, dst_world=ws, policy=policy)
+    carry = carry_plan(lay, src_world=ckpt.world_size, dst_world=ws, policy=policy)
+    return lay, tuple(kept), carry
+
+
+def copy_side_files(src: Path, files: tuple[str, ...], tmp: Path) -> None:
+    """Side files into the staging directory, byte for byte."""
+    for rel in files:
+        out = tmp / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # resolved whole and required inside the checkpoint: never a file from elsewhere
+        path = safefs.resolve_inside(src, rel, what=f"{src}: side file")
+        safefs.require_regular(path)
+        shutil.copyfile(path, out)
+
+
+# -- layouts written from another format (convert --layout NAME) ---------------------------
+
+@dataclass(frozen=True)
+class Output:
+    """How ``convert --layout NAME`` writes a framework's layout: the one format it is written
+    in (None: any), the device mesh names of rank files, model keys at a DCP's top level, and
+    ``retarget(targets, config, src) -> (targets, piece_of)`` for a layout with names of its own."""
+
+    name: str
+    to: str | None
+    mesh_names: tuple[str, ...] | None = None
+    top_level_model: bool = False
+    retarget: Callable | None = None
+
+
+# "plain": the source's framework layout is not kept, nothing added
+_OUTPUTS = {o.name: o for o in (
+    Output(plain.NAME, None),
+    Output(torchtitan.NAME, torchtitan.WRITES, top_level_model=torchtitan.TOP_LEVEL_MODEL,
+           retarget=torchtitan.retarget),
+    Output(verl.NAME, verl.WRITES, mesh_names=verl.MESH_NAMES),
+)}
+WRITTEN = tuple(_OUTPUTS)
+
+
+def output(name: str | None, to: str) -> Output | None:
+    """The :class:`Output` that ``--layout name`` asks of ``convert --to to`` (None without
+    ``--layout``); a layout not written in that format is a usage error naming those that are."""
+    if name is None:
+        return None
+    found = _OUTPUTS.get(name)
+    if found is None or found.to not in (None, to):
+        pairs = ", ".join(f"--to {o.to} --layout {o.name}" for o in _OUTPUTS.values() if o.to)
+        raise UsageError(f"--layout {name} is not written by convert --to {to} ({pairs})")
+    return found
+
+
+def unnamed_mesh_note() -> str:
+    """Said when rank files are built from another format without ``--layout``: which jobs
+    load an unnamed mesh and how to name it for those that do not."""
+    named = [o for o in _OUTPUTS.values() if o.mesh_names]
+    how = "; ".join(f"for {o.name} (mesh {o.mesh_names}) convert with --layout {o.name}" for o in named)
+    return ("the rank files' device mesh is unnamed, as fully_shard's default mesh is; a job loads them "
+            f"only onto a mesh of the same names: {how}")

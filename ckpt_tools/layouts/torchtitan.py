@@ -36,3 +36,17 @@ def rank_local_object(obj) -> int | None:
         if m:
             return int(m.group(1))
     return None
+
+
+# ``convert --to dcp --layout torchtitan``: torchtitan's own names, model keys at the top level
+WRITES = "dcp"
+TOP_LEVEL_MODEL = True
+
+
+def retarget(targets, config: dict, src) -> tuple[list, object]:
+    """The model targets under torchtitan's names, and how each rank's rows of them are taken
+    (the rotary row permutation): from a Hugging Face source and its config."""
+    from ..naming import torchtitan as names
+
+    renamed, row_maps = names.from_hf_targets([t for t in targets if t.group == "model"], config, src)
+    return renamed, names.rank_piece(row_maps)

@@ -31,3 +31,10 @@ def rank_local_object(obj) -> int | None:
     # extra_state entries are per rank file already; which differ between ranks (``rng``) is
     # judged by value with the rest of the extra state (state.per_rank_extras)
     return None
+
+
+# ``convert --to sharded --layout verl``: rank files whose device mesh is named as verl's jobs
+# name theirs; ``load_state_dict`` copies DTensors only between meshes of the same names, so
+# verl's loader refuses the unnamed mesh of ``fully_shard``'s default
+WRITES = "sharded"
+MESH_NAMES = ("fsdp",)

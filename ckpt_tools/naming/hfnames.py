@@ -22,13 +22,13 @@ from typing import Any
 from ..hf import archcheck, assets as hfassets
 from ..core.describe import Checkpoint, TensorInfo
 from ..core.dtypes import DType
-from ..errors import BadInput, UsageError
+from ..errors import BadInput
 from . import lora as peft_lora
 from . import torchtitan
+from .wrappers import normalize_name
 from ..core.plan import LowRank, Piece, Target, whole
 from ..engine.reader import Reader
 
-LORA_MODES = ("merge", "adapter")
 
 
 @dataclass
@@ -58,10 +58,7 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
     ``lora``: ``"merge"`` (default) or ``"adapter"``. Raises BadInput (exit 3) for names the
     architecture would not load, LoRA without a known alpha, adapter-only weights without ``base``.
     """
-    from ..commands.convert import normalize_name
 
-    if lora is not None and lora not in LORA_MODES:
-        raise UsageError(f"--lora must be one of {', '.join(LORA_MODES)}, not {lora!r}")
     names: dict[str, TensorInfo] = {}
     for t in keep:
         n = normalize_name(t.name)
@@ -110,7 +107,6 @@ def _with_base_weights(ckpt: Checkpoint, base: str) -> tuple[Checkpoint, dict[st
     root = other.base_dir().resolve()
     moved = tuple(replace(t, chunks=tuple(replace(c, location=replace(c.location, file=str(root / c.location.file)))
                                           for c in t.chunks)) for t in other.tensors)
-    from ..commands.convert import normalize_name
 
     return replace(ckpt, tensors=ckpt.tensors + moved), {normalize_name(t.name): t for t in moved}
 
@@ -130,7 +126,7 @@ def untie(ckpt: Checkpoint, pieces: list[Piece], config: dict, src: Path) -> lis
         if head is not None and embed is not None:
             import torch
 
-            from ..engine.execute import materialize
+            from ..engine.stream import materialize
 
             with Reader(ckpt) as r:
                 if not torch.equal(materialize(r, head), materialize(r, embed)):

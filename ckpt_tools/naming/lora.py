@@ -25,6 +25,9 @@ from typing import Any
 
 from ..core.describe import Checkpoint, TensorInfo
 from ..errors import BadInput
+from .wrappers import normalize_name
+
+MODES = ("merge", "adapter")  # export --lora: fold into the base weights, or a PEFT adapter
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -106,8 +109,6 @@ def base_name(name: str) -> str:
 def find(ckpt: Checkpoint, *, alpha: float | None = None) -> Lora | None:
     """The LoRA in ``ckpt``'s model tensors, or None. ``alpha`` (``--lora-alpha``) wins over
     the side files. Raises BadInput for LoRA variants whose merge is not plain ``W + BA``."""
-    from ..commands.convert import normalize_name
-
     model = [t for t in ckpt.tensors if t.group == "model"]
     names = {normalize_name(t.name): t for t in model}
     parts: dict[tuple[str, str], dict[str, TensorInfo]] = {}
@@ -270,3 +271,15 @@ def adapter_config(lora: Lora, *, base_model: str | None, config: dict) -> dict[
         out["lora_alpha"] = lora.alpha
     out["inference_mode"] = True
     return out
+
+
+def summary(ckpt: Checkpoint) -> dict[str, Any] | None:
+    """PEFT LoRA in the model tensors, as ``inspect`` and ``verify`` report it: rank, alpha (None
+    when no side file says), targets; a variant ckpt cannot fold in is named under ``unsupported``."""
+    if not any(".lora_" in t.name for t in ckpt.tensors if t.group == "model"):
+        return None
+    try:
+        found = find(ckpt)
+    except BadInput as e:
+        return {"rank": None, "alpha": None, "target_modules": [], "adapter_only": None, "unsupported": str(e)}
+    return found.summary() if found else None

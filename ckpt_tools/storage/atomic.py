@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import DestinationError, UsageError, one_line
+from ..errors import DestinationError, one_line
 from ..runtime import env
 
 TMP_MARK = ".ckpt-tmp-"

@@ -1,0 +1,66 @@
+"""The Hugging Face half of ``export`` (and ``convert --to hf``): names checked against the
+architecture, tied weights once, LoRA merged or written as a PEFT adapter, config and tokenizer
+beside the weights. :func:`ckpt_tools.commands.convert.export` is the command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..core.describe import Checkpoint, TensorInfo
+from ..core.plan import FileJob
+from ..engine.execute import execute
+from ..errors import UsageError
+from ..formats import hf
+from ..hf import assets as hfassets
+from ..naming import hfnames
+from .options import Options, say
+
+
+def write_hf(ckpt: Checkpoint, src: Path, dst: Path, keep: list[TensorInfo], opts: Options,
+             left_out: list[str]) -> dict[str, Any]:
+    """Write ``keep`` (the model tensors of ``ckpt``) as an HF directory (or one ``.safetensors``
+    file) at ``dst``; the report says what was written."""
+    report: dict[str, Any] = {"src": str(src), "dst": str(dst), "format": "hf", "world_size": None}
+    cast = opts.cast
+    assets = hfassets.find_assets(src, opts.base)
+    config = hfassets.read_config(assets)
+    plan = hfnames.plan_export(ckpt, src, keep, cast=cast, config=config, lora=opts.lora,
+                               lora_alpha=opts.lora_alpha, base=opts.base)
+    pieces, adapter = plan.pieces, plan.adapter_config is not None
+    single = dst.suffix == ".safetensors"
+    if adapter and single:
+        raise UsageError(f"{dst}: a PEFT adapter is a directory (adapter_model.safetensors + adapter_config.json)")
+    writer = hf.Writer(single_file=single, max_shard_size=opts.max_shard_size)
+    if adapter:
+        jobs = [FileJob(hfnames.peft_lora.ADAPTER_WEIGHTS, tuple(pieces))]
+    else:
+        jobs = writer.plan(pieces) if not single else [FileJob(dst.name, tuple(pieces))]
+    targets = [p.target for p in pieces]
+    dtypes = {t.dtype for t in targets if t.dtype.is_floating_point}
+    written = cast or (max(dtypes, key=lambda d: sum(t.numel for t in targets if t.dtype == d)) if dtypes else None)
+
+    notes: list[str] = []
+
+    def after(tmp: Path) -> None:
+        notes.extend(wait_for_check())  # a refusal here leaves nothing at DST
+        if adapter:
+            (tmp / hfnames.peft_lora.ADAPTER_CONFIG).write_text(json.dumps(plan.adapter_config, indent=2) + "\n")
+            report["assets"] = [hfnames.peft_lora.ADAPTER_CONFIG]
+        elif not single:
+            report["assets"] = hfassets.copy_assets(assets, tmp, dtype=written)
+
+    with hfnames.checked_in_background(plan) as wait_for_check:
+        execute(plan.ckpt, writer, jobs, dst, overwrite=opts.overwrite, progress=opts.progress,
+                desc=f"hf → {dst.name}", fmt="hf", after=after)
+    hfnames.say(notes, opts.progress)
+    if left_out:
+        say(f"note: the export holds the model only; left out {', '.join(left_out)} state", opts.progress)
+    if assets is None and not single and not adapter:
+        say("note: no config.json or tokenizer found (no huggingface/ folder); pass --base MODEL to add them",
+            opts.progress)
+    report.update(num_tensors=len(targets), total_bytes=sum(t.nbytes for t in targets), left_out=left_out,
+                  dtype=str(written) if written else None,
+                  lora="adapter" if adapter else ("merge" if any(p.add for p in pieces) else None))
+    return report

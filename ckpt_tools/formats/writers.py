@@ -1,0 +1,236 @@
+"""Which writer writes a conversion, and the files it writes: ckpt's own writers (no torch,
+records copied by the kernel) wherever they cover the plan, torch's otherwise. The layout
+functions are pure: descriptions in, jobs out.
+
+Object values a writer needs (extra state merged across ranks, for torch's writers) are read
+through ``open_reader``, a callable the caller passes (the engine's reader): formats do not
+import the engine.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from ..core.describe import Checkpoint, ObjectInfo, TensorInfo
+from ..core.plan import FileJob, Target, rows_of, whole
+from ..core.state import per_rank_extras
+from ..errors import BadInput
+from . import dcp, dcpnative, sharded, shardsynth, shardtree, torchnative, torchsave
+
+OpenReader = Callable[[], AbstractContextManager]  # () -> a reader with .object(ObjectInfo)
+
+
+def torch_file(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInfo, ...], name: str, *,
+               rank_local: str, open_reader: OpenReader) -> tuple[Any, list[FileJob]]:
+    """One ``torch.save`` file ``name``: ckpt's own writer, else torch's."""
+    shared, rank_objs = _split(objects)
+    native = _native_extras(ckpt, rank_objs, rank_local) if rank_objs else None
+    merged = native if native is not None else _merged_by_torch(ckpt, rank_objs, rank_local, open_reader)
+    jobs = [FileJob(name, tuple(whole(t) for t in targets), shared, meta={"extra": merged})]
+    writer: Any = torchnative.native_writer(ckpt, jobs, param_order=ckpt.param_order)
+    if writer is None:
+        if native is not None:  # torch's writer takes values as torch loads them
+            merged = _merged_by_torch(ckpt, rank_objs, rank_local, open_reader, warn=_quiet)
+            jobs = [FileJob(name, jobs[0].pieces, shared, meta={"extra": merged})]
+        writer = torchsave.Writer(param_order=ckpt.param_order)
+    return writer, jobs
+
+
+def dcp_dir(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInfo, ...], ws: int, *,
+            rank_local: str, open_reader: OpenReader, keep_parts: bool, piece_of=rows_of,
+            top_level_model: bool = False) -> tuple[Any, list[FileJob]]:
+    """A DCP directory at ``ws`` ranks: ckpt's own writer where it covers the plan, else torch's.
+    Either keeps a layout the same way: ``keep_parts`` keeps a DCP source's part directories
+    (accelerate's) and copies its items as saved; ``top_level_model`` writes the model's keys
+    without their ``model.`` prefix."""
+    shared, rank_objs = _split(objects)
+    native = _native_extras(ckpt, rank_objs, rank_local) if rank_objs else None
+    merged = native if native is not None else _merged_by_torch(ckpt, rank_objs, rank_local, open_reader)
+    part_of = dcp_part if keep_parts else None
+    jobs = layout_dcp(targets, shared, ws, merged, part_of=part_of, piece_of=piece_of)
+    source_dcp = ckpt.format == "dcp" and keep_parts
+    writer = dcpnative.native_writer(ckpt, jobs, param_order=ckpt.param_order, extras=native is not None,
+                                     verbatim=source_dcp, top_level_model=top_level_model)
+    if writer is None:
+        if native is not None:
+            merged = _merged_by_torch(ckpt, rank_objs, rank_local, open_reader, warn=_quiet)
+            jobs = layout_dcp(targets, shared, ws, merged, part_of=part_of, piece_of=piece_of)
+        writer = dcp.Writer(param_order=ckpt.param_order, source=ckpt.base_dir() if source_dcp else None,
+                            top_level_model=top_level_model)
+    return writer, jobs
+
+
+def rank_files(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInfo, ...], ws: int, *,
+               rank_local: str, open_reader: OpenReader,
+               mesh_names: tuple[str, ...] | None = None) -> tuple[sharded.Writer, list[FileJob]]:
+    """The sharded writer and its jobs. From a sharded source read without torch, each new file
+    is its source's pickle rebuilt for the new ranks (its mesh kept), records copied by the
+    kernel; else (or if the dry run finds something only torch can write) tensors go through
+    torch.save, on a mesh of dimensions ``mesh_names`` (None: unnamed, as ``fully_shard``'s
+    default mesh is)."""
+    keyed = "fqn" if ckpt.format == "sharded" and ckpt.details.get("optimizer_keyed") == "fqn" else "int"
+    extra_objs = [o for o in objects if o.group == "extra"]
+    if ckpt.format == "sharded" and _all_raw(ckpt) and all(t.dtype == t.source.dtype for t in targets):
+        writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed, template=ckpt.root,
+                                src_world=ckpt.world_size, config=sharded.read_config(ckpt.root))
+
+        def equal(a: shardtree.Entry, b: shardtree.Entry) -> bool:
+            return shardtree.same_value(writer.entry(a), writer.entry(b))
+
+        try:
+            extras = per_rank_extras(extra_objs, _entry, src_world=ckpt.world_size, dst_world=ws,
+                                     policy=rank_local, equal=equal)
+            return writer, _dry_run(writer, layout_sharded(ckpt, targets, ws, extras))
+        except shardtree.NotSimple:
+            pass
+    elif ckpt.format != "sharded" and shardsynth.available():
+        # no source rank files to rebuild: each file's tree is built from the plan, no torch
+        writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed, synth=ckpt.base_dir(),
+                                mesh_names=mesh_names)
+        try:
+            if any(o.rank is not None for o in extra_objs):
+                raise shardtree.NotSimple("rank-local extra state")
+            shared = shardsynth.object_values(ckpt.base_dir(), extra_objs)
+            return writer, _dry_run(writer, layout_sharded(ckpt, targets, ws, [shared] * ws if shared else None))
+        except shardtree.NotSimple:
+            pass
+    config = sharded.read_config(ckpt.root) if ckpt.format == "sharded" else {}
+    writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed, config=config,
+                            mesh_names=mesh_names)
+    with open_reader() as reader:
+        extras = per_rank_extras(extra_objs, reader.object, src_world=ckpt.world_size, dst_world=ws,
+                                 policy=rank_local)
+    return writer, layout_sharded(ckpt, targets, ws, extras)
+
+
+# -- layouts (pure) ------------------------------------------------------------------------
+
+def layout_sharded(src: Checkpoint, targets: list[Target], world_size: int, extras: list[dict] | None) -> list[FileJob]:
+    """Per-rank model/optim/extra_state jobs at ``world_size``, FSDP2's ``Shard(0)`` split."""
+    plain = {t.key for t in src.tensors if _replicated(t, src)}
+    model = [t for t in targets if t.group == "model"]
+    optim = [t for t in targets if t.group == "optimizer"]
+    plain_targets = {(t.group, t.name) for t in targets if t.source.key in plain or not t.shape}
+    mobj = tuple(o for o in src.objects if o.group == "model" and o.rank in (None, 0))
+    oobj = tuple(o for o in src.objects if o.group == "optimizer" and o.rank in (None, 0) and o.path[:2] == ("optimizer", "param_groups"))
+    jobs = []
+    for r in range(world_size):
+        def pieces(ts):
+            return tuple(whole(t) if (t.group, t.name) in plain_targets else rows_of(t, world_size, r) for t in ts)
+        jobs.append(FileJob(sharded.file_name("model", world_size, r), pieces(model), mobj, r, "model",
+                            {"plain": plain_targets}))
+        if optim:
+            jobs.append(FileJob(sharded.file_name("optim", world_size, r), pieces(optim), oobj, r, "optim",
+                                {"plain": plain_targets}))
+        if extras and extras[r]:
+            jobs.append(FileJob(sharded.file_name("extra_state", world_size, r), (), (), r, "extra",
+                                {"extra": extras[r]}))
+    return jobs
+
+
+def _replicated(t: TensorInfo, src: Checkpoint) -> bool:
+    """A plain (non-DTensor) entry of a per-rank file: every rank holds the whole tensor."""
+    return (src.format == "sharded" and len(t.chunks) == (src.world_size or 1) > 1
+            and all(c.sizes == t.shape for c in t.chunks))
+
+
+def layout_dcp(targets: list[Target], objects: tuple[ObjectInfo, ...], world_size: int,
+               extra: dict | None = None, part_of=None, *, piece_of=rows_of) -> list[FileJob]:
+    """``__{r}_0.distcp`` per rank: rank r's rows of every tensor with rows; scalars and
+    objects once, on rank 0 (as dcp.save deduplicates replicated entries).
+
+    ``part_of(target or object)`` names the part directory an entry belongs to (accelerate's
+    ``pytorch_model_fsdp_0``, ``optimizer_0``; ``""`` for the root): each part is a DCP of its own.
+    ``piece_of`` gives a target's rows for a rank (a naming scheme may reorder them)."""
+    part_of = part_of or (lambda item: "")
+    parts = list(dict.fromkeys([part_of(t) for t in targets] + [part_of(o) for o in objects])) or [""]
+    home = "" if "" in parts else parts[0]  # where merged extra state goes
+    jobs = []
+    for part in parts:
+        mine = [t for t in targets if part_of(t) == part]
+        objs = tuple(o for o in objects if part_of(o) == part)
+        prefix = f"{part}/" if part else ""
+        for r in range(world_size):
+            pieces = tuple(p for t in mine if t.shape for p in [piece_of(t, world_size, r)] if p.numel)
+            if r == 0:
+                pieces += tuple(whole(t) for t in mine if not t.shape)
+            jobs.append(FileJob(f"{prefix}__{r}_0.distcp", pieces, objs if r == 0 else (), r,
+                                meta={"extra": extra or {}} if r == 0 and part == home else {}))
+    return jobs
+
+
+def dcp_part(item: Target | ObjectInfo) -> str:
+    """The part directory of a DCP source that holds ``item`` (``""`` at the root)."""
+    if isinstance(item, ObjectInfo):
+        loc = item.location
+    else:
+        if not item.source.chunks:
+            return ""
+        loc = item.source.chunks[0].location
+    return loc.file.rpartition("/")[0] if loc.kind in ("torch_item", "bytes_item") else ""
+
+
+# -- extra state ---------------------------------------------------------------------------
+
+def _split(objects: tuple[ObjectInfo, ...]) -> tuple[tuple[ObjectInfo, ...], list[ObjectInfo]]:
+    """Objects held once, and per-rank ones (merged into one copy for a one-copy format)."""
+    return tuple(o for o in objects if o.rank is None), [o for o in objects if o.rank is not None]
+
+
+def _quiet(message: str) -> None:
+    """Said once already, by the first merge."""
+
+
+def _merged_by_torch(ckpt: Checkpoint, rank_objs: list[ObjectInfo], policy: str, open_reader: OpenReader,
+                     warn: Callable[[str], None] | None = None) -> dict:
+    """One global copy of per-rank extra state, as torch loads the values: those equal on every
+    rank once; rank-local ones follow ``policy``."""
+    if not rank_objs:
+        return {}
+    with open_reader() as reader:
+        (values,) = per_rank_extras(rank_objs, reader.object, src_world=ckpt.world_size, dst_world=1,
+                                    policy=policy, warn=warn)
+    return values
+
+
+def _native_extras(ckpt: Checkpoint, rank_objs: list[ObjectInfo], policy: str) -> dict | None:
+    """Per-rank extra state of a sharded source merged into one copy (as ``per_rank_extras``
+    merges it) as pickle trees, without torch; None where torch's loader must read it."""
+    if ckpt.format != "sharded" or not _all_raw(ckpt):
+        return None
+
+    def tree(e: shardtree.Entry) -> tuple:
+        zf = shardtree.parsed(ckpt.base_dir() / e.file)
+        return zf, zf.tree[e.key]
+
+    said: list[str] = []
+    try:
+        (merged,) = per_rank_extras(rank_objs, _entry, src_world=ckpt.world_size, dst_world=1, policy=policy,
+                                    warn=said.append, equal=lambda a, b: shardtree.same_value(tree(a), tree(b)))
+        values = {key: tree(e)[1] for key, e in merged.items()}
+    except (shardtree.NotSimple, BadInput, KeyError, TypeError):
+        return None
+    if not all(dcpnative.plain(v) for v in values.values()):
+        return None
+    for m in said:
+        print(f"warning: {m}", file=sys.stderr)
+    return values
+
+
+def _entry(o: ObjectInfo) -> shardtree.Entry:
+    return shardtree.Entry(o.location.file, o.location.key[0])
+
+
+def _all_raw(ckpt: Checkpoint) -> bool:
+    """Every tensor chunk a raw byte range (read without torch)."""
+    return all(c.location.kind == "raw" for t in ckpt.tensors for c in t.chunks)
+
+
+def _dry_run(writer: sharded.Writer, jobs: list[FileJob]) -> list[FileJob]:
+    """Each file's tree built before a byte is written: anything unusual (NotSimple) falls back."""
+    for job in jobs:
+        writer.tree_for(job)
+    return jobs
