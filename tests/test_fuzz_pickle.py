@@ -79,9 +79,9 @@ def test_dcp_metadata_unpickler_on_opcode_programs(tmp_path_factory, program) ->
 def test_dcp_item_loader_on_opcode_programs(program) -> None:
     """An item goes to ckpt's tree reader, then (unless the structure was refused) to torch's
     weights_only loader: both must stay within CkptError."""
-    from ckpt_tools.formats.dcp import _load_item
+    from ckpt_tools.formats.dcp import load_item
 
-    _only_ckpt_errors(lambda: _load_item(_blob(_assemble(program)), where="item"))
+    _only_ckpt_errors(lambda: load_item(_blob(_assemble(program)), where="item"))
 
 
 # -- opcode-level mutations of a real rank file's pickle -------------------------------------

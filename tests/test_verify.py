@@ -209,7 +209,7 @@ def test_blocks_across_uneven_chunks(converted: dict[str, Path], src: Path, monk
     """Tiny blocks: every tensor is compared a few rows at a time across both sides' uneven
     shard boundaries (3 ranks vs 2), and one changed element is counted exactly once."""
     # the module, not the function ckpt_tools may export under the same name
-    v = importlib.import_module("ckpt_tools.verify")
+    v = importlib.import_module("ckpt_tools.commands.compare")
     monkeypatch.setattr(v, "BLOCK_BYTES", 3 * 32 * 8)  # three rows of 32 float64
     report = verify(src, converted["sharded"], progress=False)
     assert report["ok"], format_report(report)

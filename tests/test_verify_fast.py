@@ -77,7 +77,7 @@ def test_verify_two_checkpoints_still_counts_differences(tmp_path):
 @pytest.mark.parametrize("n", [1, 7, 8, 4096, (1 << 20) + 3, 3 << 20])
 def test_equal_bytes_finds_a_difference_anywhere(n):
     """The block comparison behind a bit-exact verify: words or bytes, any length, any step."""
-    from ckpt_tools.commands.verify import _equal_bytes
+    from ckpt_tools.commands.compare import _equal_bytes
 
     a = bytearray(os.urandom(n))
     assert _equal_bytes(memoryview(a), memoryview(bytes(a)), step=4096)

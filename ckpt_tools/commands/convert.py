@@ -21,7 +21,6 @@ from ..engine.reader import Reader
 from ..errors import BadInput, UsageError
 from ..formats import describe, writers
 from ..hf import assets as hfassets
-from ..naming.wrappers import normalize_name  # noqa: F401 - served here too
 from ..runtime import env
 from ..storage.atomic import check_destination
 from .export import write_hf

@@ -72,7 +72,7 @@ def _param_order(path: Path, tensors: list[TensorInfo], objects: list[ObjectInfo
     for o in groups:
         with safefs.open_file(path / o.location.file) as f:
             f.seek(o.location.offset)
-            params = _load_item(f.read(o.location.length), where=f"{path / o.location.file} ({o.name})")
+            params = load_item(f.read(o.location.length), where=f"{path / o.location.file} ({o.name})")
         if isinstance(params, list) and all(isinstance(p, str) for p in params):
             order += params
     if order:
@@ -164,14 +164,14 @@ def _describe_one(path: Path, prefix: str):
             f = handles.get(o.location.file) or handles.setdefault(
                 o.location.file, safefs.open_file(path / o.location.file.removeprefix(prefix)))
             f.seek(o.location.offset)
-            _load_item(f.read(o.location.length), where=f"{path / o.location.file.removeprefix(prefix)} ({o.name})")
+            load_item(f.read(o.location.length), where=f"{path / o.location.file.removeprefix(prefix)} ({o.name})")
     finally:
         for f in handles.values():
             f.close()
     return tensors, objects, entries, ranks
 
 
-def _load_item(blob: bytes, *, where: str) -> Any:
+def load_item(blob: bytes, *, where: str) -> Any:
     """A small non-tensor item (``param_groups``, a counter), read without torch when its pickle
     holds plain data only; otherwise torch's weights_only loader reads it, or refuses it."""
     import io

@@ -6,7 +6,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..core.describe import Checkpoint, Chunk, FileEntry, Location, TensorInfo
 from ..storage.diskio import copy_range, write_all
@@ -40,13 +40,25 @@ def detect(path: Path) -> bool:
     )
 
 
-def read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """Parse and validate a safetensors header without touching the data.
+class RawHeader(NamedTuple):
+    """A safetensors header as stored: parsed, its entries not yet checked."""
 
-    Returns the header (``__metadata__`` removed) and the byte offset where data begins.
-    Refuses what the format forbids: a header past the end of the file or over 100 MB,
-    non-UTF-8 or duplicate keys, offsets out of range or overlapping, a byte range that does
-    not match shape × dtype, holes or trailing bytes.
+    entries: dict[str, Any]  # tensor name -> {"dtype", "shape", "data_offsets"}, unchecked
+    metadata: dict[str, Any]  # ``__metadata__``; empty when absent or not an object
+    data_start: int  # byte offset where the tensor data begins (8 + the header's length)
+    file_size: int
+
+
+def read_raw_header(path: Path) -> RawHeader:
+    """Read the JSON header of the safetensors file ``path``; the one place its bytes are parsed.
+
+    The 8-byte little-endian length is checked against the file's size and ``MAX_HEADER_BYTES``
+    before the header is read, so a corrupt length never makes a reader allocate gigabytes;
+    the JSON must be UTF-8 and an object, and a duplicate key is refused (readers that keep
+    the first or the last copy would see different tensors). BadInput for any of these.
+    The entries themselves are not checked: :func:`read_header` does that before data is
+    read, while a caller after shapes (``estimate``) or the metadata (``verify``'s checksum)
+    takes only what it needs.
     """
     with safefs.open_file(path) as f:
         size = os.fstat(f.fileno()).st_size
@@ -63,8 +75,21 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
         raise BadInput(f"{path}: safetensors header is not valid UTF-8 JSON ({type(e).__name__})") from e
     if not isinstance(header, dict):
         raise BadInput(f"{path}: safetensors header is not a JSON object")
-    header.pop("__metadata__", None)
-    data_start = 8 + n
+    metadata = header.pop("__metadata__", None)
+    # the format says str -> str; anything else holds nothing a reader uses, and is no reason
+    # to refuse the tensors
+    return RawHeader(header, metadata if isinstance(metadata, dict) else {}, 8 + n, size)
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """Parse and validate a safetensors header without touching the data.
+
+    Returns the header (``__metadata__`` removed) and the byte offset where data begins.
+    Refuses what the format forbids: a header past the end of the file or over 100 MB,
+    non-UTF-8 or duplicate keys (both :func:`read_raw_header`), offsets out of range or
+    overlapping, a byte range that does not match shape × dtype, holes or trailing bytes.
+    """
+    header, _, data_start, size = read_raw_header(path)
     data_len = size - data_start
     spans = []
     for name, entry in header.items():
@@ -223,7 +248,7 @@ class Writer:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # keep data 8-byte aligned, as safetensors does
         from ..storage.castio import CastSpan, blocks
-        from ..engine.execute import Span
+        from ..core.plan import Span
         from ..storage.manifest import Trailer
 
         sources: dict[Path, int] = {}
