@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from ckpt_tools.errors import BadInput, DestinationError, UsageError
-from ckpt_tools.commands.shard import build_meta_model, commit, plan_reads, read_sources, shard, transformer_blocks
+from ckpt_tools.commands.shard import read_sources, shard
+from ckpt_tools.commands.shard_job import build_meta_model, commit, plan_reads, transformer_blocks
 
 try:
     from dist import run_ranks

@@ -1,2 +1,3 @@
-"""The commands, one module each: what ``ckpt inspect|convert|export|reshard|shard|verify|estimate``
-do, as plain functions. They may import every layer below; nothing below imports them."""
+"""The commands: what ``ckpt inspect|convert|export|reshard|shard|verify|estimate``
+do, as plain functions (a long one in two modules: verify + compare, shard + shard_job,
+convert + export + options). They may import every layer below; nothing below imports them."""

@@ -36,15 +36,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpt_tools.errors import BadInput, CkptError, UsageError
-from ckpt_tools.hf.hub import resolve_model_dir
+from ..errors import BadInput, CkptError, UsageError
+from ..formats import hf
+from ..hf.hub import resolve_model_dir
+from ..hf.models import build_from_config
 
 FP32 = 4
 LOW_PRECISION_BYTES = {"bf16": 2, "fp16": 2}
 ADAMW_STATES = 2  # exp_avg, exp_avg_sq
 CONFIG_PATTERNS = ("config.json",)
 ROOT_UNIT = "(root)"
-_MAX_HEADER = 100 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -231,18 +232,19 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the floating-point tensors a safetensors header lists (no data read).
+
+    Lenient on purpose: only names, shapes and dtypes are needed, so the entries' byte ranges
+    are not checked as a read of the data would (see :func:`~ckpt_tools.formats.hf.read_header`).
+    """
     try:
-        with path.open("rb") as f:
-            prefix = f.read(8)
-            size = int.from_bytes(prefix, "little")
-            if len(prefix) < 8 or size > min(_MAX_HEADER, path.stat().st_size - 8):
-                raise ValueError("header length out of range")
-            header = json.loads(f.read(size))
+        entries = hf.read_raw_header(path).entries
         # integer tensors (position_ids buffers, quantization indices) are not trainable parameters
-        return {name: tuple(info["shape"]) for name, info in header.items()
-                if name != "__metadata__" and info["dtype"].startswith(("F", "BF"))}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise BadInput(f"{path}: not a readable safetensors file ({e}); re-download or re-save it") from e
+        return {name: tuple(info["shape"]) for name, info in entries.items()
+                if info["dtype"].startswith(("F", "BF"))}
+    except (BadInput, OSError, KeyError, TypeError, AttributeError) as e:
+        reason = str(e).removeprefix(f"{path}: ")  # the header reader's messages name the file already
+        raise BadInput(f"{path}: not a readable safetensors file ({reason}); re-download or re-save it") from e
 
 
 def _meta_model_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
@@ -264,19 +266,8 @@ def _meta_model_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
                        "model_type, or upgrade transformers") from e
     try:
         with torch.device("meta"):
-            model = _model_from_config(config, transformers)
+            model = build_from_config(config)
     except Exception as e:  # any failure here is the config's: inconsistent sizes, unknown class
         raise BadInput(f"{config_path}: cannot build the model from this config ({type(e).__name__}: {e})") from e
     # named_parameters() yields a tied weight (lm_head = embed_tokens) once
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
-
-
-def _model_from_config(config, transformers):
-    for arch in getattr(config, "architectures", None) or ():
-        cls = getattr(transformers, arch, None)
-        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
-            return cls(config)
-    try:
-        return transformers.AutoModelForCausalLM.from_config(config)
-    except ValueError:  # not a causal LM (BERT, T5 encoders...): the bare model
-        return transformers.AutoModel.from_config(config)

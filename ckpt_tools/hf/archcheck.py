@@ -24,7 +24,9 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
 from ..core.dtypes import DType, as_torch
+from . import models
 
 SHOWN = 3  # names quoted per kind in a message
 
@@ -70,8 +72,9 @@ def model_class(config: dict):
         raise Unchecked("config.json names no architectures")
     if config.get("auto_map"):
         raise Unchecked(f"{archs[0]} is remote code (auto_map), which ckpt does not run")
-    cls = getattr(transformers, archs[0], None)
-    if cls is None or not hasattr(cls, "from_pretrained"):
+    # the first name only: the class from_pretrained would be called on, as the export records it
+    cls = models.architecture_class(archs[:1])
+    if cls is None:
         raise Unchecked(f"transformers {transformers.__version__} has no class {archs[0]}")
     return cls
 
@@ -130,9 +133,10 @@ def _key(config: dict, tensors: dict[str, tuple[tuple[int, ...], DType]]) -> str
     from .._version import __version__
 
     try:
-        # this module's own text too: a development copy changes without a new version
-        versions = [__version__, hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
-                    metadata.version("transformers"), metadata.version("torch")]
+        # the answering code's own text too (this module and the class lookup it asks):
+        # a development copy changes without a new version
+        code = [hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in (__file__, models.__file__)]
+        versions = [__version__, *code, metadata.version("transformers"), metadata.version("torch")]
         archs = config.get("architectures") or []
         if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
             return None
