@@ -45,7 +45,7 @@ if not (src / "model.safetensors.index.json").is_file():
     torch.cuda.empty_cache()
     print(f"built {n / 1e9:.2f}B params in {time.time() - t:.1f}s -> {src}", flush=True)
 
-from ckpt_tools.shard import shard
+from ckpt_tools import shard
 
 runs = [
     dict(format="sharded", with_optimizer="adamw", check=True),
