@@ -53,10 +53,10 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
 def run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) -> dict[str, Any]:
     """:func:`convert` with its options built (``ckpt``: the source, when already described)."""
     if env.rank() != 0:
-        opts = _quiet(opts)  # one voice per torchrun launch
+        opts = replace(opts, progress=False)  # one voice per torchrun launch
     check_destination(src, dst, overwrite=opts.overwrite)  # before any work, or any warning about it
     ckpt = ckpt or describe(src)
-    out_layout = layouts.output(opts.layout, opts.to)
+    out_layout = opts.output
     if out_layout is not None and out_layout.mesh_names and ckpt.format == "sharded":
         raise UsageError(f"{src}: per-rank files keep their own device mesh, its names included "
                          f"(--layout {out_layout.name} names the mesh of files built from another format)")
@@ -105,7 +105,6 @@ def run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) -> 
         writer, jobs = writers.rank_files(ckpt, targets, objects, ws, mesh_names=tuple(names) if names else None,
                                           **common)
 
-    after = None
     if carry is not None:
         def after(tmp: Path) -> None:
             layouts.copy_side_files(ckpt.base_dir(), carry.files, tmp)
@@ -117,6 +116,8 @@ def run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) -> 
             if assets is not None:
                 (tmp / "huggingface").mkdir()
                 hfassets.copy_assets(assets, tmp / "huggingface", dtype=None)
+    else:
+        after = None
 
     execute(ckpt, writer, jobs, dst, overwrite=opts.overwrite, progress=opts.progress,
             desc=f"{opts.to} → {dst.name}", fmt=opts.to, workers=opts.workers, after=after)
@@ -162,8 +163,9 @@ def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = No
     """
     if to < 1:
         raise UsageError(f"--to must be at least 1, not {to}")
-    if workers < 1:
-        raise UsageError(f"--workers must be at least 1, not {workers}")
+    # checked before the source is read; its format, which the copy keeps, is known after
+    opts = Options(to="sharded", world_size=to, overwrite=overwrite, progress=progress, rank_local=rank_local,
+                   workers=workers)
     ckpt = describe(Path(src))
     if ckpt.format not in ("sharded", "dcp"):
         raise BadInput(f"{src}: is {ckpt.format!r}, which has no ranks; use `ckpt convert --to sharded --world-size {to}`")
@@ -174,13 +176,7 @@ def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = No
                        "FSDP+TP); reshard writes 1-D FSDP2 rank files, which such a job does not load. Export it "
                        "(ckpt export), or convert it to DCP (ckpt convert --to dcp), which the job reshards at load")
     _check_same_save(ckpt)
-    opts = Options(to=ckpt.format, world_size=to, overwrite=overwrite, progress=progress, rank_local=rank_local,
-                   workers=workers)
-    return run(Path(src), Path(dst), opts, ckpt)
-
-
-def _quiet(opts: Options) -> Options:
-    return replace(opts, progress=False)
+    return run(Path(src), Path(dst), replace(opts, to=ckpt.format), ckpt)
 
 
 def _check_same_save(ckpt: Checkpoint) -> None:

@@ -39,7 +39,7 @@ class Options:
             raise UsageError(f"--to must be one of {', '.join(FORMATS)}, not {self.to!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
-        layouts.output(self.layout, self.to)  # a layout not written in that format: a usage error
+        self.output  # a layout not written in that format: a usage error
         if self.world_size is not None and self.world_size < 1:
             raise UsageError(f"--world-size must be at least 1, not {self.world_size}")
         if self.workers < 1:
@@ -52,6 +52,11 @@ class Options:
     @property
     def cast(self) -> DType | None:
         return DTYPES[self.dtype] if self.dtype else None
+
+    @property
+    def output(self) -> layouts.Output | None:
+        """The framework layout ``--layout`` asks to write (None: the source's is kept, if any)."""
+        return layouts.output(self.layout, self.to)
 
     @property
     def model_alone(self) -> bool:

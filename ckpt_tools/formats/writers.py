@@ -26,17 +26,15 @@ OpenReader = Callable[[], AbstractContextManager]  # () -> a reader with .object
 def torch_file(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInfo, ...], name: str, *,
                rank_local: str, open_reader: OpenReader) -> tuple[Any, list[FileJob]]:
     """One ``torch.save`` file ``name``: ckpt's own writer, else torch's."""
-    shared, rank_objs = _split(objects)
-    native = _native_extras(ckpt, rank_objs, rank_local) if rank_objs else None
-    merged = native if native is not None else _merged_by_torch(ckpt, rank_objs, rank_local, open_reader)
-    jobs = [FileJob(name, tuple(whole(t) for t in targets), shared, meta={"extra": merged})]
-    writer: Any = torchnative.native_writer(ckpt, jobs, param_order=ckpt.param_order)
-    if writer is None:
-        if native is not None:  # torch's writer takes values as torch loads them
-            merged = _merged_by_torch(ckpt, rank_objs, rank_local, open_reader, warn=_quiet)
-            jobs = [FileJob(name, jobs[0].pieces, shared, meta={"extra": merged})]
-        writer = torchsave.Writer(param_order=ckpt.param_order)
-    return writer, jobs
+    extras = _OneCopy(ckpt, objects, rank_local, open_reader)
+
+    def jobs(merged: dict) -> list[FileJob]:
+        return [FileJob(name, tuple(whole(t) for t in targets), extras.shared, meta={"extra": merged})]
+
+    writer = torchnative.native_writer(ckpt, jobs(extras.values), param_order=ckpt.param_order)
+    if writer is not None:
+        return writer, jobs(extras.values)
+    return torchsave.Writer(param_order=ckpt.param_order), jobs(extras.for_torch())
 
 
 def dcp_dir(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInfo, ...], ws: int, *,
@@ -46,21 +44,19 @@ def dcp_dir(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInfo, 
     Either keeps a layout the same way: ``keep_parts`` keeps a DCP source's part directories
     (accelerate's) and copies its items as saved; ``top_level_model`` writes the model's keys
     without their ``model.`` prefix."""
-    shared, rank_objs = _split(objects)
-    native = _native_extras(ckpt, rank_objs, rank_local) if rank_objs else None
-    merged = native if native is not None else _merged_by_torch(ckpt, rank_objs, rank_local, open_reader)
-    part_of = dcp_part if keep_parts else None
-    jobs = layout_dcp(targets, shared, ws, merged, part_of=part_of, piece_of=piece_of)
+    extras = _OneCopy(ckpt, objects, rank_local, open_reader)
+
+    def jobs(merged: dict) -> list[FileJob]:
+        return layout_dcp(targets, extras.shared, ws, merged, part_of=dcp_part if keep_parts else None,
+                          piece_of=piece_of)
+
     source_dcp = ckpt.format == "dcp" and keep_parts
-    writer = dcpnative.native_writer(ckpt, jobs, param_order=ckpt.param_order, extras=native is not None,
-                                     verbatim=source_dcp, top_level_model=top_level_model)
-    if writer is None:
-        if native is not None:
-            merged = _merged_by_torch(ckpt, rank_objs, rank_local, open_reader, warn=_quiet)
-            jobs = layout_dcp(targets, shared, ws, merged, part_of=part_of, piece_of=piece_of)
-        writer = dcp.Writer(param_order=ckpt.param_order, source=ckpt.base_dir() if source_dcp else None,
-                            top_level_model=top_level_model)
-    return writer, jobs
+    writer = dcpnative.native_writer(ckpt, jobs(extras.values), param_order=ckpt.param_order,
+                                     extras=extras.native, verbatim=source_dcp, top_level_model=top_level_model)
+    if writer is not None:
+        return writer, jobs(extras.values)
+    return (dcp.Writer(param_order=ckpt.param_order, source=ckpt.base_dir() if source_dcp else None,
+                       top_level_model=top_level_model), jobs(extras.for_torch()))
 
 
 def rank_files(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInfo, ...], ws: int, *,
@@ -175,25 +171,37 @@ def dcp_part(item: Target | ObjectInfo) -> str:
 
 # -- extra state ---------------------------------------------------------------------------
 
-def _split(objects: tuple[ObjectInfo, ...]) -> tuple[tuple[ObjectInfo, ...], list[ObjectInfo]]:
-    """Objects held once, and per-rank ones (merged into one copy for a one-copy format)."""
-    return tuple(o for o in objects if o.rank is None), [o for o in objects if o.rank is not None]
+class _OneCopy:
+    """Extra state as a format that holds one copy of it takes it: the objects held once, and
+    the per-rank ones merged into one copy (values equal on every rank once; rank-local ones by
+    ``policy``). ``native``: the copy read as pickle trees, without torch, for ckpt's own writers
+    (False where only torch's loader can read it); ``for_torch()``: the copy as torch loads it,
+    for torch's writers."""
+
+    def __init__(self, ckpt: Checkpoint, objects: tuple[ObjectInfo, ...], policy: str,
+                 open_reader: OpenReader) -> None:
+        self.shared = tuple(o for o in objects if o.rank is None)
+        self._ckpt, self._policy, self._open_reader = ckpt, policy, open_reader
+        self._ranked = [o for o in objects if o.rank is not None]
+        trees = _native_extras(ckpt, self._ranked, policy) if self._ranked else None
+        self.native = trees is not None
+        self.values = trees if trees is not None else self._by_torch()
+
+    def for_torch(self) -> dict:
+        # merged once already when read natively: its warnings were said then
+        return self._by_torch(warn=_quiet) if self.native else self.values
+
+    def _by_torch(self, warn: Callable[[str], None] | None = None) -> dict:
+        if not self._ranked:
+            return {}
+        with self._open_reader() as reader:
+            (values,) = per_rank_extras(self._ranked, reader.object, src_world=self._ckpt.world_size, dst_world=1,
+                                        policy=self._policy, warn=warn)
+        return values
 
 
 def _quiet(message: str) -> None:
     """Said once already, by the first merge."""
-
-
-def _merged_by_torch(ckpt: Checkpoint, rank_objs: list[ObjectInfo], policy: str, open_reader: OpenReader,
-                     warn: Callable[[str], None] | None = None) -> dict:
-    """One global copy of per-rank extra state, as torch loads the values: those equal on every
-    rank once; rank-local ones follow ``policy``."""
-    if not rank_objs:
-        return {}
-    with open_reader() as reader:
-        (values,) = per_rank_extras(rank_objs, reader.object, src_world=ckpt.world_size, dst_world=1,
-                                    policy=policy, warn=warn)
-    return values
 
 
 def _native_extras(ckpt: Checkpoint, rank_objs: list[ObjectInfo], policy: str) -> dict | None:
