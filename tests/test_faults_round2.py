@@ -64,11 +64,20 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     out = []
     for p in procs:
         try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+            if p.is_running() and (p.status() != psutil.STATUS_ZOMBIE or _threads_left(p.pid)):
                 out.append(p)
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def _threads_left(pid: int) -> bool:
+    """A killed process's main thread turns zombie before its other threads have exited; they
+    hold its files (and the staging lock) until the last one is gone, so it is not gone yet."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/task")) > 1
+    except FileNotFoundError:
+        return False
 
 
 def _kill_when_writing(proc: subprocess.Popen, dst: Path, *, helpers: int, timeout: float = 240) -> list[psutil.Process]:
