@@ -18,6 +18,7 @@ import torch
 from torch.serialization import _open_zipfile_writer, _save
 
 from ..core.dtypes import DType, as_torch
+from ..core.plan import by_piece
 
 DEFAULT_PROTOCOL = 2
 
@@ -51,7 +52,6 @@ class LazyStorages:
 def from_stream(pieces: Iterator[tuple[Any, torch.Tensor]]) -> Callable[[Any], Callable[[], torch.Tensor]]:
     """Providers over the engine's stream of ``(piece, values)``: ``provider(piece)()`` returns
     that piece's values, pulling the stream forward (and holding any piece asked for later)."""
-    from ..core.plan import by_piece
 
     values = by_piece(iter(pieces))
 

@@ -20,12 +20,13 @@ from typing import Any
 
 from ..errors import BadInput, DestinationError, UsageError
 from ..formats import hf
+from ..hf import archcheck
 from ..hf.assets import ASSET_PATTERNS
+from ..hf.hub import resolve_model_dir
 from ..hf.models import model_class
 from ..runtime import env, launch
 from ..storage import atomic
-from .shard_job import (MIXED_PRECISION, ShardJob, SourceTensor, build_meta_model, load_config, plan_reads,
-                        rank_main)
+from .shard_job import MIXED_PRECISION, ShardJob, SourceTensor, build_meta_model, load_config, plan_reads, rank_main
 
 FORMATS = ("sharded", "dcp")
 OPTIMIZERS = ("adamw",)
@@ -100,7 +101,6 @@ def _check_options(ranks: int, format: str, mixed_precision: str | None, with_op
 
 def fetch_model(model: str) -> Path:
     """The local directory of ``model``; from the hub, only config, tokenizer and safetensors."""
-    from ..hf.hub import resolve_model_dir
 
     base = resolve_model_dir(model, allow_patterns=[*ASSET_PATTERNS, hf.INDEX_NAME, hf.SINGLE_NAME])
     index = base / hf.INDEX_NAME
@@ -142,10 +142,8 @@ def check_destination(dst: Path, overwrite: bool) -> None:
 def ignored_on_load(model_dir: Path, config, sources: dict[str, SourceTensor]) -> list[str]:
     """Source tensors the model has no place for that ``from_pretrained`` skips without a word
     (BERT's old ``position_ids``, rotary ``inv_freq``): asked of ``from_pretrained`` itself
-    (:mod:`.archcheck`). What it would call unexpected stays, for :func:`.shard_job.plan_reads` to refuse."""
+    (:mod:`ckpt_tools.hf.archcheck`). What it would call unexpected stays, for :func:`.shard_job.plan_reads` to refuse."""
     import torch
-
-    from ..hf import archcheck
 
     with torch.device("meta"):
         model = model_class(config)._from_config(config)

@@ -17,13 +17,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..storage import manifest
-from ..security import safefs
 from ..core.describe import Checkpoint, Chunk, TensorInfo, dtype_size
+from ..engine.reader import Reader
 from ..engine.stream import progress_bar
 from ..errors import BadInput, UsageError
-from ..formats import describe, hf
-from ..engine.reader import Reader
+from ..formats import describe, hf, shardtree
+from ..formats.dcp import load_item
+from ..naming.lora import summary as lora_summary
+from ..security import safefs
+from ..storage import manifest
 from .compare import FileCheck, Findings, compare, finite
 
 
@@ -98,7 +100,6 @@ def verify(a: str | Path, b: str | Path | None = None, *, atol: float = 0.0, rto
 def _summary(path: str | Path, ckpt: Checkpoint | None) -> dict[str, Any]:
     if ckpt is None:
         return {"path": str(path), "format": None, "world_size": None, "num_tensors": None}
-    from ..naming.lora import summary as lora_summary
 
     return {"path": str(path), "format": ckpt.format, "world_size": ckpt.world_size, "num_tensors": len(ckpt.tensors),
             "lora": lora_summary(ckpt)}
@@ -268,8 +269,6 @@ def _object_readable(reader: Reader, o: Any) -> bool:
     """Whether a saved object reads without torch: a DCP item holding plain data (read as a
     pickle tree), or an entry of a torch.save file that parses as an inert tree (allowlisted
     globals only). False: load it with torch's weights_only loader, which refuses or explains."""
-    from ..formats import shardtree
-    from ..formats.dcp import load_item
 
     loc = o.location
     if loc.kind == "bytes_item":

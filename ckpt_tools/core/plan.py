@@ -1,5 +1,5 @@
 """Plans: which source bytes make which destination piece. Pure data, computed from
-descriptions; :mod:`ckpt_tools.engine` carries them out.
+descriptions; :mod:`ckpt_tools.engine.execute` carries them out.
 
 A :class:`Target` is a tensor to write (its source, new name, new dtype); a :class:`Piece` is
 the rectangle of it that one destination file holds, with the :class:`Copy` list that fills

@@ -15,10 +15,12 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..codecs.tensornodes import NotSimple, local_of
 from ..core.describe import Checkpoint, Chunk, Location, ObjectInfo, TensorInfo
 from ..core.dtypes import as_torch
-from ..security import safefs
 from ..errors import BadInput
+from ..security import safefs
+from ..security.torchfile import loads_blob
 
 if TYPE_CHECKING:
     import torch
@@ -226,10 +228,8 @@ class _MapSlice(io.RawIOBase):
 
 def _item_tensor(m: mmap.mmap, start: int, length: int):
     """The plain contiguous tensor a ``torch.save`` blob holds, read from its pickle without
-    torch (:mod:`ckpt_tools.torchfile`: allowlisted globals only, nothing runs); None when it
+    torch (:mod:`ckpt_tools.security.torchfile`: allowlisted globals only, nothing runs); None when it
     holds anything else."""
-    from ..codecs.tensornodes import NotSimple, local_of
-    from ..security.torchfile import loads_blob
 
     try:
         return local_of(loads_blob(_MapSlice(m, start, length)))

@@ -55,7 +55,7 @@ def narrow(t: torch.Tensor, start: Sequence[int], sizes: Sequence[int]) -> torch
 def spans_of(reader: Reader, piece: Piece, *, casts: bool = False) -> Span | CastSpan | None:
     """The byte ranges that make ``piece``, when every copy takes whole rows of a chunk stored
     contiguously (Shard(0) pieces of safetensors and DCP items). A piece to cast is a
-    :class:`~ckpt_tools.castio.CastSpan` (converted block by block as it is written) with
+    :class:`~ckpt_tools.storage.castio.CastSpan` (converted block by block as it is written) with
     ``casts``, else None."""
     target = piece.target
     cast = target.dtype != target.source.dtype

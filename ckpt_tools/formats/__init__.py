@@ -1,5 +1,5 @@
-"""Format adapters: one module per on-disk layout, each with ``detect`` and ``describe``
-(and a writer, in ``ckpt_tools.writers``)."""
+"""Format adapters: one module per on-disk format, each with ``detect``, ``describe`` and a
+``Writer``; :mod:`.writers` chooses which writer writes a conversion."""
 
 from __future__ import annotations
 

@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo
 from ..core.dtypes import as_torch
-from ..security import bounded, safefs
+from ..core.state import gather, param_groups_keyed
 from ..errors import BadInput, brief
-from ..security.dcpmeta import load_dcp_metadata
+from ..security import bounded, safefs
+from ..security.dcpmeta import load_dcp_metadata, BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+from ..security.torchfile import Global, NewObj, Reduce, StorageRef, loads_blob
 
 if TYPE_CHECKING:
     import torch
@@ -82,8 +84,6 @@ def _param_order(path: Path, tensors: list[TensorInfo], objects: list[ObjectInfo
 
 
 def _describe_one(path: Path, prefix: str):
-    from ..security.dcpmeta import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
-
     meta = load_dcp_metadata(path / METADATA)
     storage = meta.storage_data or {}
     paths = meta.planner_data if isinstance(meta.planner_data, dict) else {}
@@ -175,8 +175,6 @@ def load_item(blob: bytes, *, where: str) -> Any:
     """A small non-tensor item (``param_groups``, a counter), read without torch when its pickle
     holds plain data only; otherwise torch's weights_only loader reads it, or refuses it."""
     import io
-
-    from ..security.torchfile import Global, NewObj, Reduce, StorageRef, loads_blob
 
     try:
         tree = loads_blob(io.BytesIO(blob), where=where)
@@ -283,8 +281,6 @@ class Writer:
         import io
 
         import torch
-
-        from ..core.state import gather, param_groups_keyed
 
         from ..codecs.torchzip import recorded_writes
 

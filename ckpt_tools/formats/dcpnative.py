@@ -7,9 +7,9 @@ every byte through the process. Here each tensor item is a zip laid out by
 :class:`~ckpt_tools.codecs.torchwriter.TorchZipWriter` exactly as torch's stream writer lays it out, its
 pickle the one torch writes for a plain contiguous tensor, its storage record copied file to
 file by the kernel when no cast is asked (its CRC computed alongside by another thread), or
-cast block by block (:mod:`ckpt_tools.castio`). The non-tensor items (``param_groups``,
+cast block by block (:mod:`ckpt_tools.storage.castio`). The non-tensor items (``param_groups``,
 counters, merged extra state) are copied as their source saved them, or re-emitted from their
-pickle trees; ``.metadata`` comes from :mod:`ckpt_tools.metapickle`. Byte-identical to the torch
+pickle trees; ``.metadata`` comes from :mod:`ckpt_tools.codecs.metapickle`. Byte-identical to the torch
 writer's output (tested).
 
 A framework's layout kept by ``reshard`` (part directories, each with its own ``.metadata``; a
@@ -29,13 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from ..codecs import metapickle as mp
-from ..core.describe import Checkpoint, ObjectInfo
-from ..storage.diskio import Flusher, copy_range
-from ..errors import BadInput
-from ..codecs.torchwriter import TorchZipWriter, dumps
-from ..security.torchfile import Global, NewObj, Reduce, StorageRef, loads_blob
-from .dcp import METADATA, canonical, dcp_key
 from ..codecs.tensornodes import REBUILD_V2, STORAGE_DTYPES, contiguous_stride
+from ..codecs.torchwriter import TorchZipWriter, dumps
+from ..core.describe import Checkpoint, ObjectInfo
+from ..core.plan import Span
+from ..errors import BadInput
+from ..security.torchfile import Global, NewObj, Reduce, StorageRef, loads_blob
+from ..storage.castio import CastSpan, blocks
+from ..storage.diskio import Flusher, copy_range
+from .dcp import METADATA, canonical, dcp_key
+from .hf import tensor_bytes
+from .shardtree import parsed
 
 STORAGE_OF = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
 _ODICT = Global("collections", "OrderedDict")
@@ -206,8 +210,6 @@ class Writer:
                 raise NotNative(str(e)) from e
             blob = (path, loc.offset, loc.length)
         elif loc.kind == "pickled" and loc.key:
-            from .shardtree import parsed
-
             try:
                 tree = parsed(self.root / loc.file).tree
                 for k in loc.key:
@@ -297,8 +299,6 @@ class Writer:
 
     def _write_items(self, path: Path, fd: int, flusher: Flusher, job, pieces) -> list:
         """Each item, written at ``fd``'s position: ``(kind, which, offset, length)`` each."""
-        from ..storage.castio import CastSpan, blocks
-        from ..core.plan import Span
 
         records = []
         it = iter(pieces)
@@ -316,8 +316,6 @@ class Writer:
                 elif isinstance(values, CastSpan):
                     z.write_stream("data/0", values.nbytes, blocks(values))
                 else:
-                    from .hf import tensor_bytes
-
                     z.write_record("data/0", tensor_bytes(values))
                 z.close(name_hash=TENSOR_NAME_HASH)
             records.append(("tensor", i, start, os.lseek(fd, 0, os.SEEK_CUR) - start))

@@ -9,10 +9,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..core.describe import Checkpoint, Chunk, FileEntry, Location, TensorInfo
-from ..storage.diskio import copy_range, write_all
 from ..core.dtypes import DType
-from ..security import safefs
+from ..core.plan import FileJob, Span
 from ..errors import BadInput
+from ..security import safefs
+from ..storage.castio import CastSpan, blocks
+from ..storage.diskio import copy_range, write_all
+from ..storage.manifest import Trailer
 
 if TYPE_CHECKING:
     import torch
@@ -160,7 +163,7 @@ def read_index(index: Path) -> dict[str, str]:
 
 def safe_relative(base: Path, name: str, *, what: str) -> Path:
     """``base / name``, refused unless it resolves inside ``base`` (see
-    :func:`ckpt_tools.safefs.resolve_inside`, which this is)."""
+    :func:`ckpt_tools.security.safefs.resolve_inside`, which this is)."""
     return safefs.resolve_inside(base, name, what=what)
 
 
@@ -224,8 +227,6 @@ class Writer:
     def plan(self, pieces: list) -> list:
         from huggingface_hub.serialization._base import split_state_dict_into_shards_factory
 
-        from ..core.plan import FileJob
-
         by_name = {p.target.name: p for p in pieces}
         if self.single_file:
             return [FileJob(SINGLE_NAME, tuple(pieces))]
@@ -247,9 +248,6 @@ class Writer:
             pos += p.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # keep data 8-byte aligned, as safetensors does
-        from ..storage.castio import CastSpan, blocks
-        from ..core.plan import Span
-        from ..storage.manifest import Trailer
 
         sources: dict[Path, int] = {}
         data_start = 8 + len(raw)

@@ -14,12 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo, chunk_rows
 from ..core.dtypes import DType
-from ..security import bounded, safefs
+from ..core.plan import Span, by_piece, Piece
+from ..core.state import gather, param_groups_keyed
 from ..errors import BadInput
+from ..security import bounded, safefs
 from ..security.torchfile import TorchZip
-from . import shardtree
+from ..storage.castio import CastSpan
+from . import shardtree, optim, shardsynth
+from .hf import tensor_bytes
+from .shardsynth import SMALL_RECORDS
 from .shardtree import NotSimple
-from . import optim
 
 if TYPE_CHECKING:
     import torch
@@ -367,7 +371,7 @@ class Writer:
 
     From a sharded source read without torch (``template``: its directory), each file is the
     source rank 0 file's pickle tree rebuilt for the new rank (:mod:`.shardtree`) and its storage
-    records are copied file to file; otherwise files go through :mod:`ckpt_tools.torchzip`
+    records are copied file to file; otherwise files go through :mod:`ckpt_tools.codecs.torchzip`
     (torch.save, tensor by tensor)."""
 
     single_file = False
@@ -425,8 +429,6 @@ class Writer:
         """The tree of ``job``'s file, built from the source rank 0 file of its kind, and the
         storages that fill it. Raises NotSimple where only the torch path can write it."""
         if self.synth is not None:
-            from . import shardsynth
-
             return (*shardsynth.tree_for(self, job), None)
         emitter = shardtree.Emitter()
         if job.kind == "extra":
@@ -465,11 +467,6 @@ class Writer:
         return tree, emitter, source
 
     def _write_tree(self, path: Path, job, pieces) -> None:
-        from ..storage.castio import CastSpan
-        from ..core.plan import Span, by_piece
-        from ..core.plan import Piece
-        from .hf import tensor_bytes
-
         tree, emitter, source = self.tree_for(job)
         stream = iter(pieces)
         values = by_piece(stream)
@@ -488,8 +485,6 @@ class Writer:
                 pass
 
         if source is None:  # built from the plan: the records torch.save writes
-            from .shardsynth import SMALL_RECORDS
-
             small = SMALL_RECORDS
         else:
             small = shardtree.small_records(source)
@@ -499,7 +494,6 @@ class Writer:
         if self.template is not None or self.synth is not None:
             self._write_tree(path, job, pieces)
             return
-        from ..core.state import gather, param_groups_keyed
         from ..codecs.torchzip import LazyStorages, from_stream, save
 
         lazy = LazyStorages()

@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from ..core.describe import ObjectInfo
+from ..core.state import param_groups_keyed
 from ..security.torchfile import Global, NewObj, Reduce, StorageRef
 from .dcpnative import NotNative, STORAGE_OF, Writer as _ObjectReader
-from .shardtree import DEVICE_MESH, DTENSOR, FROM_TYPE, REBUILD_V2, SHARD, WRAPPER, Emitter, NotSimple, contiguous_stride
+from .shardtree import (DEVICE_MESH, DTENSOR, FROM_TYPE, REBUILD_V2, SHARD, WRAPPER, Emitter, NotSimple,
+                        contiguous_stride)
 
 CHECKED_TORCH = ("2.13.",)
 SMALL_RECORDS = [(".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little")]
@@ -113,7 +115,6 @@ def tree_for(writer: Any, job: Any) -> tuple[Any, Emitter]:
 
     if job.kind == "model":
         return {p.target.name: node(p) for p in job.pieces}, emitter
-    from ..core.state import param_groups_keyed
 
     state: dict = {}
     for p in job.pieces:

@@ -27,6 +27,7 @@ from ..core.describe import Location
 from ..codecs.torchwriter import TorchZipWriter, dumps
 from ..codecs.tensornodes import REBUILD_V2, Local, NotSimple, contiguous_stride, local_of  # noqa: F401 - served here too
 from ..security.torchfile import Global, NewObj, Reduce, StorageRef, TorchZip
+from ..storage.castio import blocks
 
 _T = "torch._utils"
 FROM_TYPE = Global("torch._tensor", "_rebuild_from_type_v2")
@@ -240,8 +241,6 @@ def write_file(path: Path, tree: Any, emitter: Emitter, small_records: list[tupl
             if isinstance(source, (bytes, bytearray, memoryview)):
                 out.write_record(f"data/{key}", bytes(source))
             elif hasattr(source, "dst"):  # a castio.CastSpan: converted block by block
-                from ..storage.castio import blocks
-
                 out.write_stream(f"data/{key}", source.nbytes, blocks(source))
             else:
                 out.copy_record(f"data/{key}", source)

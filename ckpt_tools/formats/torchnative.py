@@ -15,10 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from ..core.describe import Checkpoint
-from ..core.plan import Piece
+from ..core.plan import Piece, Span, by_piece
+from ..storage.castio import CastSpan
 from .dcpnative import NotNative, STORAGE_OF, Writer as _ObjectReader, plain
+from .hf import tensor_bytes
 from .shardsynth import SMALL_RECORDS, _local
 from .shardtree import Emitter, NotSimple, write_file
+from .torchsave import training_state
 
 
 class Writer:
@@ -34,7 +37,6 @@ class Writer:
 
     def obj(self, job: Any) -> Any:
         """The saved object with each tensor a :class:`Piece` (torchsave.Writer's layout)."""
-        from .torchsave import training_state
 
         try:
             rest = _ObjectReader(root=self.root).values(tuple(job.objects))
@@ -60,10 +62,6 @@ class Writer:
         return build(self.obj(job)), emitter
 
     def write(self, path: Path, job: Any, pieces: Any, objects: Any) -> None:
-        from ..storage.castio import CastSpan
-        from ..core.plan import Span, by_piece
-        from .hf import tensor_bytes
-
         tree, emitter = self.tree_for(job)
         stream = iter(pieces)
         values = by_piece(stream)

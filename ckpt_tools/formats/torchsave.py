@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo
 from ..core.dtypes import DType
+from ..core.state import gather, param_groups_keyed
 from ..errors import BadInput
-from . import optim
 from ..security import safefs
+from . import optim
 from .hf import safe_relative
 
 if TYPE_CHECKING:
@@ -130,7 +131,7 @@ def _full(group: str, name: str, v: torch.Tensor, loc: Location,
 
 class Writer:
     """One ``torch.save`` file: a bare state dict, or ``{"model", "optimizer", ...}`` when
-    there is more than the model. Written through :mod:`ckpt_tools.torchzip`, so tensors are
+    there is more than the model. Written through :mod:`ckpt_tools.codecs.torchzip`, so tensors are
     produced one at a time as torch writes them."""
 
     single_file = True
@@ -139,7 +140,6 @@ class Writer:
         self.param_order = param_order
 
     def write(self, path: Path, job, pieces, objects) -> None:
-        from ..core.state import gather
         from ..codecs.torchzip import LazyStorages, from_stream, save
 
         lazy = LazyStorages()
@@ -158,7 +158,6 @@ def training_state(pieces, values: dict, rest: dict, param_order: tuple[str, ...
     """What a full ``torch.save`` file holds: the model state dict alone, or ``{"model",
     "optimizer" (FQN-keyed state and param_groups), ...}`` with the other saved state (``rest``).
     ``values[piece]`` is what stands for each piece's tensor (shared by both torch writers)."""
-    from ..core.state import param_groups_keyed
 
     model: dict = {}
     state: dict = {}

@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._version import __version__
 from ..core.dtypes import DType, as_torch
 from . import models
 
@@ -129,8 +130,6 @@ def _key(config: dict, tensors: dict[str, tuple[tuple[int, ...], DType]]) -> str
     """A hash of the question and of the code that answers it (versions read from the package
     metadata, without importing either package); None when they cannot be named."""
     from importlib import metadata
-
-    from .._version import __version__
 
     try:
         # the answering code's own text too (this module and the class lookup it asks):

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from ..core.describe import dtype_name
 from ..errors import BadInput
+from ..security import safefs
+from .hub import resolve_model_dir
 
 ASSET_PATTERNS = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -22,8 +24,6 @@ def find_assets(src: Path, base: str | None) -> Path | None:
     """Where config and tokenizer come from: ``--base`` when given, else the source's own
     ``huggingface/`` folder, else the source directory itself (an HF directory)."""
     if base:
-        from .hub import resolve_model_dir
-
         return resolve_model_dir(base, allow_patterns=list(ASSET_PATTERNS))
     root = src if src.is_dir() else src.parent
     for candidate in (root / "huggingface", root):
@@ -37,7 +37,6 @@ def _inside(root: Path, assets: Path) -> None:
     """The source's own asset files are part of the checkpoint: each must be a regular file
     that resolves inside it (a symlinked ``huggingface/`` or ``tokenizer.json`` leading out
     would copy an outside file into the output). ``--base`` folders are the user's choice."""
-    from ..security import safefs
 
     rel = assets.relative_to(root)
     for name in ASSET_PATTERNS:

@@ -20,12 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..storage import manifest
-from ..storage.atomic import TMP_MARK
 from ..core.describe import Checkpoint, ObjectInfo
 from ..core.state import short_list, warn_rank_local
 from ..errors import UsageError
+from ..formats.sharded import CONFIG_NAME, PATTERN
 from ..security import safefs
+from ..storage import manifest
+from ..storage.atomic import TMP_MARK
 from . import accelerate, plain, torchtitan, trainer, verl
 
 LAYOUTS = ("plain", "verl", "accelerate", "trainer", "torchtitan")
@@ -95,8 +96,6 @@ def _format_files(ckpt: Checkpoint) -> set[str]:
     if ckpt.format == "hf":
         files |= {p.name for p in ckpt.root.glob("*.index.json")}
     if ckpt.format == "sharded":
-        from ..formats.sharded import CONFIG_NAME, PATTERN
-
         files |= {f.path for f in ckpt.files if PATTERN.match(f.path) or f.path == CONFIG_NAME}
     return files
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+from ..naming import torchtitan as names
+
 NAME = "torchtitan"
 RANK_LOCAL_FILE = None
 _STEP_DIR = re.compile(r"^step-\d+$")
@@ -46,7 +48,6 @@ TOP_LEVEL_MODEL = True
 def retarget(targets, config: dict, src) -> tuple[list, object]:
     """The model targets under torchtitan's names, and how each rank's rows of them are taken
     (the rotary row permutation): from a Hugging Face source and its config."""
-    from ..naming import torchtitan as names
 
     renamed, row_maps = names.from_hf_targets([t for t in targets if t.group == "model"], config, src)
     return renamed, names.rank_piece(row_maps)

@@ -2,10 +2,10 @@
 
 Order of work (pure planning, no tensor data except the tied-embedding comparison):
   1. names as the model's state dict spells them (wrapper prefixes removed, no two alike);
-  2. a naming scheme maps them (:mod:`.naming.lora`: merge the update, or split out a PEFT
-     adapter; :mod:`.naming.torchtitan`: torchtitan's names and rotary row order);
+  2. a naming scheme maps them (:mod:`.lora`: merge the update, or split out a PEFT
+     adapter; :mod:`.torchtitan`: torchtitan's names and rotary row order);
   3. tied embeddings written once;
-  4. :mod:`.archcheck`: ``from_pretrained`` of the config's architecture must find every name
+  4. :mod:`ckpt_tools.hf.archcheck`: ``from_pretrained`` of the config's architecture must find every name
      and shape it needs and nothing it does not. A mismatch is exit 3, before a byte is written.
 """
 
@@ -19,15 +19,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..hf import archcheck, assets as hfassets
 from ..core.describe import Checkpoint, TensorInfo
 from ..core.dtypes import DType
-from ..errors import BadInput
-from . import lora as peft_lora
-from . import torchtitan
-from .wrappers import normalize_name
 from ..core.plan import LowRank, Piece, Target, whole
 from ..engine.reader import Reader
+from ..engine.stream import materialize
+from ..errors import BadInput
+from ..formats import describe
+from ..hf import archcheck, assets as hfassets
+from ..hf.hub import resolve_model_dir
+from . import lora as peft_lora, torchtitan
+from .wrappers import normalize_name
 
 
 
@@ -94,8 +96,6 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
 def _with_base_weights(ckpt: Checkpoint, base: str) -> tuple[Checkpoint, dict[str, TensorInfo]]:
     """``ckpt`` extended with the safetensors weights of ``base`` (located by absolute file
     names, so one reader reads both), and those weights by name."""
-    from ..formats import describe
-    from ..hf.hub import resolve_model_dir
 
     folder = resolve_model_dir(base, allow_patterns=["*.safetensors", "*.json"])
     try:
@@ -125,8 +125,6 @@ def untie(ckpt: Checkpoint, pieces: list[Piece], config: dict, src: Path) -> lis
                            "weight cannot be both the trained embedding and the untouched head; export with --lora adapter")
         if head is not None and embed is not None:
             import torch
-
-            from ..engine.stream import materialize
 
             with Reader(ckpt) as r:
                 if not torch.equal(materialize(r, head), materialize(r, embed)):

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import errors
 from ..errors import CkptError, UsageError
 from . import env
 
@@ -219,7 +220,6 @@ def _revive(error: dict | None) -> CkptError | None:
     """The CkptError a rank reported, as an exception of the same class and exit code."""
     if not error:
         return None
-    from .. import errors
 
     cls = getattr(errors, error.get("type", ""), None)
     if not (isinstance(cls, type) and issubclass(cls, CkptError)):

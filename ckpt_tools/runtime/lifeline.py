@@ -17,6 +17,9 @@ import sys
 import threading
 import time
 
+from ..errors import UsageError
+from . import env
+
 _PR_SET_PDEATHSIG = 1
 POLL_SECONDS = 0.2
 _tied: set[int] = set()
@@ -48,8 +51,6 @@ def tie_to_launcher() -> None:
     """In a process of a ``torchrun`` launch, :func:`tie_to_parent` on the launcher's agent, as
     early as possible. One already re-parented to init (``getppid() == 1``: the agent died
     before this process got here) ends at once."""
-    from ..errors import UsageError
-    from . import env
 
     try:
         launched = env.world() > 1

@@ -1,7 +1,7 @@
 """Reading DCP's ``.metadata`` pickle safely, without torch.
 
 :class:`MetadataUnpickler` maps DCP's class names onto plain stand-ins and torch's dtypes onto
-:class:`~ckpt_tools.dtypes.DType`, so reading a DCP checkpoint neither imports torch (over a
+:class:`~ckpt_tools.core.dtypes.DType`, so reading a DCP checkpoint neither imports torch (over a
 second of start-up) nor lets the pickle reach any code. Writing uses torch's own classes, so the
 ``.metadata`` the tool writes is exactly what ``dcp.save`` writes.
 """
@@ -174,8 +174,8 @@ bounded.register(_Record, lambda r: vars(r).values())
 
 def load_dcp_metadata(path: Path) -> Any:
     """Read a DCP ``.metadata`` file through :class:`MetadataUnpickler`: refused unless a
-    regular file under :data:`~ckpt_tools.safefs.MAX_METADATA_BYTES`, and its objects must pass
-    :func:`~ckpt_tools.bounded.check_tree` (no runaway depth or sharing) before anything uses them."""
+    regular file under :data:`~ckpt_tools.security.safefs.MAX_METADATA_BYTES`, and its objects must pass
+    :func:`~ckpt_tools.security.bounded.check_tree` (no runaway depth or sharing) before anything uses them."""
     try:
         with safefs.open_file(path) as f:
             # the size is checked before reading: a sparse multi-GB file is refused, not read;

@@ -1,7 +1,7 @@
 """Loading untrusted files without running their code.
 
 ``torch.load`` is only ever called with ``weights_only=True``. DCP's ``.metadata`` is a plain
-pickle: it goes through :class:`ckpt_tools.dcpmeta.MetadataUnpickler`, which admits DCP's own
+pickle: it goes through :class:`ckpt_tools.security.dcpmeta.MetadataUnpickler`, which admits DCP's own
 metadata classes (as plain stand-ins) and the few builtin types they are made of, nothing else.
 """
 

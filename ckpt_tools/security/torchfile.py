@@ -35,7 +35,7 @@ _DTYPES = ("float64 float32 float16 bfloat16 complex32 complex64 complex128 int8
 _DT = "torch.distributed"
 # Each is admitted by torch's weights_only loader too (the distributed ones once torch.distributed
 # is imported), except numpy's: verl's extra_state_*.pt hold numpy RNG state, which the safe loader
-# reads once those three are added as safe globals (as ckpt_tools.safeload does).
+# reads once those three are added as safe globals (as ckpt_tools.security.safeload does).
 ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset([
     ("collections", "OrderedDict"), ("_codecs", "encode"), ("torch", "Size"), ("torch", "device"),
     ("torch.serialization", "_get_layout"), ("torch._tensor", "_rebuild_from_type_v2"),

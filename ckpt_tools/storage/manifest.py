@@ -13,6 +13,9 @@ from typing import Any, NamedTuple
 
 import xxhash
 
+from .._version import __version__
+from ..errors import BadInput
+from ..security import safefs
 from .diskio import Flusher
 
 NAME = ".ckpt-manifest.json"
@@ -54,7 +57,7 @@ class Digest(NamedTuple):
 class Trailer:
     """Follows a file while it is written (through ``fd``, which it does not own): a background
     thread hashes each new byte range (through a small sliding mapping of the page cache, no
-    copy) and a :class:`~ckpt_tools.diskio.Flusher` flushes the file as it grows, so at the end
+    copy) and a :class:`~ckpt_tools.storage.diskio.Flusher` flushes the file as it grows, so at the end
     neither the checksum nor the flush waits for the whole file, as ``cp`` + ``sync`` would.
     xxh3 and fdatasync release the GIL.
 
@@ -147,7 +150,6 @@ def write(out: Path, *, source: str, source_format: str, format: str,
           known: dict[Path, tuple[int, str]] | None = None) -> None:
     """The manifest of every file under ``out``; ``known`` digests (from a :class:`Sealer`)
     are used for files whose size has not changed since."""
-    from .._version import __version__
 
     known = known or {}
     files = {}
@@ -168,8 +170,6 @@ def write(out: Path, *, source: str, source_format: str, format: str,
 def read(root: Path) -> dict[str, Any] | None:
     """The manifest of ``root`` (None without one). Raises ValueError for one that is not
     JSON, nests too deeply to parse, or is not a small regular file."""
-    from ..security import safefs
-    from ..errors import BadInput
 
     p = root / NAME
     if not p.exists() and not p.is_symlink():
