@@ -103,7 +103,7 @@ def run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) -> 
         names = (out_layout.mesh_names if out_layout is not None and out_layout.mesh_names
                  else ckpt.details.get("mesh_dim_names") if ckpt.format == "sharded" else None)
         writer, jobs = writers.rank_files(ckpt, targets, objects, ws, mesh_names=tuple(names) if names else None,
-                                          **common)
+                                          keep=carry is not None, **common)
 
     if carry is not None:
         def after(tmp: Path) -> None:
@@ -123,6 +123,9 @@ def run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) -> 
             desc=f"{opts.to} → {dst.name}", fmt=opts.to, workers=opts.workers, after=after)
     if left_out:
         say(f"note: left out {', '.join(left_out)} state (model only)", opts.progress)
+    if opts.to == "sharded" and carry is None and writers.fsdp1_files(ckpt):
+        say("note: written as FSDP2 rank files (DTensors); the source's FSDP1 ShardedTensors are kept only by "
+            "`ckpt reshard`, which an FSDP1 job's SHARDED_STATE_DICT load needs", opts.progress)
     if opts.to == "sharded" and ckpt.format != "sharded" and not (out_layout and out_layout.mesh_names):
         say(f"note: {layouts.unnamed_mesh_note()}", opts.progress)
     report.update(num_tensors=len(targets), total_bytes=sum(t.nbytes for t in targets), left_out=left_out)

@@ -9,11 +9,12 @@ needed until the engine carries a plan out.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from .dtypes import DType
+from .groups import Roots
 from ..errors import BadInput
 
 GROUPS = ("model", "optimizer", "extra")
@@ -117,6 +118,9 @@ class Checkpoint:
     details: dict[str, Any] = field(default_factory=dict, compare=False)
     # Parameter FQNs in the order an int-keyed optimizer state dict numbers them.
     param_order: tuple[str, ...] = ()
+    # where the saved state nests the model and the optimizer, when found by what they hold
+    # (``("app", "optim")``); objects' paths are the saved ones, see :meth:`rooted`
+    roots: Roots = field(default_factory=Roots, compare=False)
     # the source files as they were before they were described (safefs.stamps): an output is
     # published only if they are still the same when it is complete
     stamps: dict[str, tuple[int, int, int, int]] | None = field(default=None, compare=False, repr=False)
@@ -126,6 +130,17 @@ class Checkpoint:
 
     def path_of(self, location: Location) -> Path:
         return self.base_dir() / location.file
+
+    def rooted(self, objects) -> tuple[ObjectInfo, ...]:
+        """``objects`` with the model's and optimizer's paths under ``("model", ...)`` and
+        ``("optimizer", ...)``, as every format but DCP (which keeps the saved keys) writes them."""
+        out = []
+        for o in objects:
+            root = {"model": self.roots.model, "optimizer": self.roots.optimizer}.get(o.group)
+            if root is not None and tuple(map(str, o.path[:len(root)])) == root:
+                o = replace(o, path=(o.group, *o.path[len(root):]))
+            out.append(o)
+        return tuple(out)
 
     def group(self, name: str) -> tuple[TensorInfo, ...]:
         return tuple(t for t in self.tensors if t.group == name)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo
+from ..core.groups import Roots, find_roots
 from ..core.dtypes import as_torch
 from ..core.state import gather, param_groups_keyed
 from ..errors import BadInput, brief
@@ -42,12 +43,15 @@ def describe(path: Path) -> Checkpoint:
     objects: list[ObjectInfo] = []
     entries: list[FileEntry] = []
     ranks: set[int] = set()
+    roots = Roots()
     for part, prefix in parts:
-        t, o, e, r = _describe_one(part, prefix)
+        t, o, e, r, part_roots = _describe_one(part, prefix)
         tensors += t
         objects += o
         entries += e
         ranks |= r
+        roots = Roots(model=roots.model if roots.model is not None else part_roots.model,
+                      optimizer=roots.optimizer if roots.optimizer is not None else part_roots.optimizer)
     if len(parts) > 1 or parts[0][1]:
         # accelerate's save_state keeps the LR scheduler beside the DCP dirs, as a torch.save
         for f in sorted(path.glob("scheduler*.bin")):
@@ -60,16 +64,18 @@ def describe(path: Path) -> Checkpoint:
     details: dict[str, Any] = {}
     if any(t.group == "optimizer" for t in tensors):
         details["optimizer_keyed"] = "fqn"
-    param_order = _param_order(path, tensors, objects)
+    param_order = _param_order(path, tensors, objects, roots.optimizer or ("optimizer",))
     return Checkpoint("dcp", path, max(ranks) + 1 if ranks else 1, tuple(tensors), tuple(objects),
-                      tuple(entries), details=details, param_order=param_order)
+                      tuple(entries), details=details, param_order=param_order, roots=roots)
 
 
-def _param_order(path: Path, tensors: list[TensorInfo], objects: list[ObjectInfo]) -> tuple[str, ...]:
+def _param_order(path: Path, tensors: list[TensorInfo], objects: list[ObjectInfo],
+                 optimizer: tuple) -> tuple[str, ...]:
     """Parameter order for int-keyed output: as the optimizer's ``param_groups`` list them
     (parameters without state included); else the order of optimizer state, else the model's."""
-    groups = sorted((o for o in objects if len(o.path) == 4 and tuple(o.path[::3]) == ("optimizer", "params")
-                     and o.path[1] == "param_groups"), key=lambda o: int(o.path[2]))
+    n = len(optimizer)
+    groups = sorted((o for o in objects if len(o.path) == n + 3 and tuple(map(str, o.path[:n])) == optimizer
+                     and (o.path[n], o.path[n + 2]) == ("param_groups", "params")), key=lambda o: int(o.path[n + 1]))
     order: list[str] = []
     for o in groups:
         with safefs.open_file(path / o.location.file) as f:
@@ -112,11 +118,17 @@ def _describe_one(path: Path, prefix: str):
     except (AttributeError, TypeError) as e:
         raise BadInput(f"{path / METADATA}: malformed DCP metadata ({e})") from e
     try:
-        for fqn, md in items:
+        for fqn, _ in items:
             if not isinstance(fqn, str):
                 raise BadInput(f"{where}: an item is keyed by a {type(fqn).__name__}, not a name")
+        try:
+            roots = find_roots((_obj_path(paths.get(fqn), fqn, where) or (fqn,), isinstance(md, TensorStorageMetadata))
+                               for fqn, md in items)
+        except BadInput as e:
+            raise BadInput(f"{where}: {e}") from None
+        for fqn, md in items:
             group, name, param, state = _classify(fqn, _obj_path(paths.get(fqn), fqn, where),
-                                                  isinstance(md, TensorStorageMetadata))
+                                                  isinstance(md, TensorStorageMetadata), roots)
             if isinstance(md, TensorStorageMetadata):
                 what = f"{where}: tensor {fqn!r}"
                 shape = safefs.check_dims(md.size, what=f"{what} size")
@@ -168,7 +180,7 @@ def _describe_one(path: Path, prefix: str):
     finally:
         for f in handles.values():
             f.close()
-    return tensors, objects, entries, ranks
+    return tensors, objects, entries, ranks, roots
 
 
 def load_item(blob: bytes, *, where: str) -> Any:
@@ -201,9 +213,22 @@ def _obj_path(value: Any, fqn: str, where: str) -> tuple | None:
     return tuple(value)
 
 
-def _classify(fqn: str, obj_path: tuple | None, is_tensor: bool) -> tuple[str, str, str | None, str | None]:
+def _classify(fqn: str, obj_path: tuple | None, is_tensor: bool,
+              roots: Roots) -> tuple[str, str, str | None, str | None]:
     """Group, name, parameter and state key of a flattened DCP key, from the nesting path
-    ``dcp.save`` kept in ``planner_data`` (FQNs hold dots, so keys are never split on them)."""
+    ``dcp.save`` kept in ``planner_data`` (FQNs hold dots, so keys are never split on them).
+    Where the model and optimizer were found by what they hold (``roots``), by them alone."""
+    if roots.found:
+        parts = [str(p) for p in obj_path or (fqn,)]
+        group = roots.group_of(parts)
+        if group == "optimizer":
+            rest = parts[len(roots.optimizer):]
+            if rest[0] == "state" and len(rest) >= 3:
+                return "optimizer", f"state.{rest[1]}.{'.'.join(rest[2:])}", rest[1], ".".join(rest[2:])
+            return "optimizer", ".".join(rest), None, None
+        if group == "model":
+            return "model", ".".join(parts[len(roots.model):]), None, None
+        return "extra", fqn, None, None
     if not obj_path:
         # no planner data: only the "optimizer." prefix is unambiguous
         if fqn.startswith("optimizer.state."):

@@ -20,7 +20,7 @@ from ..errors import BadInput
 from ..security import bounded, safefs
 from ..security.torchfile import TorchZip
 from ..storage.castio import CastSpan
-from . import shardtree, optim, shardsynth
+from . import shardedtensor, shardtree, optim, shardsynth
 from .hf import tensor_bytes
 from .shardsynth import SMALL_RECORDS
 from .shardtree import NotSimple
@@ -348,14 +348,14 @@ def _chunk(v: torch.Tensor, rank: int, ws: int, loc: Location, file: Path, name:
         shape = tuple(v.metadata().size)
         mine = v.local_shards()
         if not mine:  # FSDP1 gives trailing ranks no shard of a small tensor
-            return shape, None, (ws,), "FSDP1 (ShardedTensor)"
+            return shape, None, (ws,), shardedtensor.KIND
         if len(mine) != 1:
             raise BadInput(f"{file}: tensor {name!r}: rank {rank} holds {len(mine)} local shards; expected 0 or 1")
         sm = mine[0].metadata
         if tuple(mine[0].tensor.shape) != tuple(sm.shard_sizes):
             raise BadInput(f"{file}: tensor {name!r}: rank {rank}'s shard holds {tuple(mine[0].tensor.shape)}, "
                            f"its metadata says {tuple(sm.shard_sizes)}")
-        return shape, Chunk(tuple(sm.shard_offsets), tuple(sm.shard_sizes), loc, rank), (ws,), "FSDP1 (ShardedTensor)"
+        return shape, Chunk(tuple(sm.shard_offsets), tuple(sm.shard_sizes), loc, rank), (ws,), shardedtensor.KIND
     # A plain tensor (a buffer, or a scalar such as `step`) is a full copy on every rank.
     shape = tuple(v.shape)
     return shape, Chunk((0,) * len(shape), shape, loc, rank), None, None
@@ -378,8 +378,12 @@ class Writer:
 
     def __init__(self, *, world_size: int, param_order: tuple[str, ...], keyed: str = "int",
                  template: Path | None = None, src_world: int | None = None, config: dict | None = None,
-                 synth: Path | None = None, mesh_names: tuple[str, ...] | None = None) -> None:
+                 synth: Path | None = None, mesh_names: tuple[str, ...] | None = None,
+                 sharded_tensors: bool = False, fsdp_version: int = 2) -> None:
         self.world_size = world_size
+        # FSDP1 SHARDED_STATE_DICT files: ShardedTensors (torch's writer), not DTensors
+        self.sharded_tensors = sharded_tensors
+        self.fsdp_version = fsdp_version
         # the device mesh's dimension names: a loading job's DTensors must be on a mesh of the
         # same names (load_state_dict refuses to copy across meshes); verl names its ("fsdp",)
         self.mesh_names = mesh_names
@@ -507,7 +511,12 @@ class Writer:
             for p in job.pieces:
                 local = lazy.placeholder(p.sizes, p.target.dtype, provider(p))
                 plain = (p.target.group, p.target.name) in job.meta.get("plain", ())
-                values[p] = local if plain else _dtensor(local, mesh, p.target.shape)
+                if plain:
+                    values[p] = local
+                elif self.sharded_tensors:
+                    values[p] = shardedtensor.value(local, p.target.shape, local.dtype, job.rank, self.world_size)
+                else:
+                    values[p] = _dtensor(local, mesh, p.target.shape)
             if job.kind == "model":
                 obj = {p.target.name: values[p] for p in job.pieces}
                 obj.update(gather(job.objects, objects).get("model", {}))
@@ -524,7 +533,7 @@ class Writer:
 
     def finish(self, out: Path, jobs, written: dict) -> None:
         # the source's own fsdp_config.json, other fields kept, for what these files are
-        config = {**self.config, "FSDP_version": 2, "world_size": self.world_size}
+        config = {**self.config, "FSDP_version": self.fsdp_version, "world_size": self.world_size}
         (out / CONFIG_NAME).write_text(json.dumps(config) + "\n")
 
 

@@ -18,7 +18,7 @@ from ..core.describe import Checkpoint, ObjectInfo, TensorInfo
 from ..core.plan import FileJob, Target, rows_of, whole
 from ..core.state import per_rank_extras
 from ..errors import BadInput
-from . import dcp, dcpnative, sharded, shardsynth, shardtree, torchnative, torchsave
+from . import dcp, dcpnative, sharded, shardedtensor, shardsynth, shardtree, torchnative, torchsave
 
 OpenReader = Callable[[], AbstractContextManager]  # () -> a reader with .object(ObjectInfo)
 
@@ -26,7 +26,7 @@ OpenReader = Callable[[], AbstractContextManager]  # () -> a reader with .object
 def torch_file(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInfo, ...], name: str, *,
                rank_local: str, open_reader: OpenReader) -> tuple[Any, list[FileJob]]:
     """One ``torch.save`` file ``name``: ckpt's own writer, else torch's."""
-    extras = _OneCopy(ckpt, objects, rank_local, open_reader)
+    extras = _OneCopy(ckpt, ckpt.rooted(objects), rank_local, open_reader)
 
     def jobs(merged: dict) -> list[FileJob]:
         return [FileJob(name, tuple(whole(t) for t in targets), extras.shared, meta={"extra": merged})]
@@ -60,18 +60,24 @@ def dcp_dir(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInfo, 
 
 
 def rank_files(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInfo, ...], ws: int, *,
-               rank_local: str, open_reader: OpenReader,
-               mesh_names: tuple[str, ...] | None = None) -> tuple[sharded.Writer, list[FileJob]]:
+               rank_local: str, open_reader: OpenReader, mesh_names: tuple[str, ...] | None = None,
+               keep: bool = False) -> tuple[sharded.Writer, list[FileJob]]:
     """The sharded writer and its jobs. From a sharded source read without torch, each new file
     is its source's pickle rebuilt for the new ranks (its mesh kept), records copied by the
     kernel; else (or if the dry run finds something only torch can write) tensors go through
     torch.save, on a mesh of dimensions ``mesh_names`` (None: unnamed, as ``fully_shard``'s
-    default mesh is)."""
+    default mesh is). ``keep``: a reshard, which keeps what a sharded source holds (FSDP1
+    ShardedTensors stay ShardedTensors) and its ``FSDP_version``; otherwise FSDP2 files."""
     keyed = "fqn" if ckpt.format == "sharded" and ckpt.details.get("optimizer_keyed") == "fqn" else "int"
+    version = {}
+    if keep and ckpt.format == "sharded":
+        config = sharded.read_config(ckpt.root)
+        old = config.get("FSDP_version", 1 if fsdp1_files(ckpt) else 2)
+        version = {"sharded_tensors": fsdp1_files(ckpt), "fsdp_version": old}
     extra_objs = [o for o in objects if o.group == "extra"]
     if ckpt.format == "sharded" and _all_raw(ckpt) and all(t.dtype == t.source.dtype for t in targets):
         writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed, template=ckpt.root,
-                                src_world=ckpt.world_size, config=sharded.read_config(ckpt.root))
+                                src_world=ckpt.world_size, config=sharded.read_config(ckpt.root), **version)
 
         def equal(a: shardtree.Entry, b: shardtree.Entry) -> bool:
             return shardtree.same_value(writer.entry(a), writer.entry(b))
@@ -95,7 +101,7 @@ def rank_files(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInf
             pass
     config = sharded.read_config(ckpt.root) if ckpt.format == "sharded" else {}
     writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed, config=config,
-                            mesh_names=mesh_names)
+                            mesh_names=mesh_names, **version)
     with open_reader() as reader:
         extras = per_rank_extras(extra_objs, reader.object, src_world=ckpt.world_size, dst_world=ws,
                                  policy=rank_local)
@@ -110,8 +116,9 @@ def layout_sharded(src: Checkpoint, targets: list[Target], world_size: int, extr
     model = [t for t in targets if t.group == "model"]
     optim = [t for t in targets if t.group == "optimizer"]
     plain_targets = {(t.group, t.name) for t in targets if t.source.key in plain or not t.shape}
-    mobj = tuple(o for o in src.objects if o.group == "model" and o.rank in (None, 0))
-    oobj = tuple(o for o in src.objects if o.group == "optimizer" and o.rank in (None, 0) and o.path[:2] == ("optimizer", "param_groups"))
+    objects = src.rooted(src.objects)
+    mobj = tuple(o for o in objects if o.group == "model" and o.rank in (None, 0))
+    oobj = tuple(o for o in objects if o.group == "optimizer" and o.rank in (None, 0) and o.path[:2] == ("optimizer", "param_groups"))
     jobs = []
     for r in range(world_size):
         def pieces(ts):
@@ -125,6 +132,11 @@ def layout_sharded(src: Checkpoint, targets: list[Target], world_size: int, extr
             jobs.append(FileJob(sharded.file_name("extra_state", world_size, r), (), (), r, "extra",
                                 {"extra": extras[r]}))
     return jobs
+
+
+def fsdp1_files(ckpt: Checkpoint) -> bool:
+    """Rank files of FSDP1's SHARDED_STATE_DICT (ShardedTensors)."""
+    return ckpt.format == "sharded" and ckpt.details.get("fsdp") == shardedtensor.KIND
 
 
 def _replicated(t: TensorInfo, src: Checkpoint) -> bool:
