@@ -173,7 +173,7 @@ def _check_flat_optimizer(path: Path, pieces: dict, details: dict) -> None:
     parameters a unit holds is not in the files, so the state cannot be mapped to parameters:
     it is left out of the description (noted in ``details``), and writers of optimizer state
     refuse it. Recognised by state whose shape is not its parameter's."""
-    if read_config(path).get("FSDP_version") == 1:
+    if read_config(path).get("FSDP_version") == 1 and details.get("fsdp") != shardedtensor.KIND:
         details["fsdp"] = "FSDP1"
     flat = []
     for (group, name), p in pieces.items():

@@ -85,21 +85,26 @@ def describe(path: Path) -> Checkpoint:
         if model_key is None:
             continue
         param_order = optim.param_order_from_model(model)
+        # the optimizer is found by what it holds, under any key ("optimizer", "optim", ...);
+        # it is described under "optimizer", as every writer but DCP's writes it
+        tops = [top for top, value in obj.items() if top != model_key and optim.is_optimizer_state(value)]
+        if len(tops) > 1:
+            raise BadInput(f"{file}: holds {len(tops)} optimizer states ({', '.join(map(str, tops))}); ckpt handles one")
         for top, value in obj.items():
-            if top == "optimizer" and optim.is_optimizer_state(value) and optim.is_int_keyed(value):
+            if top in tops and optim.is_int_keyed(value):
                 param_order = optim.param_order_for(model, value)
             if top == model_key:
                 continue
-            if top == "optimizer" and optim.is_optimizer_state(value):
+            if top in tops:
                 details["optimizer_keyed"] = "int" if optim.is_int_keyed(value) else "fqn"
                 for fqn, skey, v, kp in optim.state_entries(value, param_order):
-                    loc = Location(name, "pickled", key=("optimizer", *kp))
+                    loc = Location(name, "pickled", key=(top, *kp))
                     if isinstance(v, torch.Tensor):
                         tensors.append(_full("optimizer", f"state.{fqn}.{skey}", v, loc, fqn, skey))
                     else:
                         objects.append(ObjectInfo("optimizer", f"state.{fqn}.{skey}", loc, path=("optimizer", *kp)))
                 objects.append(ObjectInfo("optimizer", "param_groups",
-                                          Location(name, "pickled", key=("optimizer", "param_groups")),
+                                          Location(name, "pickled", key=(top, "param_groups")),
                                           path=("optimizer", "param_groups")))
                 details["param_groups"] = len(value["param_groups"])
             else:
