@@ -12,13 +12,19 @@ SEQ = 8
 VOCAB = 101
 
 
-def tiny_model(seed: int = 0):
+def tiny_model(seed: int = 0, *, tied: bool = False, odd: bool = False):
+    """The tiny Llama; ``odd``: widths whose FSDP1 units (6510 elements per decoder layer,
+    6090 or 3060 at the root) do not divide 4 or 3 ranks, so flat parameters are padded."""
     import torch
     from make_fixtures import tiny_llama_config
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(tiny_llama_config(tied=False))
+    config = tiny_llama_config(tied=tied)
+    if odd:
+        config.hidden_size, config.intermediate_size = 30, 45
+        config.num_attention_heads, config.num_key_value_heads, config.head_dim = 3, 1, 10
+    return LlamaForCausalLM(config)
 
 
 def global_batch(step: int):

@@ -75,7 +75,7 @@ def _patch_cpu() -> None:
             mod.get_device_id = _cpu_device_id
 
 
-def _build(world_size: int, fsdp: int, lora: bool, seed: int):
+def _build(world_size: int, fsdp: int, lora: bool, seed: int, **shape):
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -84,7 +84,7 @@ def _build(world_size: int, fsdp: int, lora: bool, seed: int):
     from verl.workers.engine.fsdp.utils import get_sharding_strategy
 
     mesh = init_device_mesh("cpu", mesh_shape=(world_size,), mesh_dim_names=["fsdp"])
-    module = tiny_model(seed)  # fp32, as verl loads a training model
+    module = tiny_model(seed, **shape)  # fp32, as verl loads a training model
     if lora:
         from peft import LoraConfig, TaskType, get_peft_model
 
@@ -150,7 +150,7 @@ def _build(world_size: int, fsdp: int, lora: bool, seed: int):
 
 
 def job(rank: int, world_size: int, out: str, *, save_at: int | None, load: str | None, steps: int,
-        seed: int = 0, fsdp: int = 2, lora: bool = False, hf_model: bool = False) -> list[float]:
+        seed: int = 0, fsdp: int = 2, lora: bool = False, hf_model: bool = False, **shape) -> list[float]:
     """Train ``steps`` steps on the fixed global batches; save after step ``save_at`` into ``out``
     with ``FSDPCheckpointManager.save_checkpoint(out, global_step=save_at)``, or start from ``load``
     with ``FSDPCheckpointManager.load_checkpoint(load)`` (continuing at the saved step, read back
@@ -158,7 +158,8 @@ def job(rank: int, world_size: int, out: str, *, save_at: int | None, load: str 
 
     ``fsdp``: 2 (``fully_shard``) or 1 (``FullyShardedDataParallel``, ``use_orig_params=False``);
     ``lora``: peft LoRA r=4/alpha=8 on q_proj/v_proj; ``hf_model``: also save
-    ``huggingface/model.safetensors`` (``checkpoint.save_contents`` += ``hf_model``)."""
+    ``huggingface/model.safetensors`` (``checkpoint.save_contents`` += ``hf_model``); ``shape``:
+    ``tied``/``odd`` for :func:`fw_common.tiny_model`."""
     import torch
     import torch.distributed as dist
 
@@ -172,7 +173,7 @@ def job(rank: int, world_size: int, out: str, *, save_at: int | None, load: str 
     from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
     from verl.utils.fsdp_utils import fsdp2_clip_grad_norm_
 
-    module, optimizer, lr_scheduler = _build(world_size, fsdp, lora, seed)
+    module, optimizer, lr_scheduler = _build(world_size, fsdp, lora, seed, **shape)
     contents = ["model", "optimizer", "extra"] + (["hf_model"] if hf_model else [])
     manager = FSDPCheckpointManager(
         model=module,

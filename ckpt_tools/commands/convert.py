@@ -19,7 +19,8 @@ from ..core.plan import rows_of, targets_from
 from ..engine.execute import execute
 from ..engine.reader import Reader
 from ..errors import BadInput, UsageError
-from ..formats import describe, writers
+from ..formats import writers
+from ..layouts import describe
 from ..hf import assets as hfassets
 from ..runtime import env
 from ..storage.atomic import check_destination
@@ -55,7 +56,7 @@ def run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) -> 
     if env.rank() != 0:
         opts = replace(opts, progress=False)  # one voice per torchrun launch
     check_destination(src, dst, overwrite=opts.overwrite)  # before any work, or any warning about it
-    ckpt = ckpt or describe(src)
+    ckpt = ckpt or describe(src, base=opts.base)
     out_layout = opts.output
     if out_layout is not None and out_layout.mesh_names and ckpt.format == "sharded":
         raise UsageError(f"{src}: per-rank files keep their own device mesh, its names included "

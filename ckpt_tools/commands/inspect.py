@@ -7,8 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.describe import GROUPS, Checkpoint, dtype_name
-from ..formats import describe
-from ..layouts import layout_of
+from ..layouts import describe, layout_of
 from ..naming import lora
 from ..engine.reader import Reader
 

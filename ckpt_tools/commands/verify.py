@@ -21,7 +21,8 @@ from ..core.describe import Checkpoint, Chunk, TensorInfo, dtype_size
 from ..engine.reader import Reader
 from ..engine.stream import progress_bar
 from ..errors import BadInput, UsageError
-from ..formats import describe, hf, shardtree
+from ..formats import hf, shardtree
+from ..layouts import describe
 from ..formats.dcp import load_item
 from ..naming.lora import summary as lora_summary
 from ..security import safefs

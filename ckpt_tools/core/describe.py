@@ -28,7 +28,9 @@ class Location:
       ``raw``        row-major bytes of the chunk at ``[offset, offset + length)`` (safetensors);
       ``torch_item`` a ``torch.save``'d tensor at ``[offset, offset + length)`` (a DCP item);
       ``bytes_item`` a ``torch.save``'d object at ``[offset, offset + length)`` (DCP BYTE_IO);
-      ``pickled``    a value inside a ``torch.save``'d file, reached through ``key``.
+      ``pickled``    a value inside a ``torch.save``'d file, reached through ``key``;
+      ``value``      a plain value carried by the description itself (``key[0]``, a Python
+                     literal), where a layout rewrote a saved one (:mod:`..formats.flatparams`).
     """
 
     file: str

@@ -5,6 +5,8 @@ Files are memory-mapped, so a chunk costs page cache, not process memory, until 
 
 from __future__ import annotations
 
+import ast
+
 import io
 import mmap
 import os
@@ -183,6 +185,8 @@ class Reader:
             return load_torch_bytes(self._bytes(loc), where=f"{self.ckpt.base_dir() / loc.file} ({obj.name})")
         if loc.kind == "pickled":
             return _local(self._lookup(loc))
+        if loc.kind == "value":  # a plain value the description carries (a literal, never code)
+            return ast.literal_eval(loc.key[0])
         raise BadInput(f"{loc.file}: cannot read a {loc.kind!r} item as an object")
 
     def full(self, tensor: TensorInfo) -> torch.Tensor:

@@ -20,7 +20,7 @@ from ..errors import BadInput
 from ..security import bounded, safefs
 from ..security.torchfile import TorchZip
 from ..storage.castio import CastSpan
-from . import shardedtensor, shardtree, optim, shardsynth
+from . import flatparams, shardedtensor, shardtree, optim, shardsynth
 from .hf import tensor_bytes
 from .shardsynth import SMALL_RECORDS
 from .shardtree import NotSimple
@@ -162,17 +162,19 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
         if rank in found["extra_state"]:
             ename = found["extra_state"][rank]
             _extra_objects(_tree_of(path / ename).tree, path / ename, rank, objects)
-    _check_flat_optimizer(path, pieces, details)
+    _check_flat_optimizer(path, pieces, details, param_order)
     return Checkpoint("sharded", path, ws, _tensors(pieces), tuple(objects), tuple(_entries(path)), (ws,),
                       details, param_order)
 
 
-def _check_flat_optimizer(path: Path, pieces: dict, details: dict) -> None:
+def _check_flat_optimizer(path: Path, pieces: dict, details: dict, param_order: tuple[str, ...]) -> None:
     """FSDP1 with ``use_orig_params=False`` (verl's ``strategy: fsdp``) saves the optimizer's
     state per *flat* parameter: one padded 1-D shard per FSDP unit, int-keyed by unit. Which
-    parameters a unit holds is not in the files, so the state cannot be mapped to parameters:
-    it is left out of the description (noted in ``details``), and writers of optimizer state
-    refuse it. Recognised by state whose shape is not its parameter's."""
+    parameters a unit holds is not in the files: the state is left out of the tensors (noted in
+    ``details``, so writers of optimizer state refuse it) and kept in ``details["flat_state"]``,
+    one 1-D tensor per unit and state (rank r's shard at ``r * S``), for a layout that knows the
+    units to map onto parameters (:mod:`.flatparams`). Recognised by state whose shape is not
+    its parameter's."""
     if read_config(path).get("FSDP_version") == 1 and details.get("fsdp") != shardedtensor.KIND:
         details["fsdp"] = "FSDP1"
     flat = []
@@ -189,6 +191,7 @@ def _check_flat_optimizer(path: Path, pieces: dict, details: dict) -> None:
         f"{first['state']} of shape {first['shape']}), not per parameter; which parameters each flat parameter "
         "holds, in what order and with what padding is not saved in the checkpoint")
     details["fsdp"] = "FSDP1 (flat parameters)"
+    details["flat_state"] = flatparams.collect(pieces, param_order)
     for key in [k for k in pieces if k[0] == "optimizer"]:
         del pieces[key]
 
@@ -296,7 +299,7 @@ def _describe_torch(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
         if rank in found["extra_state"]:
             ename = found["extra_state"][rank]
             _extra_objects(load_torch(path / ename), path / ename, rank, objects)
-    _check_flat_optimizer(path, pieces, details)
+    _check_flat_optimizer(path, pieces, details, param_order)
     return Checkpoint("sharded", path, ws, _tensors(pieces), tuple(objects), tuple(entries), mesh_shape,
                       details, param_order)
 
@@ -379,8 +382,10 @@ class Writer:
     def __init__(self, *, world_size: int, param_order: tuple[str, ...], keyed: str = "int",
                  template: Path | None = None, src_world: int | None = None, config: dict | None = None,
                  synth: Path | None = None, mesh_names: tuple[str, ...] | None = None,
-                 sharded_tensors: bool = False, fsdp_version: int = 2) -> None:
+                 sharded_tensors: bool = False, fsdp_version: int = 2, flat_units: tuple = ()) -> None:
         self.world_size = world_size
+        # FSDP1 flat parameters (core.flat.Unit): optimizer files hold their padded shards
+        self.flat_units = flat_units
         # FSDP1 SHARDED_STATE_DICT files: ShardedTensors (torch's writer), not DTensors
         self.sharded_tensors = sharded_tensors
         self.fsdp_version = fsdp_version
@@ -506,6 +511,8 @@ class Writer:
         mesh = _mesh(self.world_size, job.rank, self.mesh_names)
         if job.kind == "extra":
             obj = job.meta["extra"]
+        elif job.meta.get("flat"):
+            obj = flatparams.write_state(job, objects, lazy, provider, self.flat_units)
         else:
             values = {}
             for p in job.pieces:

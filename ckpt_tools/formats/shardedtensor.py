@@ -13,11 +13,12 @@ ShardedTensor cannot be pickled outside a process group, and none is needed to d
 from __future__ import annotations
 
 import math
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..core.describe import chunk_rows
+
+if TYPE_CHECKING:
+    import torch
 
 KIND = "FSDP1 (ShardedTensor)"  # what the sharded format's description calls such files
 
@@ -28,6 +29,7 @@ class Saved:
 
     def __init__(self, local: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
                  rank: int, world_size: int) -> None:
+        import torch
         from torch.distributed._shard.metadata import ShardMetadata
         from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
         from torch.distributed._shard.sharded_tensor.shard import Shard
@@ -46,6 +48,7 @@ class Saved:
         self.shape, self.dtype, self.rank, self.world_size = tuple(shape), dtype, rank, world_size
 
     def __reduce_ex__(self, protocol: int) -> tuple:
+        import torch
         from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 
         # what ShardedTensor.__getstate__ returns in a job of this rank and world size

@@ -18,7 +18,7 @@ from ..core.describe import Checkpoint, ObjectInfo, TensorInfo
 from ..core.plan import FileJob, Target, rows_of, whole
 from ..core.state import per_rank_extras
 from ..errors import BadInput
-from . import dcp, dcpnative, sharded, shardedtensor, shardsynth, shardtree, torchnative, torchsave
+from . import dcp, dcpnative, flatparams, sharded, shardedtensor, shardsynth, shardtree, torchnative, torchsave
 
 OpenReader = Callable[[], AbstractContextManager]  # () -> a reader with .object(ObjectInfo)
 
@@ -75,6 +75,16 @@ def rank_files(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInf
         old = config.get("FSDP_version", 1 if fsdp1_files(ckpt) else 2)
         version = {"sharded_tensors": fsdp1_files(ckpt), "fsdp_version": old}
     extra_objs = [o for o in objects if o.group == "extra"]
+    flat = ckpt.details.get("flat_units") if keep else None
+    if flat and any(t.group == "optimizer" for t in targets):
+        # FSDP1 flat parameters kept as such: built by torch's writer
+        writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed="int",
+                                config=sharded.read_config(ckpt.root), mesh_names=mesh_names, flat_units=flat,
+                                **version)
+        with open_reader() as reader:
+            extras = per_rank_extras(extra_objs, reader.object, src_world=ckpt.world_size, dst_world=ws,
+                                     policy=rank_local)
+        return writer, layout_sharded(ckpt, targets, ws, extras, flat_units=flat)
     if ckpt.format == "sharded" and _all_raw(ckpt) and all(t.dtype == t.source.dtype for t in targets):
         writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed, template=ckpt.root,
                                 src_world=ckpt.world_size, config=sharded.read_config(ckpt.root), **version)
@@ -110,8 +120,10 @@ def rank_files(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInf
 
 # -- layouts (pure) ------------------------------------------------------------------------
 
-def layout_sharded(src: Checkpoint, targets: list[Target], world_size: int, extras: list[dict] | None) -> list[FileJob]:
-    """Per-rank model/optim/extra_state jobs at ``world_size``, FSDP2's ``Shard(0)`` split."""
+def layout_sharded(src: Checkpoint, targets: list[Target], world_size: int, extras: list[dict] | None,
+                   flat_units: tuple | None = None) -> list[FileJob]:
+    """Per-rank model/optim/extra_state jobs at ``world_size``, FSDP2's ``Shard(0)`` split
+    (optimizer state in FSDP1's flat parameters instead, when ``flat_units`` are given)."""
     plain = {t.key for t in src.tensors if _replicated(t, src)}
     model = [t for t in targets if t.group == "model"]
     optim = [t for t in targets if t.group == "optimizer"]
@@ -125,7 +137,10 @@ def layout_sharded(src: Checkpoint, targets: list[Target], world_size: int, extr
             return tuple(whole(t) if (t.group, t.name) in plain_targets else rows_of(t, world_size, r) for t in ts)
         jobs.append(FileJob(sharded.file_name("model", world_size, r), pieces(model), mobj, r, "model",
                             {"plain": plain_targets}))
-        if optim:
+        if optim and flat_units:
+            flat, plan = flatparams.layout(optim, flat_units, world_size, r)
+            jobs.append(FileJob(sharded.file_name("optim", world_size, r), flat, oobj, r, "optim", {"flat": plan}))
+        elif optim:
             jobs.append(FileJob(sharded.file_name("optim", world_size, r), pieces(optim), oobj, r, "optim",
                                 {"plain": plain_targets}))
         if extras and extras[r]:

@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.describe import Checkpoint, ObjectInfo
+from ..formats import describe as describe_format
+from ..core.describe import Checkpoint, ObjectInfo, check_coverage
 from ..core.state import short_list, warn_rank_local
 from ..errors import UsageError
 from ..formats.sharded import CONFIG_NAME, PATTERN
@@ -51,6 +52,20 @@ class Layout:
 
     def to_json(self) -> dict:
         return {"layout": self.name, "fsdp_version": self.fsdp_version, "side_files": list(self.side_files)}
+
+
+def describe(path: Path | str, *, check: bool = True, base: str | None = None) -> Checkpoint:
+    """The checkpoint at ``path`` described (:func:`ckpt_tools.formats.describe`), then
+    completed by its layout where the layout knows what the files leave out (FSDP1 flat
+    parameters' make-up, from the model; ``base``: where its config is, if not beside it)."""
+    ckpt = describe_format(path, check=check)
+    complete = getattr(layout_of(ckpt).adapter, "complete", None)
+    if complete is None:
+        return ckpt
+    done = complete(ckpt, base)
+    if check and done is not ckpt:
+        check_coverage(done)
+    return done
 
 
 def layout_of(ckpt: Checkpoint) -> Layout:

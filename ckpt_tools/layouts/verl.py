@@ -7,7 +7,13 @@ Rank-local: the ``rng`` entry of each ``extra_state`` file (handled with the ext
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+from ..core.describe import Checkpoint
+from ..core.flat import Unit
+from ..formats import flatparams
+from ..hf import assets
+from ..hf.models import build_from_config
 from .plain import _from_details
 
 NAME = "verl"
@@ -38,3 +44,38 @@ def rank_local_object(obj) -> int | None:
 # verl's loader refuses the unnamed mesh of ``fully_shard``'s default
 WRITES = "sharded"
 MESH_NAMES = ("fsdp",)
+
+
+def complete(ckpt: Checkpoint, base: str | None = None) -> Checkpoint:
+    """FSDP1 flat-parameter optimizer state (verl's ``strategy: fsdp``, ``use_orig_params=False``)
+    mapped onto the model's parameters. verl wraps every module whose class the model lists in
+    ``_no_split_modules`` (its decoder layers; ``get_fsdp_wrap_policy``) and the root keeps what
+    is left; the units are built from the model's config (``huggingface/``, or ``base``) on the
+    meta device, and proved against the saved shard lengths before anything is mapped. Without
+    a config the state stays unmapped (and writers of optimizer state refuse it)."""
+    if not ckpt.details.get("flat_state"):
+        return ckpt
+    found = assets.find_assets(ckpt.base_dir(), base)
+    if found is None:
+        return ckpt
+    return flatparams.expand(ckpt, fsdp1_units(found), flatparams.param_groups_of(ckpt))
+
+
+def fsdp1_units(config_dir: Path) -> list[Unit]:
+    """FSDP1's flat parameters for a model auto-wrapped on its ``_no_split_modules``, in
+    ``model.parameters()`` order: the root unit first, then each wrapped module in module order;
+    each unit's parameters in its module's ``named_parameters()`` order, shared ones once,
+    without those of units inside it."""
+    import torch
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(config_dir)
+    with torch.device("meta"):
+        model = build_from_config(config)
+    wrapped = set(getattr(model, "_no_split_modules", None) or ())
+    roots = [""] + [name + "." for name, m in model.named_modules() if name and type(m).__name__ in wrapped]
+    units: dict[str, list] = {root: [] for root in roots}
+    for fqn, p in model.named_parameters():
+        owner = max((r for r in roots if fqn.startswith(r)), key=len)
+        units[owner].append((fqn, tuple(p.shape)))
+    return [Unit(tuple(units[r])) for r in roots if units[r]]
