@@ -91,9 +91,13 @@ def scan(run_dir: str | Path, *, verify: bool = False) -> Run:
 
 def step_dirs(root: Path) -> list[tuple[str, Any, int | None]]:
     """(path relative to root, adapter, step) of each step directory, claimed by the first
-    framework that names it (plain: only when it holds checkpoint files)."""
+    framework that names it (plain: only when it holds checkpoint files and ``root`` does not)."""
     out, seen = [], set()
+    # numbered directories inside a checkpoint (accelerate's optimizer_0/) are its parts, not steps
+    itself = whole.looks_like(root)
     for adapter in _ALL:
+        if itself and not adapter.NAMES_STEP_DIRS:
+            continue
         for folder in adapter.RUN_FOLDERS:
             base = root / folder if folder else root
             try:
