@@ -124,6 +124,7 @@ def test_fsdp2_run_killed_and_truncated(tmp_path):
 # -- the frameworks' own saves -------------------------------------------------------------------
 
 class _Verl:
+    marker = True  # latest_checkpointed_iteration.txt
     truncated = "actor/model_world_size_2_rank_1.pt"
 
     @staticmethod
@@ -150,6 +151,7 @@ class _Verl:
 
 
 class _Trainer:
+    marker = False
     truncated = "pytorch_model_fsdp_0/__1_0.distcp"
 
     @staticmethod
@@ -174,6 +176,7 @@ class _Trainer:
 
 
 class _Torchtitan:
+    marker = False
     truncated = "__1_0.distcp"
 
     @staticmethod
@@ -212,6 +215,9 @@ def test_framework_run_killed_and_truncated(framework, tmp_path):
     assert result.exit_code == 0, result.output
     printed = result.stdout.strip()
     assert printed == str(fw.dir(run, 2))
+    if fw.marker:  # the framework's own "latest" marker names step 3: said, and not trusted
+        assert "latest marker names step 3, which is incomplete; ignored" in result.stderr
+    print(_cli("inspect", str(run)).stdout)  # the table, shown when an assertion below fails
     entries = {c["step"]: c for c in json.loads(_cli("inspect", str(run), "--json").stdout)["checkpoints"]}
     assert sorted(entries) == [1, 2, 3, 4]
     assert not entries[3]["complete"] and any("truncated" in m or "not a readable" in m for m in entries[3]["missing"])
