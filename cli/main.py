@@ -80,7 +80,7 @@ def latest_cmd(run_dir: str, as_json: bool, verify: bool, progress: bool) -> Non
     and listings only."""
     from ckpt_tools.commands.latest import none_complete, run_listing
 
-    info = run_listing(run_dir, verify=verify)
+    info = run_listing(run_dir, verify=verify, until_complete=not as_json)
     if as_json:
         emit_json(info)
     for note in info["notes"]:

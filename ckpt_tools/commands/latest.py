@@ -30,17 +30,18 @@ def latest(run_dir: str | Path, *, verify: bool = False) -> str:
     Example: ``ckpt_tools.latest("checkpoints/exp1")`` -> ``"checkpoints/exp1/global_step_20"``.
     Raises BadInput (exit 3) naming what each candidate lacks when none is complete.
     """
-    info = run_listing(run_dir, verify=verify)
+    info = run_listing(run_dir, verify=verify, until_complete=True)
     if info["latest"] is None:
         raise BadInput(none_complete(info))
     return info["latest"]
 
 
-def run_listing(run_dir: str | Path, *, verify: bool = False) -> dict[str, Any]:
+def run_listing(run_dir: str | Path, *, verify: bool = False, until_complete: bool = False) -> dict[str, Any]:
     """CONTRACT's ``{"run", "latest", "checkpoints": [{"path", "step", "format", "layout",
     "world_size", "size", "complete", "missing"}, ...]}`` for ``run_dir``, newest first
-    (``latest``: the path :func:`latest` gives, or None), plus ``notes``."""
-    run = runs.scan(run_dir, verify=verify)
+    (``latest``: the path :func:`latest` gives, or None), plus ``notes``. ``until_complete``:
+    list only the newest down to the first complete one (all of them when none is)."""
+    run = runs.scan(run_dir, verify=verify, until_complete=until_complete)
     found = run.latest()
     return {"run": str(run.root), "latest": str(found.path) if found else None,
             "checkpoints": [e.to_json() for e in run.entries], "notes": list(run.notes)}

@@ -65,10 +65,12 @@ class Run:
         return next((e for e in self.entries if e.complete), None)
 
 
-def scan(run_dir: str | Path, *, verify: bool = False) -> Run:
+def scan(run_dir: str | Path, *, verify: bool = False, until_complete: bool = False) -> Run:
     """Every checkpoint under ``run_dir``, checked and ordered newest first (by the step each
     framework records; those without a step last). ``verify``: also compare the checksums of a
-    ckpt manifest, where one is present (sizes are always compared).
+    ckpt manifest, where one is present (sizes are always compared). ``until_complete``: check
+    from the newest down and stop at the first complete one (what ``latest`` needs: the cost
+    is that of the few newest, however long the run).
 
     A directory with no step directories that is itself a checkpoint is its own one entry.
     Raises BadInput when ``run_dir`` is not a directory.
@@ -84,9 +86,17 @@ def scan(run_dir: str | Path, *, verify: bool = False) -> Run:
         if adapter is not None or whole.looks_like(root):
             adapter = adapter or plain
             found = [("", adapter, adapter.step_of(root.name))]
-    entries = [_check(root, rel, adapter, step, verify) for rel, adapter, step in found]
-    entries.sort(key=lambda e: (e.step is not None, e.step or 0, e.path.name), reverse=True)
-    return Run(root, tuple(entries), itself and bool(entries), tuple(_notes(root, entries)))
+    # the step each framework recorded (a small JSON at most), read before any check
+    found = [(rel, a, a.recorded_step(root / rel, step) if step is not None and not (rel and _escapes(root, rel))
+              else step) for rel, a, step in found]
+    found.sort(key=lambda f: (f[2] is not None, f[2] or 0, f[0]), reverse=True)
+    entries = []
+    for rel, adapter, step in found:
+        entries.append(_check(root, rel, adapter, step, verify))
+        if until_complete and entries[-1].complete:
+            break
+    steps = {(a.NAME, step) for _, a, step in found}
+    return Run(root, tuple(entries), itself and bool(entries), tuple(_notes(root, entries, steps)))
 
 
 def step_dirs(root: Path) -> list[tuple[str, Any, int | None]]:
@@ -143,8 +153,6 @@ def _check(root: Path, rel: str, adapter: Any, step: int | None, verify: bool) -
         w = whole.check(d)
         fmt, ws, size = fmt or w.format, ws or w.world_size, size + w.size
         missing += [where + m for m in (*w.missing, *adapter.missing(d, w), *_manifest_missing(d, verify))]
-    if step is not None and not missing:
-        step = adapter.recorded_step(path, step)
     return Entry(path, step, adapter.NAME, fmt, ws, size, tuple(missing))
 
 
@@ -174,7 +182,7 @@ def _manifest_missing(d: Path, verify: bool) -> list[str]:
     return out
 
 
-def _notes(root: Path, entries: list[Entry]) -> list[str]:
+def _notes(root: Path, entries: list[Entry], steps: set[tuple[str, int | None]]) -> list[str]:
     """What a framework's own "latest" marker says, where the files disagree with it."""
     out = []
     for adapter in _BY_NAME:
@@ -182,8 +190,8 @@ def _notes(root: Path, entries: list[Entry]) -> list[str]:
         if step is None:
             continue
         named = [e for e in entries if e.layout == adapter.NAME and e.step == step]
-        if not named:
+        if (adapter.NAME, step) not in steps:
             out.append(f"{adapter.NAME}'s latest marker names step {step}, which is not in {root}; ignored")
-        elif not named[0].complete:
+        elif named and not named[0].complete:
             out.append(f"{adapter.NAME}'s latest marker names step {step}, which is incomplete; ignored")
     return out
