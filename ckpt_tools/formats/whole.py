@@ -51,12 +51,14 @@ def check(path: Path) -> Whole:
     """Whether the checkpoint directory (or file) at ``path`` is whole; see the module doc."""
     path = Path(path)
     size = tree_size(path)
+    name = None
     try:
         name = _format_of(path)
+        world, missing, entries = _CHECKS[name](path)
     except BadInput as e:
-        return Whole(None, None, size, (short(e, path),))
-    checker = _CHECKS[name]
-    world, missing, entries = checker(path)
+        return Whole(name, None, size, (short(e, path),))
+    except OSError as e:  # a directory or file this user cannot list or read
+        return Whole(name, None, size, (f"cannot read {short(e, path)}",))
     return Whole(name, world, size, tuple(missing), frozenset(entries))
 
 
@@ -143,6 +145,8 @@ def _dcp_part(part: Path, prefix: str, root: Path, missing: list[str], entries: 
         ends: dict[str, int] = {}
         for info in (meta.storage_data or {}).values():
             name = info.relative_path
+            if not isinstance(name, str):
+                raise BadInput(f"{meta_path}: a data file named by a {type(name).__name__}; the metadata is corrupt")
             _, length = safefs.check_span(info.offset, info.length, None, what=f"{meta_path}: item in {name!r}")
             ends[name] = max(ends.get(name, 0), info.offset + length)
         entries.update(str(k).split(".", 1)[0] for k in (meta.state_dict_metadata or {}))

@@ -152,7 +152,11 @@ def _check(root: Path, rel: str, adapter: Any, step: int | None, verify: bool) -
             continue
         w = whole.check(d)
         fmt, ws, size = fmt or w.format, ws or w.world_size, size + w.size
-        missing += [where + m for m in (*w.missing, *adapter.missing(d, w), *_manifest_missing(d, verify))]
+        try:
+            side = [*adapter.missing(d, w), *_manifest_missing(d, verify)]
+        except OSError as e:  # a side file or directory this user cannot read
+            side = [f"cannot read {whole.short(e, d)}"]
+        missing += [where + m for m in (*w.missing, *side)]
     return Entry(path, step, adapter.NAME, fmt, ws, size, tuple(missing))
 
 
