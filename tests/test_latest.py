@@ -378,3 +378,12 @@ def test_no_torch_import(fixtures_dir, tmp_path):
             "print(info['latest'], 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == [str(run / "step_4"), "False"]
+
+
+def test_plain_run_beside_other_files(fixtures_dir, tmp_path):
+    """A run directory holding a torch file of its own (arguments, a final export) still lists its
+    numbered checkpoints; the numbered parts of an accelerate save are never steps."""
+    run = _run_of(fixtures_dir, tmp_path / "run", step_1="llama_dcp", step_2="llama_accelerate")
+    shutil.copy(fixtures_dir / "llama_torch_training.pt", run / "args.pt")
+    assert ckpt_tools.latest(run) == str(run / "step_2")
+    assert [c["step"] for c in json.loads(_cli("latest", str(run), "--json").stdout)["checkpoints"]] == [2, 1]

@@ -77,6 +77,12 @@ def looks_like(path: Path) -> bool:
     return False
 
 
+def is_part(name: str) -> bool:
+    """Whether a sub-directory of that name is a part of the checkpoint around it (accelerate's
+    ``pytorch_model_fsdp_0/``, ``optimizer_0/``), not a checkpoint of its own."""
+    return bool(dcp.ACCELERATE_MODEL.match(name) or dcp.ACCELERATE_OPTIM.match(name))
+
+
 def tree_size(path: Path) -> int:
     """Bytes of the regular files under ``path`` (symlinks not followed)."""
     if not path.is_dir():

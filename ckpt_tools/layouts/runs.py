@@ -101,13 +101,9 @@ def scan(run_dir: str | Path, *, verify: bool = False, until_complete: bool = Fa
 
 def step_dirs(root: Path) -> list[tuple[str, Any, int | None]]:
     """(path relative to root, adapter, step) of each step directory, claimed by the first
-    framework that names it (plain: only when it holds checkpoint files and ``root`` does not)."""
+    framework that names it (plain: only when it holds checkpoint files and is no part of one)."""
     out, seen = [], set()
-    # numbered directories inside a checkpoint (accelerate's optimizer_0/) are its parts, not steps
-    itself = whole.looks_like(root)
     for adapter in _ALL:
-        if itself and not adapter.NAMES_STEP_DIRS:
-            continue
         for folder in adapter.RUN_FOLDERS:
             base = root / folder if folder else root
             try:
@@ -119,7 +115,9 @@ def step_dirs(root: Path) -> list[tuple[str, Any, int | None]]:
                 step = adapter.step_of(name)
                 if rel in seen or step is None:
                     continue
-                if not adapter.NAMES_STEP_DIRS and not (_escapes(root, rel) or whole.looks_like(base / name)):
+                # numbered directories inside a checkpoint (accelerate's optimizer_0/) are its parts
+                if not adapter.NAMES_STEP_DIRS and (whole.is_part(name) or not (
+                        _escapes(root, rel) or whole.looks_like(base / name))):
                     continue
                 seen.add(rel)
                 out.append((rel, adapter, step))
