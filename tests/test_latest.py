@@ -311,6 +311,9 @@ def test_trainer_rules(fixtures_dir, tmp_path):
         shutil.copy(run / f"checkpoint-{step}" / "scheduler.bin", run / f"checkpoint-{step}" / "scheduler.pt")
     (run / "checkpoint-10" / "scheduler.pt").unlink()
     assert ckpt_tools.latest(run) == str(run / "checkpoint-5")
+    assert ckpt_tools.latest(run / "checkpoint-5") == str(run / "checkpoint-5")  # itself, by its name
+    with pytest.raises(BadInput, match="scheduler.pt missing"):
+        ckpt_tools.latest(run / "checkpoint-10")
     (run / "checkpoint-5" / "trainer_state.json").unlink()
     info = ckpt_tools.inspect(run)
     missing = {c["step"]: c["missing"] for c in info["checkpoints"]}
