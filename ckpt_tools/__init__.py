@@ -13,9 +13,10 @@ from .errors import BadInput, CkptError, DestinationError, UsageError, VerifyFai
 from .commands.convert import convert, export, reshard  # noqa: E402
 from .commands.estimate import estimate  # noqa: E402
 from .commands.inspect import inspect  # noqa: E402
+from .commands.latest import latest  # noqa: E402
 from .commands.shard import shard  # noqa: E402
 from .commands.verify import verify  # noqa: E402
 
 
-__all__ = ["__version__", "inspect", "convert", "export", "reshard", "shard", "verify", "estimate",
+__all__ = ["__version__", "inspect", "convert", "export", "reshard", "shard", "verify", "estimate", "latest",
            "CkptError", "BadInput", "DestinationError", "UsageError", "VerifyFailed"]

@@ -63,11 +63,32 @@ def emit_json(obj: Any) -> None:
 @command
 def inspect_cmd(path: str, as_json: bool, tensors: bool, progress: bool) -> None:
     """Say what the checkpoint at PATH is and what it holds (reads headers only)."""
-    from ckpt_tools.commands.inspect import format_summary
+    from ckpt_tools.commands.inspect import format_run, format_summary
 
     info = ckpt_tools.inspect(path, tensors=tensors)
-    emit_json(info) if as_json else click.echo(format_summary(info))
+    emit_json(info) if as_json else click.echo(format_run(info) if "checkpoints" in info else format_summary(info))
 
+
+@main.command("latest")
+@click.argument("run_dir", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Every checkpoint of the run, complete or not, as one JSON object.")
+@click.option("--verify", is_flag=True, help="Also compare a ckpt manifest's checksums (sizes are always compared).")
+@command
+def latest_cmd(run_dir: str, as_json: bool, verify: bool, progress: bool) -> None:
+    """Print the path of the newest complete checkpoint under RUN_DIR (exit 3, naming what each
+    lacks, when none is), for --resume_from_checkpoint "$(ckpt latest RUN_DIR)". Reads headers
+    and listings only."""
+    from ckpt_tools.commands.latest import none_complete, run_listing
+
+    info = run_listing(run_dir, verify=verify, until_complete=not as_json)
+    if as_json:
+        emit_json(info)
+    for note in info["notes"]:
+        click.echo(f"note: {note}", err=True)
+    if info["latest"] is None:
+        _fail(none_complete(info), 3)
+    if not as_json:
+        click.echo(info["latest"])
 
 def _report(report: dict, progress: bool) -> None:
     from ckpt_tools.runtime import env

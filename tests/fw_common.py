@@ -41,3 +41,30 @@ def batch_for(step: int, rank: int, world_size: int):
 
 def close(a: list[float], b: list[float], rel: float = 1e-5) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= rel * max(abs(x), abs(y)) for x, y in zip(a, b))
+
+
+def save_steps(save_at) -> tuple[int, ...]:
+    """A job's ``save_at``: one step, several (a run saving as it goes), or None."""
+    if save_at is None:
+        return ()
+    return (save_at,) if isinstance(save_at, int) else tuple(save_at)
+
+
+def kill_when_written(directory: str, poll: float = 0.0005) -> None:
+    """SIGKILL this process as soon as any file exists under ``directory``: a save cut off
+    mid-write, as a preemption or an OOM kill leaves it (the framework's own writer wrote the
+    first files; what it writes after them never lands). Started before the save, it watches
+    from a daemon thread."""
+    import os
+    import signal
+    import threading
+    import time
+
+    def watch() -> None:
+        while True:
+            for _, _, files in os.walk(directory):
+                if files:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(poll)
+
+    threading.Thread(target=watch, daemon=True, name="kill-when-written").start()

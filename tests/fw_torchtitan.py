@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import os
 
-from fw_common import GLOBAL_BATCH, SEQ, VOCAB, global_batch
+from fw_common import GLOBAL_BATCH, SEQ, VOCAB, global_batch, kill_when_written, save_steps
 
 # The tiny llama3 (torchtitan's own model classes).
 DIM = 32
@@ -175,8 +175,9 @@ def build_model(cfg, parallel_dims, training, parallelism):
     return model
 
 
-def job(rank: int, world_size: int, out: str | None, *, save_at: int | None, load: str | None, steps: int,
-        seed: int = 0, exclude_from_loading: tuple[str, ...] | None = None) -> list[float]:
+def job(rank: int, world_size: int, out: str | None, *, save_at: int | tuple[int, ...] | None, load: str | None,
+        steps: int, seed: int = 0, exclude_from_loading: tuple[str, ...] | None = None,
+        kill_in: str | None = None) -> list[float]:
     """Train ``steps`` steps on the fixed global batches; save after step ``save_at`` (into the
     checkpoint folder ``out``: torchtitan writes ``out/step-<save_at>/``) or start from ``load``.
 
@@ -192,6 +193,8 @@ def job(rank: int, world_size: int, out: str | None, *, save_at: int | None, loa
     torchtitan user resuming at another DP degree has to set; then the data is positioned from the
     restored ``train_state.step``. Pass ``()`` to see torchtitan's own failure instead.
     Returns the global loss (torchtitan's: token sum over all ranks / global tokens) of each step.
+    ``save_at`` may name several steps (a ``step-N`` each); ``kill_in``: this process is
+    SIGKILLed once a file exists there (a save cut off mid-write).
     """
     _cpu_device_patch()
     import torch
@@ -228,7 +231,9 @@ def job(rank: int, world_size: int, out: str | None, *, save_at: int | None, loa
     train_state = TrainState()
     dataloader, dataset = _dataloader(dp_rank, dp_degree)
 
-    ckpt_kwargs = dict(enable=True, keep_latest_k=0, interval=save_at or 10**9, last_save_model_only=False)
+    saves = save_steps(save_at)
+    ckpt_kwargs = dict(enable=True, keep_latest_k=0, interval=saves[0] if len(saves) == 1 else 1,
+                       last_save_model_only=False)
     if load and os.path.isfile(os.path.join(load, ".metadata")):
         # torchtitan takes initial_load_path only while checkpoint.folder holds no step-N: with
         # out=None point the folder at a path that does not exist (nothing is saved there).
@@ -276,8 +281,10 @@ def job(rank: int, world_size: int, out: str | None, *, save_at: int | None, loa
             g = loss.detach().clone()
             dist.all_reduce(g)  # sum of (local token sum / global tokens) = global mean
             losses.append(g.item())
-            if save_at is not None and train_state.step == save_at:
-                # interval == save_at, so torchtitan's own _should_save says yes here.
+            if train_state.step in saves:
+                # interval == save_at (1 for several), so torchtitan's own _should_save says yes here.
+                if kill_in:
+                    kill_when_written(kill_in)
                 checkpointer.save(train_state.step, last_step=False)
         return losses
     finally:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 
-from fw_common import GLOBAL_BATCH, batch_for, global_batch, tiny_model
+from fw_common import GLOBAL_BATCH, batch_for, global_batch, kill_when_written, save_steps, tiny_model
 
 __all__ = ["job", "checkpoint_dir"]
 
@@ -125,14 +125,17 @@ def _check_fully_sharded(model) -> None:
     assert all(p.device_mesh.size() == ws and p.placements[0].is_shard(0) for p in params), "not Shard(0)"
 
 
-def job(rank: int, world_size: int, out: str, *, save_at: int | None, load: str | None, steps: int,
-        seed: int = 0, lora: bool = False, fsdp: bool = True, full_to: str | None = None) -> list[float]:
+def job(rank: int, world_size: int, out: str, *, save_at: int | tuple[int, ...] | None, load: str | None, steps: int,
+        seed: int = 0, lora: bool = False, fsdp: bool = True, full_to: str | None = None,
+        kill_in: str | None = None) -> list[float]:
     """Train ``steps`` optimizer steps on the fixed global batches with a real ``Trainer`` (FSDP2).
 
     ``out`` is the Trainer's ``output_dir``; with ``save_at`` the Trainer saves after that step into
     ``checkpoint_dir(out, save_at)`` (``out/checkpoint-{save_at}``), and only then. With ``load``
     (a ``checkpoint-N`` directory) it resumes there via ``train(resume_from_checkpoint=load)`` and
     runs steps ``N .. N+steps-1``. Returns the global (mean over the 12 sequences) loss of each step run.
+    ``save_at`` may name several steps (a ``checkpoint-N`` each); ``kill_in``: this process is
+    SIGKILLed once a file exists there (a save cut off mid-write).
     """
     import json
 
@@ -141,6 +144,9 @@ def job(rank: int, world_size: int, out: str, *, save_at: int | None, load: str 
     from transformers import TrainerCallback, TrainingArguments, default_data_collator
 
     _set_env_from_dist()
+    saves = save_steps(save_at)
+    if kill_in:
+        kill_when_written(kill_in)
     first = 0
     if load:
         with open(os.path.join(load, "trainer_state.json")) as f:
@@ -171,8 +177,8 @@ def job(rank: int, world_size: int, out: str, *, save_at: int | None, load: str 
         lr_scheduler_type="inverse_sqrt",
         lr_scheduler_kwargs={"timescale": 1},
         warmup_steps=0,
-        save_strategy="steps" if save_at else "no",
-        save_steps=save_at or 1,
+        save_strategy="steps" if saves else "no",
+        save_steps=1,
         logging_steps=1,
         report_to=[],
         seed=seed,
@@ -184,7 +190,7 @@ def job(rank: int, world_size: int, out: str, *, save_at: int | None, load: str 
     class _SaveOnlyAt(TrainerCallback):
         # save_steps=save_at would also save at every multiple of it; keep only checkpoint-{save_at}.
         def on_step_end(self, a, state, control, **kw):
-            control.should_save = save_at is not None and state.global_step == save_at
+            control.should_save = state.global_step in saves
             return control
 
     cls = _trainer_class()

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import os
 
-from fw_common import batch_for, tiny_model
+from fw_common import batch_for, kill_when_written, save_steps, tiny_model
 
 LR = 1e-2
 TOTAL_STEPS = 8       # cosine schedule length (the job itself runs ``steps`` steps)
@@ -149,8 +149,9 @@ def _build(world_size: int, fsdp: int, lora: bool, seed: int, **shape):
     return module, optimizer, lr_scheduler
 
 
-def job(rank: int, world_size: int, out: str, *, save_at: int | None, load: str | None, steps: int,
-        seed: int = 0, fsdp: int = 2, lora: bool = False, hf_model: bool = False, **shape) -> list[float]:
+def job(rank: int, world_size: int, out: str, *, save_at: int | tuple[int, ...] | None, load: str | None, steps: int,
+        seed: int = 0, fsdp: int = 2, lora: bool = False, hf_model: bool = False,
+        kill_in: str | None = None, **shape) -> list[float]:
     """Train ``steps`` steps on the fixed global batches; save after step ``save_at`` into ``out``
     with ``FSDPCheckpointManager.save_checkpoint(out, global_step=save_at)``, or start from ``load``
     with ``FSDPCheckpointManager.load_checkpoint(load)`` (continuing at the saved step, read back
@@ -159,7 +160,12 @@ def job(rank: int, world_size: int, out: str, *, save_at: int | None, load: str 
     ``fsdp``: 2 (``fully_shard``) or 1 (``FullyShardedDataParallel``, ``use_orig_params=False``);
     ``lora``: peft LoRA r=4/alpha=8 on q_proj/v_proj; ``hf_model``: also save
     ``huggingface/model.safetensors`` (``checkpoint.save_contents`` += ``hf_model``); ``shape``:
-    ``tied``/``odd`` for :func:`fw_common.tiny_model`."""
+    ``tied``/``odd`` for :func:`fw_common.tiny_model`.
+
+    A run saving as it goes: ``save_at`` several steps and ``out`` with ``{step}``
+    (``run/global_step_{step}/actor``, as verl's trainer lays it out), and after each save rank 0
+    writes ``latest_checkpointed_iteration.txt`` beside the step dirs, as verl's trainer does.
+    ``kill_in``: this process is SIGKILLed once a file exists there (a save cut off mid-write)."""
     import torch
     import torch.distributed as dist
 
@@ -210,6 +216,12 @@ def job(rank: int, world_size: int, out: str, *, save_at: int | None, load: str 
         g = loss.detach().clone()
         dist.all_reduce(g)
         losses.append(g.item() / world_size)
-        if save_at is not None and step + 1 == save_at:
-            manager.save_checkpoint(out, global_step=save_at)
+        if step + 1 in save_steps(save_at):
+            if kill_in:
+                kill_when_written(kill_in)
+            manager.save_checkpoint(out.format(step=step + 1), global_step=step + 1)
+            if "{step}" in out and rank == 0:  # verl's trainer, after its save returned
+                run = os.path.dirname(os.path.dirname(out.format(step=step + 1)))
+                with open(os.path.join(run, "latest_checkpointed_iteration.txt"), "w") as f:
+                    f.write(str(step + 1))
     return losses

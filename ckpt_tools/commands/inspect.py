@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from ..core.describe import GROUPS, Checkpoint, dtype_name
 from ..layouts import describe, layout_of
 from ..naming import lora
 from ..engine.reader import Reader
+from .latest import holds_checkpoints, run_listing
 
 
 def inspect(path: str | Path, *, tensors: bool = False) -> dict[str, Any]:
@@ -17,7 +19,11 @@ def inspect(path: str | Path, *, tensors: bool = False) -> dict[str, Any]:
 
     Example: ``ckpt_tools.inspect("ckpt/global_step_100/actor")["world_size"]``.
     Reads headers and metadata only, plus the optimizer's scalar ``step`` when there is one.
+    A directory holding checkpoints rather than being one (a run) gives :func:`run_listing`'s
+    object instead: ``{"run", "latest", "checkpoints": [...]}``.
     """
+    if holds_checkpoints(path):
+        return run_listing(path)
     ckpt = describe(path)
     return summarize(ckpt, tensors=tensors)
 
@@ -130,3 +136,19 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def format_run(info: dict[str, Any]) -> str:
+    """The human-readable table of :func:`~ckpt_tools.commands.latest.run_listing`."""
+    rows = [("step", "path", "format", "layout", "ranks", "size", "complete")]
+    for c in info["checkpoints"]:
+        rel = os.path.relpath(c["path"], info["run"])
+        rows.append((str(c["step"]) if c["step"] is not None else "-", c["path"] if rel == "." else rel,
+                     c["format"] or "-", c["layout"], str(c["world_size"] or "-"), human_bytes(c["size"]),
+                     "yes" if c["complete"] else "no: " + "; ".join(c["missing"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    lines = [info["run"]]
+    lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+    lines.append(f"  latest complete: {info['latest'] or 'none'}")
+    lines += [f"  note: {n}" for n in info.get("notes", [])]
+    return "\n".join(lines)

@@ -7,8 +7,10 @@ FSDP2 only."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from ..naming import torchtitan as names
+from .plain import RUN_FOLDERS, hint, parts, recorded_step  # noqa: F401 - run hooks: plain's
 
 NAME = "torchtitan"
 RANK_LOCAL_FILE = None
@@ -51,3 +53,22 @@ def retarget(targets, config: dict, src) -> tuple[list, object]:
 
     renamed, row_maps = names.from_hf_targets([t for t in targets if t.group == "model"], config, src)
     return renamed, names.rank_piece(row_maps)
+
+
+# -- run directories: ``checkpoint.folder/step-N/``, one DCP. A full save holds the optimizer
+# with ``lr_scheduler`` and ``train_state`` (what ``CheckpointManager.load`` restores besides
+# the model); a model-only save (``last_save_model_only``) holds the model alone.
+NAMES_STEP_DIRS = True
+_STEP_NUM = re.compile(r"^step-(\d+)$")
+_WITH_OPTIMIZER = ("lr_scheduler", "train_state")
+
+
+def step_of(name: str) -> int | None:
+    m = _STEP_NUM.match(name)
+    return int(m.group(1)) if m else None
+
+
+def missing(ckpt_dir: Path, whole) -> list[str]:
+    if whole.format != "dcp" or "optimizer" not in whole.entries:
+        return []
+    return [f"entry {e!r} missing beside the optimizer" for e in _WITH_OPTIMIZER if e not in whole.entries]

@@ -7,14 +7,18 @@ Rank-local: the ``rng`` entry of each ``extra_state`` file (handled with the ext
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from ..core.describe import Checkpoint
 from ..core.flat import Unit
+from ..errors import BadInput
 from ..formats import flatparams
+from ..formats.sharded import CONFIG_NAME, file_name
 from ..hf import assets
 from ..hf.models import build_from_config
-from .plain import _from_details
+from ..security import safefs
+from .plain import RUN_FOLDERS, _from_details, recorded_step  # noqa: F401 - run hooks: plain's
 
 NAME = "verl"
 RANK_LOCAL_FILE = None
@@ -79,3 +83,43 @@ def fsdp1_units(config_dir: Path) -> list[Unit]:
         owner = max((r for r in roots if fqn.startswith(r)), key=len)
         units[owner].append((fqn, tuple(p.shape)))
     return [Unit(tuple(units[r])) for r in roots if units[r]]
+
+
+# -- run directories: ``default_local_dir/global_step_N/{actor,critic}/`` beside
+# ``latest_checkpointed_iteration.txt``. Rank 0 writes fsdp_config.json after its own files
+# while other ranks may still be writing theirs, and the iteration file can name a step whose
+# files a lost node never flushed: both are hints, the files decide.
+NAMES_STEP_DIRS = True
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+_ROLES = ("actor", "critic")
+ITERATION_FILE = "latest_checkpointed_iteration.txt"
+
+
+def step_of(name: str) -> int | None:
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def parts(step_dir: Path) -> list[str]:
+    """The roles saved in ``global_step_N/`` (``actor`` at least: verl's trainer loads it)."""
+    return [r for r in _ROLES if (step_dir / r).exists() or (step_dir / r).is_symlink()] or ["actor"]
+
+
+def missing(ckpt_dir: Path, whole) -> list[str]:
+    """``fsdp_config.json`` and the ``extra_state`` file of every rank, which
+    ``FSDPCheckpointManager.load_checkpoint`` reads (the rank files themselves: the format)."""
+    out = []
+    if not (ckpt_dir / CONFIG_NAME).is_file():
+        out.append(f"{CONFIG_NAME} missing (verl's rank 0 writes it after its own rank files)")
+    ws = whole.world_size
+    if ws and whole.format == "sharded" and not (ckpt_dir / file_name("extra_state", ws, 0)).exists():
+        out.append(f"{file_name('extra_state', ws, 0)} .. rank {ws - 1} missing (the loader reads lr_scheduler and rng there)")
+    return out
+
+
+def hint(run_dir: Path) -> int | None:
+    """The step ``latest_checkpointed_iteration.txt`` names (a hint, never trusted over the files)."""
+    try:
+        return int(safefs.read_capped(run_dir / ITERATION_FILE, 64).decode().strip())
+    except (ValueError, UnicodeDecodeError, OSError, BadInput):
+        return None

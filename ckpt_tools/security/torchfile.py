@@ -287,6 +287,38 @@ class Record:
     crc32: int
 
 
+def zip_records(path: Path) -> tuple[str, dict[str, Record]]:
+    """The archive folder and the records (name -> :class:`Record`, file order) of the
+    ``torch.save`` zip at ``path``, from its central directory and local headers alone: BadInput
+    unless it is a regular file, a readable stored zip, and every record lies inside the file
+    (a truncated or half-written file fails here). Reads no record's bytes."""
+    with safefs.open_file(path) as f:  # a FIFO or device is refused, never waited on
+        try:
+            with zipfile.ZipFile(f) as zf:
+                infos = zf.infolist()
+        except (OSError, zipfile.BadZipFile, ValueError, EOFError) as e:
+            raise BadInput(f"{path}: not a readable torch.save (zip) file: {e}") from None
+        fd, file_size = f.fileno(), os.fstat(f.fileno()).st_size
+        if not infos or "/" not in infos[0].filename:  # torch takes the first entry's folder
+            raise BadInput(f"{path}: the zip has no archive folder; not a torch.save file")
+        prefix = infos[0].filename.split("/", 1)[0]
+        records: dict[str, Record] = {}
+        for info in infos:
+            name = info.filename.removeprefix(prefix + "/")
+            if name == info.filename or name in records:
+                raise BadInput(f"{path}: stray or repeated zip entry {info.filename!r}")
+            if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 1 or info.compress_size != info.file_size:
+                raise BadInput(f"{path}: record {name} is compressed or encrypted; torch.save stores records")
+            head = os.pread(fd, 30, info.header_offset)
+            if len(head) < 30 or head[:4] != b"PK\x03\x04":
+                raise BadInput(f"{path}: bad local header for record {name}")
+            offset = info.header_offset + 30 + sum(struct.unpack("<HH", head[26:30]))
+            if offset + info.file_size > file_size:
+                raise BadInput(f"{path}: record {name} runs past the end of the file (truncated?)")
+            records[name] = Record(name, offset, info.file_size, info.CRC)
+    return prefix, records
+
+
 class TorchZip:
     """A torch.save file: ``prefix`` (its archive folder), ``records`` (name -> Record, file order),
     the raw ``pickle``, its parsed ``tree`` and ``storages`` (key -> StorageRef, first-use order).
@@ -294,13 +326,7 @@ class TorchZip:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        with safefs.open_file(self.path) as f:  # a FIFO or device is refused, never waited on
-            try:
-                with zipfile.ZipFile(f) as zf:
-                    infos = zf.infolist()
-            except (OSError, zipfile.BadZipFile, ValueError, EOFError) as e:
-                raise BadInput(f"{self.path}: not a readable torch.save (zip) file: {e}") from None
-            self.records = self._scan(infos, f.fileno(), os.fstat(f.fileno()).st_size)
+        self.prefix, self.records = zip_records(self.path)
         names = self.records.keys()
         if "constants.pkl" in names or any(n.startswith("code/") for n in names):
             raise UnsafeInput(f"{self.path} is a TorchScript archive (it contains code); refusing to read it")
@@ -316,26 +342,6 @@ class TorchZip:
             if rec is None or rec.size != ref.nbytes:
                 raise BadInput(f"{self.path}: storage {key} needs {ref.nbytes} bytes but record data/{key} "
                                f"has {'none' if rec is None else rec.size}")
-
-    def _scan(self, infos: list[zipfile.ZipInfo], fd: int, file_size: int) -> dict[str, Record]:
-        if not infos or "/" not in infos[0].filename:  # torch takes the first entry's folder
-            raise BadInput(f"{self.path}: the zip has no archive folder; not a torch.save file")
-        self.prefix = infos[0].filename.split("/", 1)[0]
-        records: dict[str, Record] = {}
-        for info in infos:
-            name = info.filename.removeprefix(self.prefix + "/")
-            if name == info.filename or name in records:
-                raise BadInput(f"{self.path}: stray or repeated zip entry {info.filename!r}")
-            if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 1 or info.compress_size != info.file_size:
-                raise BadInput(f"{self.path}: record {name} is compressed or encrypted; torch.save stores records")
-            head = os.pread(fd, 30, info.header_offset)
-            if len(head) < 30 or head[:4] != b"PK\x03\x04":
-                raise BadInput(f"{self.path}: bad local header for record {name}")
-            offset = info.header_offset + 30 + sum(struct.unpack("<HH", head[26:30]))
-            if offset + info.file_size > file_size:
-                raise BadInput(f"{self.path}: record {name} runs past the end of the file (truncated?)")
-            records[name] = Record(name, offset, info.file_size, info.CRC)
-        return records
 
     def read(self, name: str) -> bytes:
         """A (small) record's bytes, CRC-checked."""
