@@ -149,9 +149,21 @@ def _build(world_size: int, fsdp: int, lora: bool, seed: int, **shape):
     return module, optimizer, lr_scheduler
 
 
+def _load_dcp(module, optimizer, lr_scheduler, path: str) -> None:
+    """An FSDP2 job's own resume from a DCP holding model, optimizer and LR scheduler."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd, "lr_scheduler": lr_scheduler.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+
 def job(rank: int, world_size: int, out: str, *, save_at: int | tuple[int, ...] | None, load: str | None, steps: int,
         seed: int = 0, fsdp: int = 2, lora: bool = False, hf_model: bool = False,
-        kill_in: str | None = None, **shape) -> list[float]:
+        kill_in: str | None = None, full_optim: str | None = None, **shape) -> list[float]:
     """Train ``steps`` steps on the fixed global batches; save after step ``save_at`` into ``out``
     with ``FSDPCheckpointManager.save_checkpoint(out, global_step=save_at)``, or start from ``load``
     with ``FSDPCheckpointManager.load_checkpoint(load)`` (continuing at the saved step, read back
@@ -165,7 +177,12 @@ def job(rank: int, world_size: int, out: str, *, save_at: int | tuple[int, ...] 
     A run saving as it goes: ``save_at`` several steps and ``out`` with ``{step}``
     (``run/global_step_{step}/actor``, as verl's trainer lays it out), and after each save rank 0
     writes ``latest_checkpointed_iteration.txt`` beside the step dirs, as verl's trainer does.
-    ``kill_in``: this process is SIGKILLed once a file exists there (a save cut off mid-write)."""
+    ``kill_in``: this process is SIGKILLed once a file exists there (a save cut off mid-write).
+
+    ``load`` may also be a DCP directory (FSDP2 only): then the job resumes as PyTorch documents
+    it, ``get_state_dict`` -> ``dcp.load`` -> ``set_state_dict``, with the LR scheduler's state
+    under ``lr_scheduler``. ``full_optim``: FSDP1 only, also write ``FSDP.full_optim_state_dict``
+    there at each save (rank 0)."""
     import torch
     import torch.distributed as dist
 
@@ -189,7 +206,10 @@ def job(rank: int, world_size: int, out: str, *, save_at: int | tuple[int, ...] 
         checkpoint_config=CheckpointConfig(save_contents=contents, load_contents=["model", "optimizer", "extra"]),
     )
     first = 0
-    if load:
+    if load and os.path.isfile(os.path.join(load, ".metadata")):
+        _load_dcp(module, optimizer, lr_scheduler, load)
+        first = int(lr_scheduler.last_epoch)
+    elif load:
         manager.load_checkpoint(load)
         first = int(lr_scheduler.last_epoch)
 
@@ -220,6 +240,10 @@ def job(rank: int, world_size: int, out: str, *, save_at: int | tuple[int, ...] 
             if kill_in:
                 kill_when_written(kill_in)
             manager.save_checkpoint(out.format(step=step + 1), global_step=step + 1)
+            if full_optim:  # FSDP1's own full optimizer state, to compare with (a collective)
+                full = FSDP.full_optim_state_dict(module, optimizer)
+                if rank == 0:
+                    torch.save(full, full_optim)
             if "{step}" in out and rank == 0:  # verl's trainer, after its save returned
                 run = os.path.dirname(os.path.dirname(out.format(step=step + 1)))
                 with open(os.path.join(run, "latest_checkpointed_iteration.txt"), "w") as f:

@@ -225,18 +225,23 @@ def verl_fsdp1_save(tmp_path_factory):
 
 
 def test_verl_fsdp1_inspect(verl_fsdp1_save):
+    """Flat-parameter optimizer state, mapped onto the parameters through the model's config
+    (tests/test_fsdp1_flat.py resumes such saves)."""
     info = _inspect(verl_fsdp1_save)
     assert (info["layout"], info["fsdp_version"]) == ("verl", 1)
-    assert info["optimizer"]["flat_parameters"] is True
-    assert info["groups"]["optimizer"]["num_tensors"] == 0  # never mapped onto parameter names
+    assert "flat_parameters" not in info["optimizer"]
+    assert info["groups"]["optimizer"]["num_tensors"] == 3 * info["groups"]["model"]["num_tensors"]
 
 
 @pytest.mark.parametrize("args", [["reshard", "--to", "2"], ["convert", "--to", "dcp"]])
-def test_verl_fsdp1_flat_optimizer_refused(verl_fsdp1_save, tmp_path, args):
-    dst = tmp_path / "out"
-    result = CliRunner().invoke(cli, [args[0], str(verl_fsdp1_save), str(dst), *args[1:]])
+def test_verl_fsdp1_flat_optimizer_refused_without_config(verl_fsdp1_save, tmp_path, args):
+    """Without the model's config the flat parameters' make-up is unknown: exit 3, nothing written."""
+    src, dst = tmp_path / "src", tmp_path / "out"
+    shutil.copytree(verl_fsdp1_save, src, ignore=shutil.ignore_patterns("huggingface"))
+    assert _inspect(src)["optimizer"]["flat_parameters"] is True
+    result = CliRunner().invoke(cli, [args[0], str(src), str(dst), *args[1:]])
     assert result.exit_code == 3, result.output
-    assert "flat parameter" in result.output and "--model-only" in result.output
+    assert "flat parameter" in result.output and "config.json" in result.output and "--model-only" in result.output
     assert result.output.count("error:") == 1
     assert not dst.exists()
 

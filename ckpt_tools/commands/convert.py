@@ -70,9 +70,9 @@ def run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) -> 
     objects = tuple(o for o in ckpt.objects if not opts.model_alone or o.group == "model")
     left_out += sorted({o.group for o in ckpt.objects} - {o.group for o in objects} - set(left_out))
     if ckpt.details.get("optimizer_flat") and not opts.model_alone:
-        raise BadInput(f"{src}: {ckpt.details['optimizer_flat']}, so ckpt cannot write it resharded or "
-                       "converted without guessing. Export or convert the model alone (ckpt export, or "
-                       "convert --model-only), or save with FSDP2 or use_orig_params=True")
+        raise BadInput(f"{src}: {ckpt.details['optimizer_flat']}; ckpt works it out from the model's "
+                       "config.json (huggingface/ beside the files, or convert --base) and found none. Give "
+                       "the config, or export or convert the model alone (ckpt export, or convert --model-only)")
     ranked = opts.to in ("sharded", "dcp")
     ws = opts.world_size or (ckpt.world_size if ckpt.world_size and ranked else 1)
     report: dict[str, Any] = {"src": str(src), "dst": str(dst), "format": opts.to, "world_size": ws if ranked else None}
