@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from . import entry  # first: from here a Ctrl-C while the program loads is one error line
+
 import functools
 import json
 import sys
@@ -28,6 +30,7 @@ def command(fn: Callable) -> Callable:
     @click.option("--debug", is_flag=True, help="Show a traceback on error.")
     @functools.wraps(fn)
     def wrapper(*args: Any, quiet: bool, debug: bool, **kwargs: Any) -> Any:
+        entry.ready()  # from here a Ctrl-C is a KeyboardInterrupt: staging is removed, then reported
         try:
             return fn(*args, progress=not quiet, **kwargs)
         except CkptError as e:
@@ -35,7 +38,12 @@ def command(fn: Callable) -> Callable:
                 traceback.print_exc()
             _fail(str(e), e.exit_code)
         except KeyboardInterrupt:
-            _fail("interrupted; the destination was left as it was", 130)
+            from ckpt_tools.storage.atomic import interrupted_message
+
+            # cleanup already ran on the way out (staging removed); an import the interrupt cut
+            # in half can make the interpreter's own shutdown end by SIGINT instead of exit 130
+            click.echo(f"error: {one_line(interrupted_message())}", err=True)
+            entry.exit_now(130)
         except click.exceptions.Exit:
             raise
         except Exception as e:  # a bug: say so, point at --debug
@@ -223,5 +231,13 @@ def estimate_cmd(model, ranks, mixed_precision, cpu_offload, as_json, progress):
     emit_json(est.to_json()) if as_json else click.echo(est.table())
 
 
+def run() -> None:
+    """The console script ``ckpt`` and ``python -m ckpt_tools``."""
+    from ckpt_tools.runtime.lifeline import tie_to_launcher
+
+    tie_to_launcher()  # under torchrun: end with the launcher, even if it dies while we start up
+    main(prog_name="ckpt")
+
+
 if __name__ == "__main__":
-    main()
+    run()
