@@ -176,6 +176,7 @@ def _child(rank: int, world: int, device: str, init_method: str, result_dir: str
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    _thread_lock_for_tqdm()
     try:
         dev = _set_device(device, rank)
         dist.init_process_group(backend_for(device), init_method=init_method, rank=rank,
@@ -192,9 +193,24 @@ def _child(rank: int, world: int, device: str, init_method: str, result_dir: str
             dist.destroy_process_group()
         except Exception:
             pass
-    # A normal exit, not os._exit: it releases what the rank registered (tqdm's lock semaphore)
-    # instead of leaving the parent's resource tracker to warn about it.
-    sys.exit(0 if payload[0] == "ok" else 1)
+    # The work is done and reported: end now. The interpreter's own teardown of torch and
+    # transformers took seconds, and the caller waited for it after the bar had finished.
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0 if payload[0] == "ok" else 1)
+
+
+def _thread_lock_for_tqdm() -> None:
+    """tqdm guards its bars with a multiprocessing lock by default: a named semaphore, and a
+    resource-tracker process to remove it, which a rank ending with ``os._exit`` would leave
+    warning about a leak. One process's bars need only a thread lock."""
+    import threading
+
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
 
 
 def _report(result_dir: str, rank: int, payload: tuple) -> None:
