@@ -17,7 +17,7 @@ from ..core.plan import FileJob
 from ..errors import CkptError
 from ..runtime import env, lifeline, procs
 from ..storage.atomic import (TMP_MARK, check_destination, commit_into, discarded_on_error, fsync_tree, holding,
-                              remove_path)
+                              remember_staging, remove_path)
 from .stream import Writer, progress_bar, run_jobs
 
 
@@ -91,6 +91,7 @@ def execute_torchrun(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], d
                 check_destination(src.root, dst, overwrite=overwrite)
                 remove_path(tmp)
                 tmp.mkdir(parents=True)
+                remember_staging(dst, tmp)
                 lock.enter_context(holding(tmp))  # marks the staging live until this process ends
             except CkptError as e:
                 error = e

@@ -56,12 +56,21 @@ def start(fn: Callable[..., Any], args: Sequence[Any], *, work: Path, name: str,
     with open(spec, "wb") as f:
         pickle.dump({"sys_path": list(sys.path), "parent": os.getpid()}, f)
         pickle.dump((fn, tuple(args)), f)
-    root = str(Path(__file__).resolve().parents[2])  # the folder that holds ckpt_tools/
     child_env = {**os.environ, **(env or {})}
-    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH")) if p)
+    root = str(Path(__file__).resolve().parents[2])  # the folder that holds ckpt_tools/
+    if root not in _site_dirs():  # importable here only through sys.path: so it is in the child
+        child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH")) if p)
     proc = subprocess.Popen([sys.executable, "-m", "ckpt_tools.runtime.child", str(spec)], env=child_env,
                             stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True)
     return Child(name, proc, work / f"{name}.out")
+
+
+def _site_dirs() -> set[str]:
+    import site
+
+    dirs = set(getattr(site, "getsitepackages", lambda: [])())
+    dirs.add(getattr(site, "getusersitepackages", lambda: "")())
+    return {str(Path(d).resolve()) for d in dirs if d}
 
 
 def stop(children: Sequence[Child], grace: float = STOP_GRACE_S) -> None:

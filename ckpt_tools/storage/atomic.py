@@ -181,7 +181,7 @@ def make_staging(dst: Path) -> Path:
         tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would make DST private
     except OSError as e:
         raise DestinationError(f"{dst.parent}: cannot write there ({e.strerror})") from e
-    _remember(dst, tmp)
+    remember_staging(dst, tmp)
     return tmp
 
 
@@ -193,7 +193,7 @@ def _make_staging_file(dst: Path) -> Path:
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
     except OSError as e:
         raise DestinationError(f"{dst.parent}: cannot write there ({e.strerror})") from e
-    _remember(dst, tmp)
+    remember_staging(dst, tmp)
     return tmp
 
 
@@ -251,7 +251,8 @@ def signals_deferred() -> Iterator[None]:
 _staging_of: dict[Path, tuple[Path, int, int]] = {}
 
 
-def _remember(dst: Path, tmp: Path) -> None:
+def remember_staging(dst: Path, tmp: Path) -> None:
+    """Note that this process stages ``dst`` in ``tmp`` (for :func:`interrupted_message`)."""
     with contextlib.suppress(OSError):
         st = tmp.stat()
         _staging_of[Path(dst).absolute()] = (tmp, st.st_dev, st.st_ino)
