@@ -1,7 +1,8 @@
-from ckpt_tools.runtime.lifeline import tie_to_launcher
+"""``python -m ckpt_tools``: the ``ckpt`` program. The entry module comes first: from here on, a
+Ctrl-C while the program loads is one ``error:`` line, not a traceback."""
 
-tie_to_launcher()  # under torchrun: end with the launcher, even if it dies while we start up
+from ckpt_tools.cli import entry  # noqa: F401
 
-from ckpt_tools.cli.main import main  # noqa: E402
+from ckpt_tools.cli.main import run  # noqa: E402
 
-main(prog_name="ckpt")
+run()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from . import entry  # first: from here a Ctrl-C while the program loads is one error line
+
 import functools
 import json
 import sys
@@ -28,6 +30,7 @@ def command(fn: Callable) -> Callable:
     @click.option("--debug", is_flag=True, help="Show a traceback on error.")
     @functools.wraps(fn)
     def wrapper(*args: Any, quiet: bool, debug: bool, **kwargs: Any) -> Any:
+        entry.ready()  # from here a Ctrl-C is a KeyboardInterrupt: staging is removed, then reported
         try:
             return fn(*args, progress=not quiet, **kwargs)
         except CkptError as e:
@@ -35,7 +38,12 @@ def command(fn: Callable) -> Callable:
                 traceback.print_exc()
             _fail(str(e), e.exit_code)
         except KeyboardInterrupt:
-            _fail("interrupted; the destination was left as it was", 130)
+            from ckpt_tools.storage.atomic import interrupted_message
+
+            # cleanup already ran on the way out (staging removed); an import the interrupt cut
+            # in half can make the interpreter's own shutdown end by SIGINT instead of exit 130
+            click.echo(f"error: {one_line(interrupted_message())}", err=True)
+            entry.exit_now(130)
         except click.exceptions.Exit:
             raise
         except Exception as e:  # a bug: say so, point at --debug
@@ -56,7 +64,7 @@ def emit_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, default=str))
 
 
-@main.command("inspect")
+@main.command("inspect", short_help="Say what a checkpoint is and what it holds (headers only).")
 @click.argument("path", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
 @click.option("--tensors", is_flag=True, help="List every tensor (name, group, shape, dtype).")
@@ -110,7 +118,7 @@ _RANK_LOCAL = click.option("--rank-local", type=click.Choice(["drop", "keep-firs
                                 "or keep source rank r's value on new rank r.")
 
 
-@main.command("convert")
+@main.command("convert", short_help="Convert a checkpoint to another format (--to).")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
 @click.option("--to", "to", required=True, type=click.Choice(["hf", "torch", "dcp", "sharded"]), help="Output format.")
@@ -131,7 +139,7 @@ def convert_cmd(src, dst, to, world_size, dtype, max_shard_size, model_only, bas
                                rank_local=rank_local, layout=layout), progress)
 
 
-@main.command("export")
+@main.command("export", short_help="Write a Hugging Face directory that from_pretrained loads.")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
 @click.option("--base", help="HF model dir or hub id to take config and tokenizer from (and, for an "
@@ -150,7 +158,7 @@ def export_cmd(src, dst, base, dtype, max_shard_size, lora, lora_alpha, overwrit
                               overwrite=overwrite, progress=progress, lora=lora, lora_alpha=lora_alpha), progress)
 
 
-@main.command("reshard")
+@main.command("reshard", short_help="Reshard a training checkpoint to another number of ranks.")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
 @click.option("--to", "to", required=True, type=click.IntRange(min=1), help="New world size M.")
@@ -166,11 +174,13 @@ def reshard_cmd(src, dst, to, from_, workers, rank_local, overwrite, progress):
                                rank_local=rank_local, workers=workers), progress)
 
 
-@main.command("shard")
+@main.command("shard", short_help="Lay a Hugging Face model out as an N-rank FSDP2 checkpoint.")
 @click.argument("model")
 @click.argument("dst", type=click.Path())
 @click.option("--ranks", required=True, type=click.IntRange(min=1), help="Number of FSDP ranks N.")
-@click.option("--format", "fmt", type=click.Choice(["dcp", "sharded"]), default="sharded", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["dcp", "sharded"]), default="sharded", show_default=True,
+              help="sharded: verl's per-rank model_/optim_world_size_N_rank_r.pt files, fsdp_config.json and "
+                   "huggingface/; dcp: one torch.distributed.checkpoint directory of the job's state dict.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="cpu: gloo; cuda: NCCL, one GPU per rank.")
 @click.option("--mixed-precision", type=click.Choice(["bf16", "fp16"]), help="FSDP2 MixedPrecisionPolicy.")
@@ -186,13 +196,12 @@ def shard_cmd(model, dst, ranks, fmt, device, mixed_precision, cpu_offload, with
     report = shard(model, dst, ranks=ranks, format=fmt, device=device, mixed_precision=mixed_precision,
                    cpu_offload=cpu_offload, with_optimizer=with_optimizer, overwrite=overwrite, check=check,
                    progress=progress)
-    if progress:
-        click.echo(f"wrote {report.get('dst', dst)} ({fmt}, {ranks} ranks)", err=True)
+    _report({"dst": dst, **report, "format": fmt, "world_size": ranks}, progress)
     if check and report.get("max_abs_diff") is not None:
         click.echo(f"check: largest difference from the unsharded model {report['max_abs_diff']:.3g}")
 
 
-@main.command("verify")
+@main.command("verify", short_help="Check a checkpoint, or compare two bit for bit.")
 @click.argument("a", type=click.Path())
 @click.argument("b", type=click.Path(), required=False)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
@@ -214,7 +223,7 @@ def verify_cmd(a, b, as_json, atol, rtol, nan_check, progress):
         sys.exit(1)
 
 
-@main.command("clean")
+@main.command("clean", short_help="Remove what interrupted runs left beside DST.")
 @click.argument("dst", type=click.Path())
 @command
 def clean_cmd(dst, progress):
@@ -231,18 +240,40 @@ def clean_cmd(dst, progress):
         click.echo(f"nothing to clean beside {dst}")
 
 
-@main.command("estimate")
+@main.command("estimate", short_help="Memory per GPU to train a model with DDP and with FSDP.")
 @click.argument("model")
 @click.option("--ranks", required=True, type=click.IntRange(min=1), help="Number of GPUs.")
-@click.option("--mixed-precision", type=click.Choice(["bf16", "fp16"]), help="FSDP2 MixedPrecisionPolicy param dtype.")
-@click.option("--cpu-offload", is_flag=True, help="FSDP2 CPUOffloadPolicy.")
+@click.option("--mixed-precision", type=click.Choice(["bf16", "fp16"]),
+              help="FSDP2 MixedPrecisionPolicy param dtype: DDP adds a 2 B/param copy; FSDP gathers its unit in it.")
+@click.option("--cpu-offload", is_flag=True, help="FSDP2 CPUOffloadPolicy: FSDP's sharded state in CPU memory; "
+              "the GPU holds the gathered unit.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
 @command
 def estimate_cmd(model, ranks, mixed_precision, cpu_offload, as_json, progress):
-    """Memory per GPU for training MODEL on --ranks GPUs with DDP and with FSDP."""
+    """Memory per GPU for training MODEL on --ranks GPUs with DDP and with FSDP: parameters,
+    gradients and AdamW state (fp32 master copy; activations not counted). One rule for FSDP,
+    with or without --mixed-precision and --cpu-offload: its GPU figure includes the largest
+    FSDP unit gathered unsharded, in fp32 or in the --mixed-precision dtype."""
     est = ckpt_tools.estimate(model, ranks=ranks, mixed_precision=mixed_precision, cpu_offload=cpu_offload)
     emit_json(est.to_json()) if as_json else click.echo(est.table())
 
 
+def run() -> None:
+    """The console script ``ckpt`` and ``python -m ckpt_tools``."""
+    from ckpt_tools.runtime.lifeline import tie_to_launcher
+
+    tie_to_launcher()  # under torchrun: end with the launcher, even if it dies while we start up
+    try:
+        main(prog_name="ckpt")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            click.echo(str(e.code), err=True)
+    # Everything is written and committed: end now, without the interpreter's teardown of
+    # torch and transformers (seconds after the last line, for nothing).
+    entry.exit_now(code)
+
+
 if __name__ == "__main__":
-    main()
+    run()

@@ -77,12 +77,15 @@ def test_llama2_7b_figures_from_the_issue(tmp_path):
     assert est.source == "config"
     out = est.to_json()
     assert out["params"] == LLAMA2_7B_PARAMS and out["ranks"] == 4
+    # FSDP: a quarter of the 16 B/param, plus the largest unit (the root: embeddings, lm_head,
+    # norm) gathered unsharded in fp32, the same rule as with --mixed-precision and --cpu-offload
+    unit = 2 * 32000 * 4096 + 4096
     assert out["ddp"]["per_rank_bytes"] == 16 * LLAMA2_7B_PARAMS
-    assert out["fsdp"]["per_rank_bytes"] == math.ceil(16 * LLAMA2_7B_PARAMS / 4)
+    assert out["fsdp"]["per_rank_bytes"] == math.ceil(16 * LLAMA2_7B_PARAMS / 4) + 4 * unit
     assert round(out["ddp"]["per_rank_bytes"] / 1e9, 1) == 107.8
-    assert round(out["fsdp"]["per_rank_bytes"] / 1e9) == 27
+    assert round(out["fsdp"]["per_rank_bytes"] / 1e9) == 28
     assert out["fsdp"] == {
-        "per_rank_bytes": 4 * LLAMA2_7B_PARAMS, "params_bytes": LLAMA2_7B_PARAMS,
+        "per_rank_bytes": 4 * LLAMA2_7B_PARAMS + 4 * unit, "params_bytes": LLAMA2_7B_PARAMS + 4 * unit,
         "grads_bytes": LLAMA2_7B_PARAMS, "optimizer_bytes": 2 * LLAMA2_7B_PARAMS,
         "cpu_per_rank_bytes": 0, "cpu": {"params_bytes": 0, "grads_bytes": 0, "optimizer_bytes": 0},
     }
@@ -90,7 +93,8 @@ def test_llama2_7b_figures_from_the_issue(tmp_path):
                               "mixed_precision": None, "cpu_offload": False}
     json.dumps(out)  # plain JSON types only
     table = est.table()
-    assert "6,738,415,616" in table and "107.81 GB" in table and "26.95 GB" in table
+    assert "6,738,415,616" in table and "107.81 GB" in table and "28.00 GB" in table
+    assert "gathered unsharded: (root)" in table
 
 
 @pytest.mark.parametrize(
@@ -109,9 +113,10 @@ def test_tiny_configs_counted_by_hand(tmp_path, case, ranks):
     est = estimate(str(write_config(tmp_path / "m", config)), ranks=ranks)
     assert est.params == expected
     assert est.ddp.gpu.total == 16 * expected
-    assert est.fsdp.gpu.total >= math.ceil(16 * expected / ranks)  # uneven rows only add padding
+    gathered = 4 * est.largest_unit_params
+    assert est.fsdp.gpu.total >= math.ceil(16 * expected / ranks) + gathered  # uneven rows only add padding
     if ranks == 1:
-        assert est.fsdp == est.ddp
+        assert est.fsdp.gpu.total == est.ddp.gpu.total + gathered
 
 
 def test_tied_llama_counts_the_shared_matrix_once(tmp_path):
@@ -128,7 +133,7 @@ SHAPES = {"embed.weight": (5, 3), "layers.0.w": (3, 2), "layers.1.w": (2,), "nor
 @pytest.mark.parametrize(
     ("mp", "offload", "ddp", "fsdp_gpu", "fsdp_cpu"),
     [
-        (None, False, 16 * 24, 16 * 15, 0),
+        (None, False, 16 * 24, 16 * 15 + 4 * 16, 0),  # one rule: the gathered unit, fp32 here
         ("bf16", False, 18 * 24, 16 * 15 + 2 * 16, 0),
         ("fp16", False, 18 * 24, 16 * 15 + 2 * 16, 0),
         (None, True, 16 * 24, 4 * 16, 16 * 15),

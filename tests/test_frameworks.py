@@ -152,6 +152,7 @@ def test_torchtitan_reshard_resumes(torchtitan_save, tmp_path, to):
     result = CliRunner().invoke(cli, ["reshard", str(src), str(dst), "--to", str(to), "--quiet"])
     assert result.exit_code == 0, result.output
     assert "warning: rank-local entries dataloader.dp_rank_0" in result.output
+    assert 'checkpoint.exclude_from_loading = ["dataloader"]' in result.output  # what the user must then do
     keys, planner = _dcp_keys(dst)
     src_keys, src_planner = _dcp_keys(src)
     dropped = {f"dataloader.dp_rank_{r}" for r in range(4)}

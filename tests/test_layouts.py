@@ -71,3 +71,29 @@ def test_sharded_reshard_keeps_fsdp_config_fields(fixtures_dir, tmp_path):
     assert json.loads((tmp_path / "out" / "fsdp_config.json").read_text()) == {
         "FSDP_version": 2, "world_size": 3, "note": "kept"}
     assert (tmp_path / "out" / "lora_train_meta.json").read_bytes() == (src / "lora_train_meta.json").read_bytes()
+
+
+def test_torchtitan_reshard_warning_says_what_the_loader_needs(tmp_path):
+    """Dropping torchtitan's ``dataloader.dp_rank_*`` entries is not enough to say: its loader
+    then needs ``checkpoint.exclude_from_loading = ["dataloader"]``, and the warning says so.
+    (The real torchtitan save and resume are in test_frameworks.py; this is the layout alone, on
+    a DCP with torchtitan's top-level keys written by ``dcp.save`` in one process.)"""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from click.testing import CliRunner
+
+    from ckpt_tools.cli.main import main
+
+    src = tmp_path / "run" / "step-10"
+    state = {"tok_embeddings.weight": torch.randn(8, 4), "train_state": {"step": 10},
+             "dataloader": {"dp_rank_0": b"pos-0", "dp_rank_1": b"pos-1"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(state, checkpoint_id=str(src), no_dist=True)
+    assert ckpt_tools.inspect(src)["layout"] == "torchtitan"
+    result = CliRunner().invoke(main, ["reshard", str(src), str(tmp_path / "out" / "step-10"), "--to", "2", "--quiet"])
+    assert result.exit_code == 0, result.output
+    (line,) = [x for x in result.output.splitlines() if x.startswith("warning: rank-local entries dataloader.dp_rank_0")]
+    assert 'checkpoint.exclude_from_loading = ["dataloader"]' in line, line

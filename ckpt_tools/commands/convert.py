@@ -121,7 +121,7 @@ def run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) -> 
         after = None
 
     execute(ckpt, writer, jobs, dst, overwrite=opts.overwrite, progress=opts.progress,
-            desc=f"{opts.to} → {dst.name}", fmt=opts.to, workers=opts.workers, after=after)
+            desc=f"{ckpt.format} → {opts.to}", fmt=opts.to, workers=opts.workers, after=after)
     if left_out:
         say(f"note: left out {', '.join(left_out)} state (model only)", opts.progress)
     if opts.to == "sharded" and carry is None and writers.fsdp1_files(ckpt):

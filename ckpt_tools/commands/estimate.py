@@ -13,19 +13,20 @@ the CUDA context and allocator fragmentation are not counted):
   and optimizer state. Shards follow fully_shard's ``Shard(0)`` split, padded to
   ``ceil(dim0 / ranks)`` rows on every rank, so uneven first dimensions cost a little more than
   ``16 * params / ranks``.
-- ``mixed_precision="bf16"``/``"fp16"`` (FSDP2 ``MixedPrecisionPolicy``, autocast for DDP): master
-  parameters, gradients and optimizer state stay fp32; the low-precision working copy is added
-  to the parameter bytes: a full 2 B/param copy under DDP, and under FSDP the unsharded copy of
-  the largest FSDP unit (units: each numbered block such as ``model.layers.3``, plus the root
-  holding everything else, e.g. embeddings and ``lm_head``). Prefetching a second unit is not
+- One rule for the unit FSDP gathers, with every option: FSDP's GPU bytes add the unsharded copy
+  of the largest FSDP unit (units: each numbered block such as ``model.layers.3``, plus the root
+  holding everything else, e.g. embeddings and ``lm_head``) in the compute dtype: fp32 (4 B/param)
+  by default, bf16/fp16 (2 B/param) with ``mixed_precision``. Prefetching a second unit is not
   counted.
+- ``mixed_precision="bf16"``/``"fp16"`` (FSDP2 ``MixedPrecisionPolicy``, autocast for DDP): master
+  parameters, gradients and optimizer state stay fp32; DDP adds a full 2 B/param working copy,
+  FSDP the gathered unit in that dtype (above).
 - ``cpu_offload=True`` (FSDP2 ``CPUOffloadPolicy``; DDP has no offload and is unchanged): FSDP's
   sharded parameters, gradients and optimizer state live in CPU memory; the GPU holds the
-  unsharded largest unit, in the compute dtype (fp32, or bf16/fp16 with mixed precision).
+  gathered unit (above).
 
-Known limits: the fp32 all-gather buffer of an unsharded unit without mixed precision is, like
-activations, not counted; safetensors counts take floating-point tensors only (quantized
-checkpoints are undercounted); ``trust_remote_code`` models cannot be built from their config.
+Known limits: safetensors counts take floating-point tensors only (quantized checkpoints are
+undercounted); ``trust_remote_code`` models cannot be built from their config.
 """
 
 from __future__ import annotations
@@ -115,9 +116,8 @@ class Estimate:
             cpu = _bytes(mem.cpu.total) if mem.cpu.total else "-"
             lines.append(f"{name:<6}{_bytes(g.params):>11}{_bytes(g.grads):>11}{_bytes(g.optimizer):>11}"
                          f"{_bytes(g.total):>11}{cpu:>11}")
-        if self.mixed_precision or self.cpu_offload:
-            lines.append(f"\nFSDP unit gathered unsharded: {self.largest_unit} "
-                         f"({_count(self.largest_unit_params)} params)")
+        lines.append(f"\nFSDP GPU/rank includes the largest unit gathered unsharded: {self.largest_unit} "
+                     f"({_count(self.largest_unit_params)} params, {self.mixed_precision or 'fp32'})")
         return "\n".join(lines)
 
 
@@ -193,10 +193,11 @@ def plan_memory(shapes: Mapping[str, Sequence[int]], *, ranks: int, mixed_precis
 
     ddp = StrategyMemory(Placement(FP32 * params + low * params, FP32 * params, ADAMW_STATES * FP32 * params))
     sharded = Placement(FP32 * shard, FP32 * shard, ADAMW_STATES * FP32 * shard)
+    gathered = (low or FP32) * unit_params  # the one rule: the largest unit, unsharded, in the compute dtype
     if cpu_offload:
-        fsdp = StrategyMemory(gpu=Placement(params=(low or FP32) * unit_params), cpu=sharded)
+        fsdp = StrategyMemory(gpu=Placement(params=gathered), cpu=sharded)
     else:
-        fsdp = StrategyMemory(Placement(sharded.params + low * unit_params, sharded.grads, sharded.optimizer))
+        fsdp = StrategyMemory(Placement(sharded.params + gathered, sharded.grads, sharded.optimizer))
     return Estimate(model=model, source=source, params=params, ranks=ranks, mixed_precision=mixed_precision,
                     cpu_offload=cpu_offload, largest_unit=unit, largest_unit_params=unit_params,
                     ddp=ddp, fsdp=fsdp)

@@ -53,7 +53,7 @@ def write_hf(ckpt: Checkpoint, src: Path, dst: Path, keep: list[TensorInfo], opt
 
     with hfnames.checked_in_background(plan) as wait_for_check:
         execute(plan.ckpt, writer, jobs, dst, overwrite=opts.overwrite, progress=opts.progress,
-                desc=f"hf → {dst.name}", fmt="hf", after=after)
+                desc=f"{plan.ckpt.format} → hf", fmt="hf", after=after)
     hfnames.say(notes, opts.progress)
     if left_out:
         say(f"note: the export holds the model only; left out {', '.join(left_out)} state", opts.progress)

@@ -26,7 +26,7 @@ from ..hf.hub import resolve_model_dir
 from ..hf.models import model_class
 from ..runtime import env, launch
 from ..storage import atomic
-from .shard_job import MIXED_PRECISION, ShardJob, SourceTensor, build_meta_model, load_config, plan_reads, rank_main
+from .shard_job import MIXED_PRECISION, ShardJob, SourceTensor, build_meta_model, load_config, plan_reads, rank_main, stage
 
 FORMATS = ("sharded", "dcp")
 OPTIMIZERS = ("adamw",)
@@ -60,6 +60,8 @@ def shard(model: str, dst: str | Path, *, ranks: int, format: str = "sharded", d
     optimizer); under torchrun on several hosts DST must be on a file system all ranks see.
     """
     _check_options(ranks, format, mixed_precision, with_optimizer)
+    talk = progress and env.rank() == 0
+    stage(talk, f"loading {model}: torch, its config and the safetensors headers")
     launch.check_device(device)
     dst = Path(dst).expanduser().absolute()
     check_destination(dst, overwrite)
@@ -74,10 +76,14 @@ def shard(model: str, dst: str | Path, *, ranks: int, format: str = "sharded", d
         sources = {k: v for k, v in sources.items() if k not in ignored}
     # On meta, cheap: a config that does not fit the weights fails here, before any rank starts.
     build_meta_model(config, sources)
-    tmp = atomic.make_staging(dst) if launch.will_spawn() else None
+    spawn = launch.will_spawn()
+    tmp = atomic.make_staging(dst) if spawn else None
     job = ShardJob(str(model_dir), str(dst), str(tmp) if tmp else None, ranks, format, device,
                    mixed_precision, cpu_offload, with_optimizer, overwrite, check, progress,
                    tuple(sources.values()))
+    if spawn:
+        stage(talk, f"starting {ranks} ranks ({launch.backend_for(device)}): each loads torch and builds "
+                    f"the model on the meta device")
     try:
         return launch.run(rank_main, job, ranks=ranks, device=device)
     finally:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.describe import chunk_rows
+from ..engine.stream import on_terminal
 from ..errors import BadInput, CkptError, DestinationError
 from ..formats.sharded import CONFIG_NAME, file_name
 from ..hf.assets import ASSET_PATTERNS
@@ -90,6 +91,12 @@ class ShardJob:
     check: bool
     progress: bool
     sources: tuple[SourceTensor, ...]
+
+
+def stage(progress: bool, text: str) -> None:
+    """One line on stderr saying what the job is doing now (not with ``progress=False``)."""
+    if progress:
+        print(text, file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- the model
@@ -248,7 +255,8 @@ def fill(model: nn.Module, model_dir: Path, reads: list[Read], *, progress: bool
     _init_non_persistent_buffers(model, {r.target for r in reads})
     total = sum(_rows_bytes(r) for r in reads)
     with contextlib.ExitStack() as stack, tqdm(total=total, unit="B", unit_scale=True, desc=label,
-                                                disable=not progress, file=sys.stderr) as bar:
+                                                disable=not progress or not on_terminal(),
+                                                file=sys.stderr) as bar:
         files: dict[str, Any] = {}
         for r in sorted(reads, key=lambda r: (r.source.file, r.source.offset)):
             if r.source.file not in files:
@@ -400,12 +408,19 @@ def rank_main(ctx: launch.RankContext, job: ShardJob) -> dict[str, Any]:
         wrap(model, mesh, mixed_precision=job.mixed_precision, cpu_offload=job.cpu_offload, device=job.device)
         model.to_empty(device="cpu" if job.cpu_offload else ctx.device)
         reads = plan_reads(model, sources, world_size=ctx.world_size, rank=ctx.rank)
-        fill(model, model_dir, reads, progress=job.progress and ctx.rank == 0,
-             label=f"shard rank 0/{ctx.world_size}")
+        talk = job.progress and ctx.rank == 0
+        stage(talk, f"sharding: {ctx.world_size} ranks up, each reading its rows of every tensor "
+                    f"(fully_shard, {ctx.device.type})")
+        fill(model, model_dir, reads, progress=talk, label=f"shard rank 0/{ctx.world_size}")
         optimizer = fresh_adamw(model) if job.with_optimizer else None
+        if job.check:
+            stage(talk, "checking: a forward pass of the sharded model against from_pretrained's")
         diff = forward_check(model, cls, config, ctx, model_dir) if job.check else None
+        stage(talk, f"writing the {job.format} checkpoint: {ctx.world_size} ranks"
+                    + (", model and optimizer" if optimizer is not None else ""))
         with _writing(dst):
             _save(model, optimizer, ctx, job, tmp, model_dir)
+        counted = _count(model, optimizer)
         stats = launch.all_gather(ctx, {**launch.peak_memory(ctx), "diff": diff})
         dist.barrier()
         if ctx.rank == 0:
@@ -421,12 +436,26 @@ def rank_main(ctx: launch.RankContext, job: ShardJob) -> dict[str, Any]:
     report = {"dst": str(dst), "ranks": ctx.world_size, "format": job.format, "device": job.device,
               "params": sum(p.numel() for p in model.parameters()),
               "bytes": sum(math.prod(s.shape) * s.dtype.itemsize for s in sources.values()),
-              "peak_rss_bytes": [s["rss_bytes"] for s in stats]}
+              "peak_rss_bytes": [s["rss_bytes"] for s in stats], **counted}
     if job.device == "cuda":
         report["peak_device_bytes"] = [s["device_bytes"] for s in stats]
     if job.check:
         report["max_abs_diff"] = stats[0]["diff"]
     return report
+
+
+def _count(model, optimizer) -> dict[str, int]:
+    """The logical (unsharded) tensors the checkpoint holds and their bytes, as ``inspect``
+    counts them: the model's state dict, and per parameter its AdamW ``step``, ``exp_avg`` and
+    ``exp_avg_sq``."""
+    state = model.state_dict()  # DTensors: numel() is the whole tensor's
+    n = len(state)
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    if optimizer is not None:
+        for entries in optimizer.state.values():
+            n += len(entries)
+            size += sum(t.numel() * t.element_size() for t in entries.values())
+    return {"num_tensors": n, "total_bytes": size}
 
 
 def _shared_tmp_dir(ctx: launch.RankContext, job: ShardJob, dst: Path) -> Path:

@@ -4,10 +4,10 @@ written by exactly one process, so the result is byte-identical to a single proc
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,9 +15,9 @@ from typing import Any
 from ..core.describe import Checkpoint
 from ..core.plan import FileJob
 from ..errors import CkptError
-from ..runtime import env, lifeline
+from ..runtime import env, lifeline, procs
 from ..storage.atomic import (TMP_MARK, check_destination, commit_into, discarded_on_error, fsync_tree, holding,
-                              remove_path)
+                              remember_staging, remove_path)
 from .stream import Writer, progress_bar, run_jobs
 
 
@@ -40,20 +40,31 @@ def _run_share(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Pa
 
 def run_parallel(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path, *,
                  workers: int, progress: bool, desc: str) -> dict[str, Any]:
-    """Write ``jobs`` with ``workers`` spawned processes, each taking whole files."""
-    import multiprocessing
-
-    shares = balance(jobs, workers)
+    """Write ``jobs`` with ``workers`` helper processes (:mod:`ckpt_tools.runtime.procs`: they
+    never import the caller's ``__main__``), each taking whole files. An interrupt or a failed
+    worker stops the others; the first failure is raised here."""
+    shares = [share for share in balance(jobs, workers) if share]
     written: dict[str, Any] = {}
-    ctx = multiprocessing.get_context("spawn")
-    # each worker dies with this process: a SIGKILL here must not leave them waiting forever
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=lifeline.tie_to_parent,
-                                                initargs=(os.getpid(),)) as pool, \
-            progress_bar(sum(j.nbytes for j in jobs), desc, progress) as bar:
-        futures = {pool.submit(_run_share, src, writer, share, out): share for share in shares if share}
-        for fut in concurrent.futures.as_completed(futures):
-            written.update(fut.result())
-            bar.update(sum(j.nbytes for j in futures[fut]))
+    work = Path(tempfile.mkdtemp(prefix="ckpt-workers-"))
+    children: list[procs.Child] = []
+    try:
+        with progress_bar(sum(j.nbytes for j in jobs), desc, progress) as bar:
+            for i, share in enumerate(shares):
+                children.append(procs.start(_run_share, (src, writer, share, out), work=work, name=f"worker-{i}"))
+            share_of = {c.name: share for c, share in zip(children, shares)}
+            while (done := procs.wait_any(children)) is not None:
+                outcome = done.outcome()
+                if outcome[0] == "ok":
+                    written.update(outcome[1])
+                    bar.update(sum(j.nbytes for j in share_of[done.name]))
+                elif outcome[0] == "error":
+                    raise outcome[1]
+                else:
+                    raise CkptError(f"a --workers process died with exit code {outcome[1]} (out of memory?); "
+                                    "re-run, with fewer --workers")
+    finally:
+        procs.stop(children)
+        shutil.rmtree(work, ignore_errors=True)
     return written
 
 
@@ -80,6 +91,7 @@ def execute_torchrun(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], d
                 check_destination(src.root, dst, overwrite=overwrite)
                 remove_path(tmp)
                 tmp.mkdir(parents=True)
+                remember_staging(dst, tmp)
                 lock.enter_context(holding(tmp))  # marks the staging live until this process ends
             except CkptError as e:
                 error = e

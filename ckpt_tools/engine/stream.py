@@ -165,8 +165,17 @@ class _NoBar:
         pass
 
 
+def on_terminal() -> bool:
+    """Whether stderr is a terminal: bars are drawn only there (in a pipe or a log file their
+    ``\\r`` frames and cursor moves are noise); ``note:``, ``warning:`` and ``wrote`` lines are not bars."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def progress_bar(total: int, desc: str, enabled: bool) -> tqdm | _NoBar:
-    if not enabled:
+    if not enabled or not on_terminal():
         return _NoBar()
     from tqdm import tqdm
 

@@ -10,12 +10,15 @@ keeps (entries, side files); :func:`output` says how ``convert --layout NAME`` w
 
 Adapter modules provide ``NAME``, ``detect(ckpt) -> bool``, ``fsdp_version(ckpt) -> int | None``,
 ``RANK_LOCAL_FILE`` (a regex whose group 1 is the rank, or None) and
-``rank_local_object(obj) -> int | None`` (the rank a DCP entry belongs to, or None).
+``rank_local_object(obj) -> int | None`` (the rank a DCP entry belongs to, or None); optionally
+``RANK_LOCAL_CHANGED``, what the framework's loader needs once a change of world size has
+dropped or split its rank-local entries (said in the warning).
 """
 
 from __future__ import annotations
 
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,8 +161,12 @@ def keep_layout(ckpt: Checkpoint, objects: tuple[ObjectInfo, ...], ws: int, poli
                 continue
         kept.append(o)
     if local:
+        # what the framework's own loader then needs, said in the same warning (torchtitan:
+        # leave its data loader out of loading)
+        then = getattr(lay.adapter, "RANK_LOCAL_CHANGED", None)
         warn_rank_local(f"rank-local entries {short_list(sorted(local))} ({lay.name}) cannot be split or merged",
-                        src_world=ckpt.world_size, dst_world=ws, policy=policy)
+                        src_world=ckpt.world_size, dst_world=ws, policy=policy,
+                        warn=(lambda m: print(f"warning: {m}; {then}", file=sys.stderr)) if then else None)
     carry = carry_plan(lay, src_world=ckpt.world_size, dst_world=ws, policy=policy)
     return lay, tuple(kept), carry
 

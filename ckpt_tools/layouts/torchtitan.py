@@ -16,6 +16,11 @@ NAME = "torchtitan"
 RANK_LOCAL_FILE = None
 _STEP_DIR = re.compile(r"^step-\d+$")
 _DP_RANK = re.compile(r"^dp_rank_(\d+)$")
+# torchtitan's loader expects a dataloader.dp_rank_{r} entry for every rank of the resumed job,
+# so at any change of data-parallel degree (as for its own reshard at load) it must skip them
+RANK_LOCAL_CHANGED = ('in the resumed torchtitan job set checkpoint.exclude_from_loading = ["dataloader"] '
+                      "(its loader needs every rank's dataloader.dp_rank_* entry, as at any change of "
+                      "data-parallel degree)")
 
 
 def detect(ckpt) -> bool:

@@ -10,8 +10,9 @@
 
 The backend follows the device: gloo on CPU; on CUDA, NCCL for CUDA tensors and gloo for the
 CPU ones (``cpu:gloo,cuda:nccl``), so CPU-offloaded state and object collectives work too.
-Spawning follows the usual ``multiprocessing`` rule: a script that calls this must guard its
-entry point with ``if __name__ == "__main__":``.
+The ranks are ``python -m ckpt_tools.runtime.child`` processes (:mod:`.procs`), so they never
+import the caller's ``__main__``: a script that calls this needs no ``if __name__ == "__main__":``
+guard, and ``fn`` must be a module-level function of an importable module.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import errors
 from ..errors import CkptError, UsageError
-from . import env
+from . import env, procs
 
 if TYPE_CHECKING:
     import torch
@@ -175,6 +176,7 @@ def _child(rank: int, world: int, device: str, init_method: str, result_dir: str
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    _thread_lock_for_tqdm()
     try:
         dev = _set_device(device, rank)
         dist.init_process_group(backend_for(device), init_method=init_method, rank=rank,
@@ -191,9 +193,24 @@ def _child(rank: int, world: int, device: str, init_method: str, result_dir: str
             dist.destroy_process_group()
         except Exception:
             pass
-    # A normal exit, not os._exit: it releases what the rank registered (tqdm's lock semaphore)
-    # instead of leaving the parent's resource tracker to warn about it.
-    sys.exit(0 if payload[0] == "ok" else 1)
+    # The work is done and reported: end now. The interpreter's own teardown of torch and
+    # transformers took seconds, and the caller waited for it after the bar had finished.
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0 if payload[0] == "ok" else 1)
+
+
+def _thread_lock_for_tqdm() -> None:
+    """tqdm guards its bars with a multiprocessing lock by default: a named semaphore, and a
+    resource-tracker process to remove it, which a rank ending with ``os._exit`` would leave
+    warning about a leak. One process's bars need only a thread lock."""
+    import threading
+
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
 
 
 def _report(result_dir: str, rank: int, payload: tuple) -> None:
@@ -231,7 +248,6 @@ def _revive(error: dict | None) -> CkptError | None:
 
 def _spawn(fn, args, ranks: int, device: str, threads_per_rank: int | None) -> Any:
     import torch
-    import torch.multiprocessing as mp
 
     if device == "cuda" and ranks > torch.cuda.device_count():
         raise UsageError(f"--ranks {ranks} but only {torch.cuda.device_count()} CUDA devices are visible; "
@@ -240,35 +256,31 @@ def _spawn(fn, args, ranks: int, device: str, threads_per_rank: int | None) -> A
     work = Path(tempfile.mkdtemp(prefix="ckpt-launch-"))
     try:
         init_method = f"file://{(work / 'rendezvous').resolve()}"
-        ctx = mp.get_context("spawn")
-        procs, killed = [], set()
+        children: list[procs.Child] = []
+        killed: set[int] = set()
         try:
             for rank in range(ranks):
-                p = ctx.Process(target=_child, name=f"ckpt-rank-{rank}", daemon=False,
-                                args=(rank, ranks, device, init_method, str(work), threads, fn, args))
-                p.start()
-                procs.append(p)
-            _wait(procs)
+                children.append(procs.start(_child, (rank, ranks, device, init_method, str(work), threads, fn, args),
+                                            work=work, name=f"rank-{rank}"))
+            _wait(children)
         finally:
-            for rank, p in enumerate(procs):  # only our own children, by handle
-                if p.is_alive():
-                    killed.add(rank)
-                    p.kill()
-            for p in procs:
-                p.join(10)
-        return _collect(work, procs, killed)
+            # on an interrupt too: SIGTERM, then a grace (a rank 0 in the middle of its commit
+            # finishes it), then SIGKILL; only our own children, by handle
+            killed = {rank for rank, c in enumerate(children) if c.proc.poll() is None}
+            procs.stop(children)
+        return _collect(work, [c.proc for c in children], killed)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _wait(procs: list) -> None:
+def _wait(children: list[procs.Child]) -> None:
     failed_at = None
-    while any(p.is_alive() for p in procs):
-        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+    while any(c.proc.poll() is None for c in children):
+        if failed_at is None and any(c.proc.returncode not in (None, 0) for c in children):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > _GRACE_S:
             return
-        next(p for p in procs if p.is_alive()).join(0.05)
+        time.sleep(0.02)
 
 
 def _collect(work: Path, procs: list, killed: set[int]) -> Any:
@@ -279,7 +291,7 @@ def _collect(work: Path, procs: list, killed: set[int]) -> Any:
         if not f.exists():
             # A rank that died on its own (signal, out of memory) is likely the cause.
             why = "stopped after another rank failed" if rank in killed else \
-                f"died with exit code {p.exitcode} (out of memory?)"
+                f"died with exit code {p.returncode} (out of memory?)"
             errors.append((float("inf") if rank in killed else float("-inf"), rank, None,
                            f"rank {rank} {why}"))
             continue

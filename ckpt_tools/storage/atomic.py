@@ -181,6 +181,7 @@ def make_staging(dst: Path) -> Path:
         tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would make DST private
     except OSError as e:
         raise DestinationError(f"{dst.parent}: cannot write there ({e.strerror})") from e
+    remember_staging(dst, tmp)
     return tmp
 
 
@@ -192,27 +193,96 @@ def _make_staging_file(dst: Path) -> Path:
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
     except OSError as e:
         raise DestinationError(f"{dst.parent}: cannot write there ({e.strerror})") from e
+    remember_staging(dst, tmp)
     return tmp
 
 
 def commit_into(tmp: Path, dst: Path, *, overwrite: bool) -> None:
     """Rename the finished ``tmp`` to ``dst``; an old ``dst`` is moved aside first and deleted
-    only once the new one is in place, so a crash leaves either the old or the new one."""
-    if dst.exists() or dst.is_symlink():
-        if not overwrite:
-            raise DestinationError(f"{dst} appeared while writing; pass --overwrite to replace it")
-        old = dst.parent / f".{dst.name}{TMP_MARK}old-{uuid.uuid4().hex[:8]}"
-        os.rename(dst, old)
-        try:
+    once the new one is in place. The swap and that deletion are one step: a SIGINT or SIGTERM
+    arriving meanwhile is held until both are done (a crash still leaves the old or the new one,
+    and the moved-aside old one is then reported by the next run), so an interrupted run leaves
+    DST either as it was or as the new checkpoint, with nothing beside it."""
+    with signals_deferred():
+        if dst.exists() or dst.is_symlink():
+            if not overwrite:
+                raise DestinationError(f"{dst} appeared while writing; pass --overwrite to replace it")
+            old = dst.parent / f".{dst.name}{TMP_MARK}old-{uuid.uuid4().hex[:8]}"
+            os.rename(dst, old)
+            try:
+                os.rename(tmp, dst)
+            except OSError as e:
+                os.rename(old, dst)
+                raise DestinationError(f"{dst}: could not move the new checkpoint into place ({e.strerror})") from e
+            fsync_dir(dst.parent)
+            remove_path(old)
+        else:
             os.rename(tmp, dst)
-        except OSError as e:
-            os.rename(old, dst)
-            raise DestinationError(f"{dst}: could not move the new checkpoint into place ({e.strerror})") from e
-        fsync_dir(dst.parent)
-        remove_path(old)
-    else:
-        os.rename(tmp, dst)
-        fsync_dir(dst.parent)
+            fsync_dir(dst.parent)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM while the body runs, then deliver the first that came, to the
+    handler that was in place (main thread only; elsewhere signals reach the main thread)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+
+    def hold(signum, frame):
+        pending.append(signum)
+
+    previous = {s: signal.signal(s, hold) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if pending:
+            signal.raise_signal(pending[0])
+
+
+# Every destination this process started to stage, with the staging's inode: a rename keeps
+# it, so after an interrupt DST shows whether the new checkpoint was put in place, whichever
+# process (this one, or a rank it started) did the rename.
+_staging_of: dict[Path, tuple[Path, int, int]] = {}
+
+
+def remember_staging(dst: Path, tmp: Path) -> None:
+    """Note that this process stages ``dst`` in ``tmp`` (for :func:`interrupted_message`)."""
+    with contextlib.suppress(OSError):
+        st = tmp.stat()
+        _staging_of[Path(dst).absolute()] = (tmp, st.st_dev, st.st_ino)
+
+
+def interrupted_message() -> str:
+    """What an interrupted command says, from what each DST it was writing holds now: the new
+    checkpoint (the interrupt came after the commit), or what was there before; and any sibling
+    an interrupted commit left (``ckpt clean DST`` removes it)."""
+    if not _staging_of:
+        return "interrupted before anything was written; the destination was left as it was"
+    parts = []
+    for dst, (tmp, dev, ino) in _staging_of.items():
+        try:
+            st = dst.stat()
+            now = (st.st_dev, st.st_ino)
+        except OSError:
+            now = None
+        if now == (dev, ino):
+            text = f"{dst} holds the new, complete checkpoint (it was in place before the interrupt)"
+        elif now is None:
+            text = f"nothing was written to {dst}"
+        else:
+            text = f"{dst} was left as it was (the old one)"
+        left = stale_staging(dst)
+        if left:
+            text += "; left beside it: " + ", ".join(p.name for p in left) + \
+                f" (`ckpt clean {dst}` removes {'it' if len(left) == 1 else 'them'})"
+        parts.append(text)
+    return "interrupted; " + "; ".join(parts)
 
 
 def remove_path(path: Path) -> None:

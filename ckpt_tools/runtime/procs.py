@@ -1,0 +1,109 @@
+"""Helper processes of our own: every rank of ``ckpt shard`` and every ``--workers`` writer is
+``python -m ckpt_tools.runtime.child WORK/NAME``, never multiprocessing's ``spawn``.
+
+``spawn`` re-imports the caller's ``__main__`` in each child: a script without an
+``if __name__ == "__main__":`` guard (the README's API block pasted into a file) ran again in
+every rank, and each rank then failed with Python's "bootstrapping phase" RuntimeError. Here the
+child runs a module of ours; the work (a function of ours, by reference, and its arguments)
+travels in a file this process writes into a private directory of its own (``mkdtemp``, 0700),
+the way multiprocessing sends it down a pipe, and the result comes back the same way.
+
+Children start in a session of their own: a Ctrl-C at the terminal reaches this process alone,
+which then stops them (:func:`stop`) and prints the one ``error:`` line; they never print a
+traceback each. Each child dies with this process (:mod:`.lifeline`).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# After a stop is asked (SIGTERM), how long a child gets to end on its own (one in the middle of
+# a commit finishes it first, see storage/atomic.py) before it is killed.
+STOP_GRACE_S = 10.0
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    out: Path
+
+    def outcome(self) -> tuple:
+        """``("ok", value)`` or ``("error", exception, traceback text)``, as the child wrote it;
+        ``("died", exit code)`` when it wrote nothing (a signal, out of memory)."""
+        try:
+            with open(self.out, "rb") as f:
+                return pickle.load(f)  # written by our own child into our private directory
+        except FileNotFoundError:
+            return ("died", self.proc.returncode)
+
+
+def start(fn: Callable[..., Any], args: Sequence[Any], *, work: Path, name: str,
+          env: dict[str, str] | None = None) -> Child:
+    """Run ``fn(*args)`` in a fresh ``python -m ckpt_tools.runtime.child``; ``fn`` must be a
+    module-level function of an importable module (not of ``__main__``). ``work``: a private
+    directory of the caller's; ``env``: variables to add to the child's environment."""
+    spec = work / f"{name}.in"
+    with open(spec, "wb") as f:
+        pickle.dump({"sys_path": list(sys.path), "parent": os.getpid()}, f)
+        pickle.dump((fn, tuple(args)), f)
+    child_env = {**os.environ, **(env or {})}
+    root = str(Path(__file__).resolve().parents[2])  # the folder that holds ckpt_tools/
+    if root not in _site_dirs():  # importable here only through sys.path: so it is in the child
+        child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen([sys.executable, "-m", "ckpt_tools.runtime.child", str(spec)], env=child_env,
+                            stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    return Child(name, proc, work / f"{name}.out")
+
+
+def _site_dirs() -> set[str]:
+    import site
+
+    dirs = set(getattr(site, "getsitepackages", lambda: [])())
+    dirs.add(getattr(site, "getusersitepackages", lambda: "")())
+    return {str(Path(d).resolve()) for d in dirs if d}
+
+
+def stop(children: Sequence[Child], grace: float = STOP_GRACE_S) -> None:
+    """End the children still running: SIGTERM, up to ``grace`` seconds, then SIGKILL; waits."""
+    alive = [c for c in children if c.proc.poll() is None]
+    for c in alive:
+        with _gone_ok():
+            c.proc.send_signal(signal.SIGTERM)
+    end = time.monotonic() + grace
+    for c in alive:
+        try:
+            c.proc.wait(max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with _gone_ok():
+                c.proc.kill()
+            c.proc.wait()
+
+
+def wait_any(children: Sequence[Child], poll: float = 0.02) -> Child | None:
+    """The first child (of those still unreaped) to end, or None when all have been reaped."""
+    while True:
+        running = [c for c in children if c.proc.returncode is None]
+        if not running:
+            return None
+        for c in running:
+            if c.proc.poll() is not None:
+                return c
+        time.sleep(poll)
+
+
+class _gone_ok:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        return kind is not None and issubclass(kind, ProcessLookupError)
