@@ -132,14 +132,14 @@ def test_convert_keeps_every_moment(run, mode, tmp_path):
     assert (info["groups"]["model"]["num_tensors"], info["groups"]["optimizer"]["num_tensors"]) == (model, optimizer)
 
 
-@pytest.mark.parametrize("mode", ["model_optim", "app", "sharded_pt"])
+@pytest.mark.parametrize("mode", fw_fsdp1.MODES)
 def test_export_loads_with_the_saved_logits(run, mode, fixtures_dir, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
     base = fixtures_dir / ("llama_tied_hf" if run.tied else "llama_hf")
     dst = tmp_path / "hf"
-    _ckpt("export", str(run.saves / mode), str(dst), "--base", str(base), "--quiet")
+    _ckpt("export", str(run.saves / mode / ("full.pt" if mode == "full" else "")), str(dst), "--base", str(base), "--quiet")
     model, info = AutoModelForCausalLM.from_pretrained(dst, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
