@@ -77,7 +77,7 @@ def inspect_cmd(path: str, as_json: bool, tensors: bool, progress: bool) -> None
     emit_json(info) if as_json else click.echo(format_run(info) if "checkpoints" in info else format_summary(info))
 
 
-@main.command("latest")
+@main.command("latest", short_help="Print the newest complete checkpoint of a run directory.")
 @click.argument("run_dir", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Every checkpoint of the run, complete or not, as one JSON object.")
 @click.option("--verify", is_flag=True, help="Also compare a ckpt manifest's checksums (sizes are always compared).")

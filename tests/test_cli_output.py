@@ -67,7 +67,7 @@ def test_help_gives_whole_command_summaries():
     result = CliRunner().invoke(main, ["--help"], terminal_width=80)
     assert result.exit_code == 0
     commands = result.output.split("Commands:")[1].strip().splitlines()
-    assert len(commands) == 8, commands
+    assert len(commands) == 9, commands
     for line in commands:
         assert line.rstrip().endswith(".") and "..." not in line, line
 

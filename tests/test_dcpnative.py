@@ -135,9 +135,12 @@ def _sharded_with_moments(tmp_path: Path) -> Path:
     from ckpt_tools.core.describe import TensorInfo
 
     ck = describe(_mixed_hf(tmp_path))
+    # parameters are the tensors with rows (a 0-dim entry is saved whole, as a buffer): the
+    # optimizer numbers them as the model file lists its DTensors
+    params = [t for t in ck.tensors if t.shape]
     moments = [TensorInfo("optimizer", f"state.{t.name}.exp_avg", t.shape, t.dtype, t.chunks, t.name, "exp_avg")
-               for t in ck.tensors if t.dtype.is_floating_point]
-    ck = replace(ck, tensors=ck.tensors + tuple(moments), param_order=tuple(t.name for t in ck.tensors))
+               for t in params if t.dtype.is_floating_point]
+    ck = replace(ck, tensors=ck.tensors + tuple(moments), param_order=tuple(t.name for t in params))
     ckpt_tools.convert(ck.root, tmp_path / "ws2", to="sharded", world_size=2, progress=False, _ckpt=ck)
     return tmp_path / "ws2"
 

@@ -35,7 +35,9 @@ def collect(pieces: dict, param_order: tuple[str, ...]) -> tuple[TensorInfo, ...
         shape = p["shape"]
         if shape:
             if len(shape) != 1:
-                raise BadInput(f"flat optimizer state {k}.{p['state']} is {shape}, not 1-D")
+                raise BadInput(f"optimizer state {k}.{p['state']} is {shape}, which is neither parameter {k}'s "
+                               f"({p['param']}) shape nor an FSDP1 flat shard; the optimizer files do not match "
+                               "the model files")
             size = shape[0]
             chunks = tuple(replace(c, offsets=(c.rank * size,)) for c in chunks)
             shape = (size * len(chunks),)
