@@ -42,7 +42,8 @@ def shard(model: str, dst: str | Path, *, ranks: int, format: str = "sharded", d
     process group, runs only this process's rank. ``format="sharded"`` writes verl's
     ``model_world_size_{N}_rank_{r}.pt`` (+ ``optim_...`` with ``with_optimizer``),
     ``fsdp_config.json`` and ``huggingface/``; ``format="dcp"`` writes ``dcp.save`` of
-    ``{"model": ..., "optimizer": ...}``. ``mixed_precision`` and ``cpu_offload`` set the FSDP
+    ``{"model": ..., "optimizer": ...}`` with the same ``huggingface/`` beside it (so ``export``
+    needs no ``--base``). ``mixed_precision`` and ``cpu_offload`` set the FSDP
     policies of the job (they change the ``check`` forward pass, not what is saved).
 
     Returns ``{"dst", "ranks", "format", "device", "params", "bytes", "peak_rss_bytes": [per

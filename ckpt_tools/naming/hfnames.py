@@ -28,6 +28,7 @@ from ..errors import BadInput
 from ..formats import describe
 from ..hf import archcheck, assets as hfassets
 from ..hf.hub import resolve_model_dir
+from ..runtime import env
 from . import lora as peft_lora, torchtitan
 from .wrappers import normalize_name
 
@@ -192,7 +193,10 @@ def checked_in_background(plan: ExportPlan):
         yield future.result
 
 
-def say(notes: list[str], progress: bool) -> None:
+def say(notes: list[str], progress: bool = True) -> None:
+    """The export's notes, printed even with ``--quiet`` (which hides progress only); once per
+    torchrun launch. ``progress`` is not consulted."""
+    if env.rank() != 0:
+        return
     for n in notes:
-        if progress:
-            print(f"note: {n}", file=sys.stderr)
+        print(f"note: {n}", file=sys.stderr)
