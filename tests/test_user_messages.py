@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 import ckpt_tools
 from ckpt_tools.cli.main import main as cli
-from ckpt_tools.core.dtypes import DType, scalar_from_bytes
+from ckpt_tools.core.dtypes import DType
 from ckpt_tools.engine.reader import Reader
 from ckpt_tools.formats import describe
 
@@ -66,6 +66,8 @@ def test_inspect_reads_the_step_without_torch(tmp_path, source):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
                                    torch.int32, torch.uint8, torch.bool])
 def test_scalar_from_bytes_is_item(dtype):
+    from ckpt_tools.core.dtypes import scalar_from_bytes
+
     value = torch.tensor(True if dtype == torch.bool else 1234.5 if dtype.is_floating_point else 200, dtype=dtype)
     data = value.reshape(1).view(torch.uint8).numpy().tobytes()
     assert scalar_from_bytes(data, DType.of(dtype)) == value.item()
