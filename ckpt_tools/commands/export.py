@@ -27,11 +27,12 @@ def write_hf(ckpt: Checkpoint, src: Path, dst: Path, keep: list[TensorInfo], opt
     assets = hfassets.find_assets(src, opts.base)
     config = hfassets.read_config(assets)
     single = dst.suffix == ".safetensors"
-    if opts.loadable and not single and opts.lora != "adapter":
-        require_config(config, assets, src, opts.base)
     plan = hfnames.plan_export(ckpt, src, keep, cast=cast, config=config, lora=opts.lora,
                                lora_alpha=opts.lora_alpha, base=opts.base)
     pieces, adapter = plan.pieces, plan.adapter_config is not None
+    if opts.loadable and not single and not adapter:
+        # after planning, whose refusals (an adapter-only LoRA save...) say more than this one
+        require_config(config, assets, src, opts.base)
     if adapter and single:
         raise UsageError(f"{dst}: a PEFT adapter is a directory (adapter_model.safetensors + adapter_config.json)")
     writer = hf.Writer(single_file=single, max_shard_size=opts.max_shard_size)
