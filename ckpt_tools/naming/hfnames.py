@@ -149,7 +149,9 @@ def check(pieces: list[Piece], config: dict, src: Path) -> list[str]:
     except archcheck.Unchecked as e:
         return [f"the names were not checked against the architecture: {e}"]
     if not report.ok:
-        raise BadInput(f"{src}: {report.architecture} (config.json) would not load these weights: {report.describe()}; "
+        what = ("config.json" if config.get("architectures") else
+                f"config.json names no architectures; its model_type {config.get('model_type')!r} and these names")
+        raise BadInput(f"{src}: {report.architecture} ({what}) would not load these weights: {report.describe()}; "
                        f"{archcheck.likely_fix(report)}")
     return []
 
