@@ -214,3 +214,13 @@ def test_verify_still_fails_on_a_real_difference(bert_sharded, tmp_path):
     r = _cli("verify", changed, sharded)
     assert r.exit_code == 1, r.output
     assert "differs: bert.embeddings.word_embeddings.weight" in r.output, r.output
+
+    missing = tmp_path / "missing"  # the other side lacks a weight the model needs: never "ignored"
+    shutil.copytree(model, missing)
+    sd = load_file(missing / "model.safetensors")
+    del sd["bert.encoder.layer.0.output.dense.bias"]
+    save_file(sd, missing / "model.safetensors", metadata={"format": "pt"})
+    r = _cli("verify", model, missing)
+    assert r.exit_code == 1, r.output
+    assert "only in A (1): bert.encoder.layer.0.output.dense.bias" in r.output, r.output
+    assert "from_pretrained ignores" not in r.output, r.output

@@ -262,9 +262,10 @@ def ignored_on_load(config_file: Path, keyed: dict[tuple[str, str], TensorInfo],
     """Of the names only an HF checkpoint holds (``keyed``: all its tensors), those
     ``from_pretrained`` of ``config_file`` skips without calling them unexpected (BERT's old
     ``embeddings.position_ids``, rotary ``inv_freq``): the rule ``shard`` drops them by
-    (:func:`ckpt_tools.hf.archcheck.ignored`), asked of ``from_pretrained`` itself."""
+    (:func:`ckpt_tools.hf.archcheck.ignored`), asked of ``from_pretrained`` itself. A weight the
+    model needs is never among them, whatever the other side lacks."""
     tensors = {k[1]: (t.shape, str(t.dtype)) for k, t in keyed.items()}
-    return archcheck.ignored(config_file, tensors, {k[1] for k in only})
+    return archcheck.ignored_of(config_file, tensors, {k[1] for k in only})
 
 
 def _compare_tensor(name: str, ta: TensorInfo, tb: TensorInfo, sa: _Side, sb: _Side, found: Findings, *,

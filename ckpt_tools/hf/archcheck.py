@@ -222,6 +222,21 @@ def ignored(config_file: Path, tensors: dict[str, tuple[tuple[int, ...], str]], 
     return sorted(unused - set(report.unexpected))
 
 
+def ignored_of(config_file: Path, tensors: dict[str, tuple[tuple[int, ...], str]], names: set[str]) -> list[str]:
+    """Of ``names`` (some of ``tensors``), those ``from_pretrained`` neither needs nor calls
+    unexpected: :func:`ignored`, once the names the model has a place for are set aside (those
+    it reports missing when they are taken away). For ``verify``, which has no model to ask."""
+    if not names:
+        return []
+    try:
+        config = json.loads(config_file.read_text())
+        rest = {k: (shape, DType(dtype)) for k, (shape, dtype) in tensors.items() if k not in names}
+        needed = set(load_report(config, rest).missing)
+    except (Unchecked, ValueError, OSError):
+        return []
+    return ignored(config_file, tensors, set(names) - needed)
+
+
 @contextlib.contextmanager
 def _quiet():
     """transformers logs its loading report as a warning and shows a progress bar while it
