@@ -149,6 +149,17 @@ def test_dcp_missing_a_data_file_is_one_clear_line(tmp_path):
         assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("name", [".metadata", "__0_0.distcp"])
+def test_truncated_dcp_file_is_one_clear_line(tmp_path, name):
+    src = tmp_path / "dcp"
+    shutil.copytree(FIX / "llama_dcp", src)
+    _truncate(src / name, (src / name).stat().st_size // 2)
+    r = _cli("inspect", src)
+    assert r.exit_code == 3, r.output
+    (line,) = _errors(r.output)
+    assert line.startswith(f"error: {src / name}: ") and "truncated" in line and "copy" in line, line
+
+
 @pytest.mark.parametrize("damage", ["truncated-rank-file", "missing-distcp", "truncated-safetensors"])
 def test_verify_of_a_damaged_copy_names_the_file(tmp_path, damage):
     """A copy ckpt wrote (with its manifest), then damaged: verify says FAILED (exit 1) naming
