@@ -77,7 +77,7 @@ def require_config(config: dict, assets: Path | None, src: Path, base: str | Non
         raise BadInput(f"--base {base}: has no config.json, so the export would not load with from_pretrained; "
                        "pass --base with the model's Hugging Face directory or hub id (config.json, tokenizer). "
                        "Nothing was written")
-    where = "no huggingface/ folder beside the weights" if assets is None else f"{assets} has no config.json"
+    where = "neither beside them nor in a huggingface/ folder" if assets is None else f"{assets} has none"
     raise BadInput(f"{src}: no config.json to go with the weights ({where}), so the export would not load "
                    "with from_pretrained; pass --base MODEL (the model's Hugging Face directory or hub id) "
                    "to take config and tokenizer from, or write the weights alone with `ckpt convert "
