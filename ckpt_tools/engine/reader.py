@@ -189,9 +189,10 @@ class Reader:
         """The value of a one-element tensor (an optimizer's ``step``) read from its stored bytes,
         without torch: a raw byte range, or a plain tensor record of a ``torch.save`` blob (a
         DCP item). None when it is stored any other way (the caller may use :meth:`full`)."""
-        if tensor.numel != 1 or not tensor.chunks:
+        # the chunk that holds the value (a (1,)-shaped tensor split over ranks leaves the others empty)
+        chunk = next((c for c in tensor.chunks if c.numel == 1), None) if tensor.numel == 1 else None
+        if chunk is None:
             return None
-        chunk = tensor.chunks[0]
         found = self.span(tensor, chunk)
         if found is None:
             return None
