@@ -38,14 +38,15 @@ FIXTURES = Path(__file__).parent.parent / "fixtures"
 @pytest.mark.parametrize("source", ["model-only", "llama_dcp", "llama_accelerate"])
 def test_export_of_a_dcp_does_not_import_torch(tmp_path, source):
     """Describing a DCP (its optimizer's param_groups items included), planning, and copying its
-    items into safetensors need no torch."""
+    items into safetensors need no torch (``convert --to hf``: these DCPs carry no config.json,
+    which ``export`` refuses, and an export's architecture check imports transformers)."""
     if source == "model-only":
         src = tmp_path / "dcp"
         ckpt_tools.convert(FIXTURES / "llama_hf", src, to="dcp", world_size=3, progress=False)
     else:
         src = FIXTURES / source
     code = ("import sys, ckpt_tools; "
-            f"ckpt_tools.export({str(src)!r}, {str(tmp_path / 'hf')!r}, progress=False); "
+            f"ckpt_tools.convert({str(src)!r}, {str(tmp_path / 'hf')!r}, to='hf', progress=False); "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

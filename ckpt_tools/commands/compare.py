@@ -22,6 +22,7 @@ from ..core.dtypes import as_torch
 from ..engine.stream import progress_bar
 from ..engine.reader import Reader
 from ..errors import BadInput, UnsafeInput
+from ..hf import archcheck, assets as hfassets
 from ..naming.wrappers import normalize_name
 
 if TYPE_CHECKING:
@@ -215,8 +216,56 @@ def _pairs(ca: Checkpoint, cb: Checkpoint, found: Findings):
             else:
                 found.notes.append(f"lm_head.weight is absent from {side} (hf, tied): compared with {embed.name}")
                 pairs.append(("lm_head.weight", other[head], embed) if side == "b" else ("lm_head.weight", embed, other[head]))
+    _as_from_pretrained(ca, cb, ka, kb, only_a, only_b, pairs, found)
     name = lambda k: k[1]  # noqa: E731
     return pairs, sorted(map(name, only_a)), sorted(map(name, only_b))
+
+
+def _as_from_pretrained(ca: Checkpoint, cb: Checkpoint, ka: dict, kb: dict, only_a: list, only_b: list,
+                        pairs: list, found: Findings) -> None:
+    """Names on one side only, seen as ``from_pretrained`` of an HF side's config sees them:
+    a weight the model ties (written once by HF) is compared with the one it is tied to; one
+    the model has no place for and ``from_pretrained`` ignores (what ``shard`` leaves out) is
+    not compared, with a note. Anything else stays on one side only: a difference."""
+    for side, ckpt, mine, only, other, others_only in (("A", ca, ka, only_a, kb, only_b),
+                                                       ("B", cb, kb, only_b, ka, only_a)):
+        config = _config_file(ckpt) if ckpt.format == "hf" and (only or others_only) else None
+        if config is None:
+            continue
+        if others_only:
+            # weights the model ties, which HF writes once: compared with what they are tied to
+            tied = archcheck.tied_sources(config, [k[1] for k in (*mine, *others_only)])
+            for key in list(others_only):
+                source = ("model", tied.get(key[1], ""))
+                if source in mine:
+                    others_only.remove(key)
+                    found.notes.append(f"{key[1]} is absent from {side.lower()} (hf, tied): compared with {source[1]}")
+                    pairs.append((key[1], mine[source], other[key]) if side == "A" else
+                                 (key[1], other[key], mine[source]))
+        if only:
+            skipped = set(ignored_on_load(config, mine, only))
+            if skipped:
+                only[:] = [k for k in only if k[1] not in skipped]
+                names = sorted(skipped)
+                found.notes.append(f"{', '.join(names)} only in {side}: from_pretrained ignores "
+                                   f"{'it' if len(names) == 1 else 'them'} (the model has no place for "
+                                   f"{'it' if len(names) == 1 else 'them'}), as shard and export do; not compared")
+
+
+def _config_file(ckpt: Checkpoint) -> Path | None:
+    assets = hfassets.find_assets(ckpt.root, None)
+    return assets / "config.json" if assets is not None else None
+
+
+def ignored_on_load(config_file: Path, keyed: dict[tuple[str, str], TensorInfo],
+                    only: list[tuple[str, str]]) -> list[str]:
+    """Of the names only an HF checkpoint holds (``keyed``: all its tensors), those
+    ``from_pretrained`` of ``config_file`` skips without calling them unexpected (BERT's old
+    ``embeddings.position_ids``, rotary ``inv_freq``): the rule ``shard`` drops them by
+    (:func:`ckpt_tools.hf.archcheck.ignored`), asked of ``from_pretrained`` itself. A weight the
+    model needs is never among them, whatever the other side lacks."""
+    tensors = {k[1]: (t.shape, str(t.dtype)) for k, t in keyed.items()}
+    return archcheck.ignored_of(config_file, tensors, {k[1] for k in only})
 
 
 def _compare_tensor(name: str, ta: TensorInfo, tb: TensorInfo, sa: _Side, sb: _Side, found: Findings, *,

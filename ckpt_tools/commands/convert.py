@@ -25,7 +25,7 @@ from ..hf import assets as hfassets
 from ..runtime import env
 from ..storage.atomic import check_destination
 from .export import write_hf
-from .options import Options, say
+from .options import Options, note
 
 def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None = None,
             dtype: str | None = None, max_shard_size: str | int = "5GB", model_only: bool = False,
@@ -123,12 +123,12 @@ def run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) -> 
     execute(ckpt, writer, jobs, dst, overwrite=opts.overwrite, progress=opts.progress,
             desc=f"{ckpt.format} → {opts.to}", fmt=opts.to, workers=opts.workers, after=after)
     if left_out:
-        say(f"note: left out {', '.join(left_out)} state (model only)", opts.progress)
+        note(f"note: left out {', '.join(left_out)} state (model only)")
     if opts.to == "sharded" and carry is None and writers.fsdp1_files(ckpt):
-        say("note: written as FSDP2 rank files (DTensors); the source's FSDP1 ShardedTensors are kept only by "
-            "`ckpt reshard`, which an FSDP1 job's SHARDED_STATE_DICT load needs", opts.progress)
+        note("note: written as FSDP2 rank files (DTensors); the source's FSDP1 ShardedTensors are kept only by "
+             "`ckpt reshard`, which an FSDP1 job's SHARDED_STATE_DICT load needs")
     if opts.to == "sharded" and ckpt.format != "sharded" and not (out_layout and out_layout.mesh_names):
-        say(f"note: {layouts.unnamed_mesh_note()}", opts.progress)
+        note(f"note: {layouts.unnamed_mesh_note()}")
     report.update(num_tensors=len(targets), total_bytes=sum(t.nbytes for t in targets), left_out=left_out)
     return report
 
@@ -150,8 +150,9 @@ def export(src: str | Path, dst: str | Path, *, base: str | None = None, dtype: 
 
     Example: ``ckpt_tools.export("ckpt/global_step_500/actor", "hf_out", dtype="bf16")``
     """
-    return convert(src, dst, to="hf", dtype=dtype, max_shard_size=max_shard_size, model_only=True,
-                   base=base, overwrite=overwrite, progress=progress, lora=lora, lora_alpha=lora_alpha)
+    opts = Options(to="hf", dtype=dtype, max_shard_size=max_shard_size, model_only=True, base=base,
+                   overwrite=overwrite, progress=progress, lora=lora, lora_alpha=lora_alpha, loadable=True)
+    return run(Path(src), Path(dst), opts)
 
 
 def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = None,

@@ -11,11 +11,11 @@ from typing import Any
 from ..core.describe import Checkpoint, TensorInfo
 from ..core.plan import FileJob
 from ..engine.execute import execute
-from ..errors import UsageError
+from ..errors import BadInput, UsageError
 from ..formats import hf
 from ..hf import assets as hfassets
 from ..naming import hfnames
-from .options import Options, say
+from .options import Options, note
 
 
 def write_hf(ckpt: Checkpoint, src: Path, dst: Path, keep: list[TensorInfo], opts: Options,
@@ -26,10 +26,13 @@ def write_hf(ckpt: Checkpoint, src: Path, dst: Path, keep: list[TensorInfo], opt
     cast = opts.cast
     assets = hfassets.find_assets(src, opts.base)
     config = hfassets.read_config(assets)
+    single = dst.suffix == ".safetensors"
     plan = hfnames.plan_export(ckpt, src, keep, cast=cast, config=config, lora=opts.lora,
                                lora_alpha=opts.lora_alpha, base=opts.base)
     pieces, adapter = plan.pieces, plan.adapter_config is not None
-    single = dst.suffix == ".safetensors"
+    if opts.loadable and not single and not adapter:
+        # after planning, whose refusals (an adapter-only LoRA save...) say more than this one
+        require_config(config, assets, src, opts.base)
     if adapter and single:
         raise UsageError(f"{dst}: a PEFT adapter is a directory (adapter_model.safetensors + adapter_config.json)")
     writer = hf.Writer(single_file=single, max_shard_size=opts.max_shard_size)
@@ -56,11 +59,26 @@ def write_hf(ckpt: Checkpoint, src: Path, dst: Path, keep: list[TensorInfo], opt
                 desc=f"{plan.ckpt.format} → hf", fmt="hf", after=after)
     hfnames.say(notes, opts.progress)
     if left_out:
-        say(f"note: the export holds the model only; left out {', '.join(left_out)} state", opts.progress)
+        note(f"note: the export holds the model only; left out {', '.join(left_out)} state")
     if assets is None and not single and not adapter:
-        say("note: no config.json or tokenizer found (no huggingface/ folder); pass --base MODEL to add them",
-            opts.progress)
+        note("note: no config.json or tokenizer found (no huggingface/ folder); pass --base MODEL to add them")
     report.update(num_tensors=len(targets), total_bytes=sum(t.nbytes for t in targets), left_out=left_out,
                   dtype=str(written) if written else None,
                   lora="adapter" if adapter else ("merge" if any(p.add for p in pieces) else None))
     return report
+
+
+def require_config(config: dict, assets: Path | None, src: Path, base: str | None) -> None:
+    """``export`` promises a directory ``from_pretrained`` loads: weights without a config.json
+    are not one, so they are refused (exit 3, before anything is written), naming ``--base``."""
+    if config:
+        return
+    if base:
+        raise BadInput(f"--base {base}: has no config.json, so the export would not load with from_pretrained; "
+                       "pass --base with the model's Hugging Face directory or hub id (config.json, tokenizer). "
+                       "Nothing was written")
+    where = "neither beside them nor in a huggingface/ folder" if assets is None else f"{assets} has none"
+    raise BadInput(f"{src}: no config.json to go with the weights ({where}), so the export would not load "
+                   "with from_pretrained; pass --base MODEL (the model's Hugging Face directory or hub id) "
+                   "to take config and tokenizer from, or write the weights alone with `ckpt convert "
+                   "--to hf`. Nothing was written")

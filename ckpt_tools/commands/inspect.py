@@ -82,7 +82,9 @@ def _optimizer(ckpt: Checkpoint) -> dict[str, Any]:
     step = next((t for t in ckpt.group("optimizer") if t.state == "step" and t.numel == 1), None)
     if step is not None:
         with Reader(ckpt) as r:
-            info["step"] = r.full(step).item()
+            # from its bytes: importing torch for one number would cost seconds
+            value = r.scalar(step)
+            info["step"] = value if value is not None else r.full(step).item()
     return info
 
 

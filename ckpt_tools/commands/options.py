@@ -11,6 +11,7 @@ from ..core.state import RANK_LOCAL_POLICIES
 from ..errors import UsageError
 from ..formats import FORMATS
 from ..naming.lora import MODES as LORA_MODES
+from ..runtime import env
 
 DTYPES = {"bf16": DType("bfloat16"), "fp16": DType("float16"), "fp32": DType("float32")}
 
@@ -33,6 +34,9 @@ class Options:
     layout: str | None = None
     lora: str | None = None
     lora_alpha: float | None = None
+    # ``export``: the output must be a directory ``from_pretrained`` loads (config included),
+    # or nothing is written; ``convert --to hf`` writes the weights alone when there is no config
+    loadable: bool = False
 
     def __post_init__(self) -> None:
         if self.to not in FORMATS:
@@ -65,5 +69,13 @@ class Options:
 
 
 def say(message: str, progress: bool) -> None:
+    """A progress line (what the command is doing): ``--quiet`` (``progress=False``) hides it."""
     if progress:
+        print(message, file=sys.stderr)
+
+
+def note(message: str) -> None:
+    """A ``warning:`` or ``note:`` line: printed even with ``--quiet``, which hides progress
+    only (CONTRACT.md); once per torchrun launch, by rank 0."""
+    if env.rank() == 0:
         print(message, file=sys.stderr)

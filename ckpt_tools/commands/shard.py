@@ -26,6 +26,7 @@ from ..hf.hub import resolve_model_dir
 from ..hf.models import model_class
 from ..runtime import env, launch
 from ..storage import atomic
+from .options import note
 from .shard_job import MIXED_PRECISION, ShardJob, SourceTensor, build_meta_model, load_config, plan_reads, rank_main, stage
 
 FORMATS = ("sharded", "dcp")
@@ -42,7 +43,8 @@ def shard(model: str, dst: str | Path, *, ranks: int, format: str = "sharded", d
     process group, runs only this process's rank. ``format="sharded"`` writes verl's
     ``model_world_size_{N}_rank_{r}.pt`` (+ ``optim_...`` with ``with_optimizer``),
     ``fsdp_config.json`` and ``huggingface/``; ``format="dcp"`` writes ``dcp.save`` of
-    ``{"model": ..., "optimizer": ...}``. ``mixed_precision`` and ``cpu_offload`` set the FSDP
+    ``{"model": ..., "optimizer": ...}`` with the same ``huggingface/`` beside it (so ``export``
+    needs no ``--base``). ``mixed_precision`` and ``cpu_offload`` set the FSDP
     policies of the job (they change the ``check`` forward pass, not what is saved).
 
     Returns ``{"dst", "ranks", "format", "device", "params", "bytes", "peak_rss_bytes": [per
@@ -71,8 +73,7 @@ def shard(model: str, dst: str | Path, *, ranks: int, format: str = "sharded", d
     config = load_config(model_dir)
     ignored = ignored_on_load(model_dir, config, sources)
     if ignored:
-        if progress and env.rank() == 0:
-            print(f"note: leaving out {', '.join(ignored)}, which from_pretrained ignores too", file=sys.stderr)
+        note(f"note: leaving out {', '.join(ignored)}, which from_pretrained ignores too")
         sources = {k: v for k, v in sources.items() if k not in ignored}
     # On meta, cheap: a config that does not fit the weights fails here, before any rank starts.
     build_meta_model(config, sources)

@@ -476,6 +476,8 @@ def _save(model, optimizer, ctx: launch.RankContext, job: ShardJob, tmp: Path, m
             state = {"model": get_model_state_dict(model)}
         # not synced here: commit() fsyncs the whole staging directory once, every rank's files included
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=False))
+        if ctx.rank == 0:
+            _write_hf_assets(model_dir, tmp)
         return
     n, r = ctx.world_size, ctx.rank
     # not synced here: commit() fsyncs the whole staging directory once, every rank's files included
@@ -484,11 +486,18 @@ def _save(model, optimizer, ctx: launch.RankContext, job: ShardJob, tmp: Path, m
         torch.save(optimizer.state_dict(), tmp / file_name("optim", n, r))
     if r == 0:
         (tmp / CONFIG_NAME).write_text(json.dumps({"FSDP_version": 2, "world_size": n}, indent=4))
-        assets = tmp / "huggingface"
-        assets.mkdir()
-        for name in ASSET_PATTERNS:  # what verl keeps next to its rank files, to rebuild and export
-            if (model_dir / name).is_file():
-                shutil.copyfile(model_dir / name, assets / name)
+        _write_hf_assets(model_dir, tmp)
+
+
+def _write_hf_assets(model_dir: Path, tmp: Path) -> None:
+    """Config, tokenizer and generation config into ``huggingface/`` beside the checkpoint,
+    whatever its format: what verl keeps next to its rank files, and where ``export`` and
+    ``convert`` look for them, so the checkpoint exports without ``--base``."""
+    assets = tmp / "huggingface"
+    assets.mkdir()
+    for name in ASSET_PATTERNS:
+        if (model_dir / name).is_file():
+            shutil.copyfile(model_dir / name, assets / name)
 
 
 # ---------------------------------------------------------------- the commit, on rank 0

@@ -295,7 +295,9 @@ def _object_readable(reader: Reader, o: Any) -> bool:
 def format_report(report: dict[str, Any], *, limit: int = 20) -> str:
     """The human-readable form of :func:`verify`'s result."""
     a, b = report["a"], report["b"]
-    head = f"{a['path']} ({a['format']})" + (f" vs {b['path']} ({b['format']})" if b else "")
+    # a side that could not be described has no format: say that, not "None"
+    head = (f"{a['path']} ({a['format'] or 'unreadable'})"
+            + (f" vs {b['path']} ({b['format'] or 'unreadable'})" if b else ""))
     verdict = "OK" if report["ok"] else "FAILED"
     what = "compared" if b else "read"
     lines = [f"{head}: {verdict}, {report['checked']} tensors {what}{'' if b else _what(a)}"]

@@ -8,6 +8,7 @@ imported) only where tensor values are made.
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 # name: (bytes per element, floating point, complex) for torch's dtypes a checkpoint holds
@@ -94,3 +95,22 @@ def as_torch(dtype: Any) -> Any:
 def known(name: str) -> bool:
     name = str(name).removeprefix("torch.")
     return ALIASES.get(name, name) in _TABLE
+
+
+# struct codes of the types a scalar (an optimizer's ``step``) is stored in; bfloat16 is the
+# high half of a float32
+_STRUCT = {"float64": "d", "float32": "f", "float16": "e", "int64": "q", "int32": "i", "int16": "h",
+           "int8": "b", "uint64": "Q", "uint32": "I", "uint16": "H", "uint8": "B", "bool": "?"}
+
+
+def scalar_from_bytes(data: bytes | memoryview, dtype: DType) -> int | float | bool | None:
+    """The value of a one-element tensor from its stored little-endian bytes, without torch
+    (what ``tensor.item()`` returns); None for a type this does not decode (float8, complex)
+    or bytes of the wrong length."""
+    data = bytes(data)
+    if len(data) != dtype.itemsize:
+        return None
+    if dtype == "bfloat16":
+        return struct.unpack("<f", b"\0\0" + data)[0]
+    code = _STRUCT.get(str.__str__(dtype))
+    return struct.unpack("<" + code, data)[0] if code else None

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..codecs.tensornodes import NotSimple, local_of
 from ..core.describe import Checkpoint, Chunk, Location, ObjectInfo, TensorInfo
-from ..core.dtypes import as_torch
+from ..core.dtypes import as_torch, scalar_from_bytes
 from ..errors import BadInput
 from ..security import safefs
 from ..security.torchfile import loads_blob
@@ -188,6 +188,22 @@ class Reader:
         if loc.kind == "value":  # a plain value the description carries (a literal, never code)
             return ast.literal_eval(loc.key[0])
         raise BadInput(f"{loc.file}: cannot read a {loc.kind!r} item as an object")
+
+    def scalar(self, tensor: TensorInfo) -> int | float | bool | None:
+        """The value of a one-element tensor (an optimizer's ``step``) read from its stored bytes,
+        without torch: a raw byte range, or a plain tensor record of a ``torch.save`` blob (a
+        DCP item). None when it is stored any other way (the caller may use :meth:`full`)."""
+        # the chunk that holds the value (a (1,)-shaped tensor split over ranks leaves the others empty)
+        chunk = next((c for c in tensor.chunks if c.numel == 1), None) if tensor.numel == 1 else None
+        if chunk is None:
+            return None
+        found = self.span(tensor, chunk)
+        if found is None:
+            return None
+        _, offset, length = found
+        m = self._map(chunk.location.file)
+        safefs.check_span(offset, length, len(m), what=f"{self.ckpt.base_dir() / chunk.location.file} ({tensor.name})")
+        return scalar_from_bytes(m[offset:offset + length], tensor.dtype)
 
     def full(self, tensor: TensorInfo) -> torch.Tensor:
         """Assemble a whole logical tensor (for small tensors and tests)."""

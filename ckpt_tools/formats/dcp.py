@@ -3,6 +3,8 @@ accelerate (``pytorch_model_fsdp_0/`` + ``optimizer_0/``) and ``dcp.save`` write
 
 from __future__ import annotations
 
+import os
+
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -150,6 +152,11 @@ def _describe_one(path: Path, prefix: str):
     entries = []
     ranks = set()
     sizes = {}
+    absent = [f for f in sorted(files) if not os.path.lexists(path / f)]
+    if absent:
+        raise BadInput(f"{path / absent[0]}: missing" + (f" (and {len(absent) - 1} more data files)" if len(absent) > 1 else "")
+                       + f"; {METADATA} lists {len(files)} data files, so the checkpoint is incomplete: copy it again, "
+                       "every file of the directory")
     for f in sorted(files):
         size = safefs.require_regular(path / f, what=f"{where}: data file {f!r}").st_size
         sizes[prefix + f] = size
@@ -161,7 +168,7 @@ def _describe_one(path: Path, prefix: str):
     for loc, what in [(c.location, t.name) for t in tensors for c in t.chunks] + [(o.location, o.name) for o in objects]:
         if loc.offset + loc.length > sizes[loc.file]:
             raise BadInput(f"{path / loc.file.removeprefix(prefix)}: item {what!r} ends at byte {loc.offset + loc.length}, "
-                           f"but the file has {sizes[loc.file]}; it is truncated")
+                           f"but the file has {sizes[loc.file]}; it is truncated: copy it again")
     for t in tensors:
         for c in t.chunks:
             # refuse declared sizes the stored bytes cannot hold, before anything is allocated

@@ -69,7 +69,10 @@ def read_raw_header(path: Path) -> RawHeader:
         if len(head) < 8:
             raise BadInput(f"{path}: truncated safetensors file ({size} bytes, no header)")
         (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
+        if n <= MAX_HEADER_BYTES and 8 + n > size:
+            raise BadInput(f"{path}: truncated: {size:,} bytes on disk, but its header alone needs {8 + n:,}; "
+                           "copy the file again")
+        if n > MAX_HEADER_BYTES:
             raise BadInput(f"{path}: safetensors header claims {n} bytes but the file has {size}; corrupt or truncated")
         raw = f.read(n)
     try:
@@ -82,6 +85,17 @@ def read_raw_header(path: Path) -> RawHeader:
     # the format says str -> str; anything else holds nothing a reader uses, and is no reason
     # to refuse the tensors
     return RawHeader(header, metadata if isinstance(metadata, dict) else {}, 8 + n, size)
+
+
+def _ends(header: dict[str, Any]) -> list[int]:
+    """Where each well-formed entry's data ends (for saying how much a truncated file lacks)."""
+    ends = []
+    for entry in header.values():
+        try:
+            ends.append(int(entry["data_offsets"][1]))
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError):
+            pass
+    return ends
 
 
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
@@ -102,6 +116,10 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
             begin, end = (int(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise BadInput(f"{path}: tensor {name!r}: malformed header entry {str(entry)[:200]}") from e
+        if end > data_len and 0 <= begin <= end and all(d >= 0 for d in shape):
+            needed = data_start + max(data_len, *_ends(header))
+            raise BadInput(f"{path}: truncated: {size:,} bytes on disk, but its header needs {needed:,} "
+                           f"({needed - size:,} missing); copy the file again")
         if any(d < 0 for d in shape) or not 0 <= begin <= end <= data_len:
             raise BadInput(f"{path}: tensor {name!r}: offsets {begin}..{end} outside the {data_len} data bytes")
         numel = 1

@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,14 +63,30 @@ class Unchecked(Exception):
     """The architecture cannot be built here (transformers missing, unknown class, remote code)."""
 
 
-def model_class(config: dict):
-    """The transformers class ``config["architectures"][0]`` names, or raise :class:`Unchecked`."""
+HEAD = "lm_head.weight"  # an output head: the weights are a *ForCausalLM's
+
+
+def model_class(config: dict, names: Iterable[str] = ()):
+    """The transformers class ``config["architectures"][0]`` names, or raise :class:`Unchecked`.
+
+    A config with no ``architectures`` (what ``LlamaConfig(...).save_pretrained`` writes) is
+    loaded through an Auto class, so the class follows from ``model_type`` and the names:
+    ``lm_head.weight`` among ``names`` → ``AutoModelForCausalLM``'s class, else ``AutoModel``'s."""
     try:
         import transformers
     except ImportError as e:
         raise Unchecked("transformers is not installed (pip install 'ckpt-tools[hf]')") from e
     archs = config.get("architectures") or []
-    if not archs or not isinstance(archs[0], str):
+    if config.get("auto_map"):
+        raise Unchecked(f"{archs[0] if archs else config.get('model_type')} is remote code (auto_map), "
+                        "which ckpt does not run")
+    if not archs:
+        cls = models.class_for_type(config.get("model_type"), causal_lm=HEAD in set(names))
+        if cls is None:
+            raise Unchecked(f"config.json names no architectures, and transformers {transformers.__version__} "
+                            f"has no model for its model_type {config.get('model_type')!r}")
+        return cls
+    if not isinstance(archs[0], str):
         raise Unchecked("config.json names no architectures")
     if config.get("auto_map"):
         raise Unchecked(f"{archs[0]} is remote code (auto_map), which ckpt does not run")
@@ -89,15 +106,10 @@ def load_report(config: dict, tensors: dict[str, tuple[tuple[int, ...], DType]])
     """
     if known_good(config, tensors):
         return LoadReport(str(config["architectures"][0]), (), (), ())
-    cls = model_class(config)
+    cls = model_class(config, tensors)
     import torch
-    from transformers import AutoConfig
 
-    fields = {k: v for k, v in config.items() if k not in ("transformers_version",)}
-    try:
-        cfg = AutoConfig.for_model(**fields) if "model_type" in fields else cls.config_class(**fields)
-    except Exception as e:  # noqa: BLE001 - any failure to read the config means: not checked
-        raise Unchecked(f"transformers cannot read this config.json ({type(e).__name__}: {str(e)[:120]})") from e
+    cfg = _config_object(config, cls)
     state = {name: torch.empty(shape, dtype=as_torch(dtype), device="meta") for name, (shape, dtype) in tensors.items()}
     try:
         with _quiet():
@@ -109,9 +121,38 @@ def load_report(config: dict, tensors: dict[str, tuple[tuple[int, ...], DType]])
     mismatched = tuple(sorted((n, tuple(given), tuple(wanted)) for n, given, wanted in info.get("mismatched_keys", ())))
     report = LoadReport(cls.__name__, tuple(sorted(info.get("missing_keys", ()))),
                         tuple(sorted(info.get("unexpected_keys", ()))), mismatched)
-    if report.ok and cls.__name__ == config["architectures"][0]:
+    if report.ok and cls.__name__ == (config.get("architectures") or [None])[0]:
         _remember(config, tensors)
     return report
+
+
+def _config_object(config: dict, cls):
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in config.items() if k not in ("transformers_version",)}
+    try:
+        return AutoConfig.for_model(**fields) if "model_type" in fields else cls.config_class(**fields)
+    except Exception as e:  # noqa: BLE001 - any failure to read the config means: not checked
+        raise Unchecked(f"transformers cannot read this config.json ({type(e).__name__}: {str(e)[:120]})") from e
+
+
+def tied_sources(config_file: Path, names: Iterable[str]) -> dict[str, str]:
+    """``{name: the name it is tied to}`` for the weights the model of ``config_file`` ties
+    (``lm_head.weight`` to the input embedding, BERT's decoder to its word embeddings), which
+    ``save_pretrained`` writes once and ``from_pretrained`` does not miss; asked of the model
+    class (``get_expanded_tied_weights_keys``), built on the meta device. Empty when the
+    architecture cannot be built here."""
+    try:
+        config = json.loads(config_file.read_text())
+        cls = model_class(config, list(names))
+        cfg = _config_object(config, cls)
+        import torch
+
+        with _quiet(), torch.device("meta"):
+            model = cls._from_config(cfg)
+        return dict(model.get_expanded_tied_weights_keys(all_submodels=True))
+    except Exception:  # noqa: BLE001 - a model transformers cannot build: nothing is known tied
+        return {}
 
 
 # -- clean answers remembered ----------------------------------------------------------------
@@ -179,6 +220,21 @@ def ignored(config_file: Path, tensors: dict[str, tuple[tuple[int, ...], str]], 
     except (Unchecked, ValueError, OSError):
         return []
     return sorted(unused - set(report.unexpected))
+
+
+def ignored_of(config_file: Path, tensors: dict[str, tuple[tuple[int, ...], str]], names: set[str]) -> list[str]:
+    """Of ``names`` (some of ``tensors``), those ``from_pretrained`` neither needs nor calls
+    unexpected: :func:`ignored`, once the names the model has a place for are set aside (those
+    it reports missing when they are taken away). For ``verify``, which has no model to ask."""
+    if not names:
+        return []
+    try:
+        config = json.loads(config_file.read_text())
+        rest = {k: (shape, DType(dtype)) for k, (shape, dtype) in tensors.items() if k not in names}
+        needed = set(load_report(config, rest).missing)
+    except (Unchecked, ValueError, OSError):
+        return []
+    return ignored(config_file, tensors, set(names) - needed)
 
 
 @contextlib.contextmanager

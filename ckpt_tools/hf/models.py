@@ -8,7 +8,8 @@ only in what they do when no name resolves, and each fallback here is named for 
   :class:`~ckpt_tools.errors.BadInput` (the config is newer than this transformers);
 * :func:`build_from_config` (``ckpt estimate``): an instance, falling back to
   ``AutoModelForCausalLM`` and then to the bare ``AutoModel``, since only parameter shapes count;
-* :mod:`.archcheck` asks only for the first name and words its own refusals (``Unchecked``).
+* :mod:`.archcheck` asks only for the first name and words its own refusals (``Unchecked``);
+  a config with no ``architectures`` is checked against :func:`class_for_type`.
 
 transformers (and torch with it) is imported inside the functions: importing this module costs
 nothing, so a command that never builds a model never pays for them.
@@ -37,6 +38,23 @@ def architecture_class(names: Iterable[Any] | None) -> type | None:
         cls = getattr(transformers, name, None)
         if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
             return cls
+    return None
+
+
+def class_for_type(model_type: Any, *, causal_lm: bool) -> type | None:
+    """The class ``from_pretrained`` of an Auto class builds for a config that names no
+    ``architectures``, from its ``model_type``: ``AutoModelForCausalLM``'s when the weights
+    hold an output head (``causal_lm``), else ``AutoModel``'s (also when the type has no
+    causal-LM class). None when transformers does not know the type."""
+    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        return None
+    config_class = CONFIG_MAPPING[model_type]
+    for auto in (AutoModelForCausalLM, AutoModel) if causal_lm else (AutoModel,):
+        if config_class in auto._model_mapping:
+            return auto._model_mapping[config_class]
     return None
 
 

@@ -28,6 +28,7 @@ from ..errors import BadInput
 from ..formats import describe
 from ..hf import archcheck, assets as hfassets
 from ..hf.hub import resolve_model_dir
+from ..runtime import env
 from . import lora as peft_lora, torchtitan
 from .wrappers import normalize_name
 
@@ -148,7 +149,9 @@ def check(pieces: list[Piece], config: dict, src: Path) -> list[str]:
     except archcheck.Unchecked as e:
         return [f"the names were not checked against the architecture: {e}"]
     if not report.ok:
-        raise BadInput(f"{src}: {report.architecture} (config.json) would not load these weights: {report.describe()}; "
+        what = ("config.json" if config.get("architectures") else
+                f"config.json names no architectures; its model_type {config.get('model_type')!r} and these names")
+        raise BadInput(f"{src}: {report.architecture} ({what}) would not load these weights: {report.describe()}; "
                        f"{archcheck.likely_fix(report)}")
     return []
 
@@ -192,7 +195,10 @@ def checked_in_background(plan: ExportPlan):
         yield future.result
 
 
-def say(notes: list[str], progress: bool) -> None:
+def say(notes: list[str], progress: bool = True) -> None:
+    """The export's notes, printed even with ``--quiet`` (which hides progress only); once per
+    torchrun launch. ``progress`` is not consulted."""
+    if env.rank() != 0:
+        return
     for n in notes:
-        if progress:
-            print(f"note: {n}", file=sys.stderr)
+        print(f"note: {n}", file=sys.stderr)

@@ -192,7 +192,10 @@ def load_dcp_metadata(path: Path) -> Any:
         raise bounded.HostileTree(f"{path}: {e}") from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, OSError,
             OverflowError, MemoryError, RecursionError, struct.error) as e:
-        raise BadInput(f"{path}: corrupt or truncated DCP metadata ({first_line(e)})") from e
+        if isinstance(e, EOFError):  # the pickle ends before its STOP: the file was cut short
+            raise BadInput(f"{path}: truncated: the DCP metadata pickle ends early ({size:,} bytes on disk); "
+                           "copy the checkpoint again") from e
+        raise BadInput(f"{path}: corrupt or truncated DCP metadata ({first_line(e)}); copy the checkpoint again") from e
     with bounded.gc_paused():
         bounded.check_tree(meta, where=str(path))
     if not isinstance(meta, Metadata):

@@ -79,9 +79,51 @@ def load_torch(path: Path | str, *, mmap: bool = True) -> Any:
     except pickle.UnpicklingError as e:
         raise _refusal(str(path), e) from e
     except _DAMAGED + (OSError,) as e:
-        raise BadInput(f"{path}: not a readable torch.save file, corrupt or truncated ({first_line(e)})") from e
+        raise damaged(path, e) from e
     bounded.check_tree(obj, where=str(path))
     return obj
+
+
+def damaged(path: Path, e: BaseException) -> BadInput:
+    """What is wrong with a ``torch.save`` file torch's loader failed on, in ckpt's words: a zip
+    cut short (torch.save writes the zip's directory last, so a truncated copy has none) says
+    so with its size; otherwise the first sentence of torch's reason (its miniz text runs on
+    over several sentences of advice)."""
+    size = None
+    with contextlib.suppress(OSError):
+        size = path.stat().st_size
+    if _is_zip(path) and not _has_zip_end(path):
+        return BadInput(f"{path}: truncated: {size:,} bytes on disk and no zip directory at its end, which "
+                        "torch.save writes last; copy the file again")
+    return BadInput(f"{path}: not a readable torch.save file, corrupt or truncated ({first_sentence(e)}); "
+                    "copy it again from a good copy")
+
+
+def first_sentence(e: BaseException) -> str:
+    """The first sentence of an exception's first line, never cut mid-word."""
+    text = first_line(e)
+    cut = text.find(". ")
+    text = text[:cut] if cut > 0 else text.rstrip(".")
+    if len(text) > 200:
+        text = text[:200].rsplit(" ", 1)[0] + " ..."
+    return text
+
+
+def _has_zip_end(path: Path) -> bool:
+    """Whether the file ends with a whole zip end-of-central-directory record (its last 64 KiB
+    + 22 bytes hold it, a zip comment included)."""
+    try:
+        with safefs.open_file(path) as f:
+            size = f.seek(0, io.SEEK_END)
+            f.seek(max(0, size - (1 << 16) - 22))
+            tail = f.read()
+    except (OSError, BadInput):
+        return True  # not ours to judge
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or at + 22 > len(tail):
+        return False
+    (comment,) = struct.unpack("<H", tail[at + 20:at + 22])
+    return at + 22 + comment == len(tail)
 
 
 def load_torch_bytes(data: bytes | memoryview, *, where: str) -> Any:
@@ -94,7 +136,7 @@ def load_torch_bytes(data: bytes | memoryview, *, where: str) -> Any:
     except pickle.UnpicklingError as e:
         raise _refusal(where, e) from e
     except _DAMAGED as e:
-        raise BadInput(f"{where}: corrupt or truncated item ({first_line(e)})") from e
+        raise BadInput(f"{where}: corrupt or truncated item ({first_sentence(e)}); copy the file again") from e
     bounded.check_tree(obj, where=where)
     return obj
 
@@ -168,7 +210,7 @@ def load_torch_meta(f: Any, *, where: str) -> Any:
     except pickle.UnpicklingError as e:
         raise _refusal(where, e) from e
     except _DAMAGED as e:
-        raise BadInput(f"{where}: corrupt or truncated item ({first_line(e)})") from e
+        raise BadInput(f"{where}: corrupt or truncated item ({first_sentence(e)}); copy the file again") from e
     bounded.check_tree(obj, where=where)
     return obj
 
