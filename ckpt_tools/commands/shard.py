@@ -14,7 +14,6 @@ order, is :mod:`.shard_job`.
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
