@@ -123,32 +123,63 @@ def test_ctrl_c_swept_over_an_overwrite(big, run_seconds, tmp_path, fraction):
     _check_outcome(proc, tmp_path / "log", dst)
 
 
+def _children(pid: int) -> list[str]:
+    """The child processes of every thread of ``pid``."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += (task / "children").read_text().split()
+        except OSError:
+            pass
+    return out
+
+
+def _until_interrupted(attempt, tries: int = 3) -> str:
+    """``attempt()`` again when its Ctrl-C came only after the run had finished: a test process
+    kept off the CPU for a moment can send it late, and then there is nothing to interrupt."""
+    for _ in range(tries):
+        outcome = attempt()
+        if outcome != "finished":
+            return outcome
+    return outcome
+
+
 def test_ctrl_c_during_the_swap(big, tmp_path):
     """The moment the issue met: DST already the new checkpoint, the old one moved aside and
     being removed. The old copy holds many small files, so that removal takes a while."""
-    dst = _fresh_old(big, tmp_path, clutter=3000)
-    proc = _reshard(big, dst, tmp_path / "log")
-    seen = False
-    while proc.poll() is None:
-        if any(f"{TMP_MARK}old-" in name for name in os.listdir(tmp_path)):
-            _ctrl_c(proc)
-            seen = True
-            break
-        time.sleep(0.0005)
-    outcome = _check_outcome(proc, tmp_path / "log", dst)
-    assert seen and outcome == "new", outcome
+    def attempt(n=iter(range(10))):
+        run = tmp_path / f"run{next(n)}"
+        run.mkdir()
+        dst = _fresh_old(big, run, clutter=3000)
+        proc = _reshard(big, dst, run / "log")
+        seen = False
+        while proc.poll() is None:
+            if any(f"{TMP_MARK}old-" in name for name in os.listdir(run)):
+                _ctrl_c(proc)
+                seen = True
+                break
+            time.sleep(0.0005)
+        outcome = _check_outcome(proc, run / "log", dst)
+        assert seen or outcome == "finished", outcome
+        return outcome
+
+    assert _until_interrupted(attempt) == "new"
 
 
 def test_ctrl_c_while_workers_start(big, tmp_path):
-    dst = _fresh_old(big, tmp_path)
-    proc = _reshard(big, dst, tmp_path / "log", "--workers", "2")
-    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
-    deadline = time.monotonic() + 60
-    while proc.poll() is None and time.monotonic() < deadline and not children.read_text().split():
-        time.sleep(0.002)
-    time.sleep(0.05)  # the workers are importing
-    _ctrl_c(proc)
-    assert _check_outcome(proc, tmp_path / "log", dst) == "old"
+    def attempt(n=iter(range(10))):
+        run = tmp_path / f"run{next(n)}"
+        run.mkdir()
+        dst = _fresh_old(big, run)
+        proc = _reshard(big, dst, run / "log", "--workers", "2")
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline and not _children(proc.pid):
+            time.sleep(0.002)
+        time.sleep(0.05)  # the workers are importing
+        _ctrl_c(proc)
+        return _check_outcome(proc, run / "log", dst)
+
+    assert _until_interrupted(attempt) == "old"
 
 
 @pytest.fixture(scope="module")
