@@ -26,7 +26,9 @@ from ..runtime import env
 from ..storage.atomic import check_destination
 from .export import write_hf
 from .options import Options, say
+from .urls import accepts_urls
 
+@accepts_urls(dest="dst")
 def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None = None,
             dtype: str | None = None, max_shard_size: str | int = "5GB", model_only: bool = False,
             base: str | None = None, overwrite: bool = False, progress: bool = True,
@@ -154,6 +156,7 @@ def export(src: str | Path, dst: str | Path, *, base: str | None = None, dtype: 
                    base=base, overwrite=overwrite, progress=progress, lora=lora, lora_alpha=lora_alpha)
 
 
+@accepts_urls(dest="dst")
 def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = None,
             overwrite: bool = False, progress: bool = True, rank_local: str = "drop",
             workers: int = 1) -> dict[str, Any]:
