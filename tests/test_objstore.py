@@ -375,3 +375,21 @@ def test_unreachable_endpoint_fails_within_seconds(s3, tmp_path):
     assert "endpoint" in r.stderr
     _one_error(ckpt("export", FIXTURES / "llama_hf", "s3://ckpt/out/dead", env={"AWS_ENDPOINT_URL": dead}), 4)
     assert time.monotonic() - t < 30
+
+
+def test_latest_of_a_remote_run(s3, tmp_path):
+    """latest RUN_DIR on a bucket: the newest complete checkpoint, printed as its URL."""
+    run = "s3://ckpt/src/run1"
+    upload(FIXTURES / "llama_dcp", f"{run}/ckpt_1")
+    cut = tmp_path / "ckpt_2"
+    cut.mkdir()
+    for p in (FIXTURES / "llama_dcp").iterdir():
+        if p.name != ".metadata":  # a save cut off before its coordinator wrote the marker
+            (cut / p.name).write_bytes(p.read_bytes())
+    upload(cut, f"{run}/ckpt_2")
+    r = ckpt("latest", run)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"{run}/ckpt_1"
+    r = ckpt("inspect", f"{run}/ckpt_2")
+    _one_error(r, 3)
+    assert "s3://ckpt/src/run1/ckpt_2" in r.stderr

@@ -13,7 +13,8 @@ URL; ``file://`` is a local path) wherever it takes a path, and works unchanged 
 - paths in the result and in error messages are shown as the URLs the user gave.
 
 Limits: the stand-in and the staging tree take local disk (sparse for headers-only commands);
-tensor data is downloaded whole before a command reads it, not fetched per planned row range.
+tensor data is downloaded whole before a command reads it, not fetched per planned row range;
+under ``torchrun`` a URL is refused (exit 2): the per-rank split is not built.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from contextlib import ExitStack
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ..errors import CkptError
+from ..errors import CkptError, UsageError
 from ..formats.probe import fill_headers
+from ..runtime import env
 from ..storage import remote
 from ..storage.objstore import Store, is_remote, local_path
 
@@ -51,6 +53,11 @@ def accepts_urls(*, sources: tuple[str, ...] = ("src",), dest: str | None = None
             remote_names = [n for n in names if is_remote(bound.arguments[n])]
             if not remote_names:
                 return fn(*bound.args, **bound.kwargs)
+            if env.world() > 1:
+                # each process would stage and publish on its own; the split (each rank uploads
+                # its share, rank 0 the markers) is not built yet: refused, never half-done
+                raise UsageError(f"{bound.arguments[remote_names[0]]}: object-storage URLs are not supported under "
+                                 "torchrun yet; run the command as one process (plain `ckpt ...`)")
             return _run_remote(fn, bound, remote_names, dest, need(bound.arguments) if callable(need) else need)
 
         return wrapper
