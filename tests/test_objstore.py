@@ -216,6 +216,9 @@ def test_export_bucket_to_bucket_equals_local(s3, tmp_path):
     for n in names:
         if n != ".ckpt-manifest.json":  # it records the source's path
             assert (got / n).read_bytes() == (tmp_path / "local" / n).read_bytes(), n
+    got_manifest = json.loads((got / ".ckpt-manifest.json").read_text())
+    assert got_manifest["source"]["path"] == src
+    assert got_manifest["files"] == json.loads((tmp_path / "local" / ".ckpt-manifest.json").read_text())["files"]
     a = AutoModelForCausalLM.from_pretrained(got)
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "local")
     for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
@@ -393,3 +396,24 @@ def test_latest_of_a_remote_run(s3, tmp_path):
     r = ckpt("inspect", f"{run}/ckpt_2")
     _one_error(r, 3)
     assert "s3://ckpt/src/run1/ckpt_2" in r.stderr
+
+
+def test_shard_into_a_bucket(s3, tmp_path):
+    """shard MODEL s3://...: the ranks' DCP published into the bucket, read back by FsspecReader."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from safetensors.torch import load_file
+
+    r = ckpt("shard", FIXTURES / "llama_hf", "s3://ckpt/out/shard_dcp", "--ranks", "2", "--format", "dcp")
+    assert r.returncode == 0, r.stderr
+    assert {".metadata", ".ckpt-manifest.json"} <= keys("s3://ckpt/out/shard_dcp")
+    want = load_file(FIXTURES / "llama_hf" / "model.safetensors")
+    reader = FsspecReader("s3://ckpt/out/shard_dcp", endpoint_url=s3.endpoint)
+    meta = reader.read_metadata()
+    got = {k: torch.zeros(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+           if hasattr(m, "size")}
+    dcp.load(got, storage_reader=reader, no_dist=True)
+    # the job's state dict is {"model": model.state_dict()}: DCP keys are "model.<HF name>"
+    assert {k.removeprefix("model.") for k in got} == set(want)
+    for k, v in got.items():
+        assert torch.equal(v, want[k.removeprefix("model.")]), k

@@ -20,6 +20,7 @@ under ``torchrun`` a URL is refused (exit 2): the per-rank split is not built.
 from __future__ import annotations
 
 import functools
+import json
 import inspect as pyinspect
 import shutil
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from typing import Any
 from ..errors import CkptError, UsageError
 from ..formats.probe import fill_headers
 from ..runtime import env
-from ..storage import remote
+from ..storage import manifest, remote
 from ..storage.objstore import Store, is_remote, local_path
 
 
@@ -94,12 +95,22 @@ def _run_remote(fn: Callable, bound: pyinspect.BoundArguments, remote_names: lis
         try:
             result = fn(*bound.args, **bound.kwargs)
             if out_store is not None:
+                _manifests_name_urls(out_local, shown)
                 remote.publish(out_local, out_store, overwrite=overwrite)
         except CkptError as e:
             if e.args and isinstance(e.args[0], str):
                 e.args = (_as_urls(e.args[0], shown), *e.args[1:])
             raise
         return _as_urls(result, shown)
+
+
+def _manifests_name_urls(out: Path, shown: dict[str, str]) -> None:
+    """A manifest records its source's path: the URL, not the stand-in's temporary directory."""
+    for p in ([out / manifest.NAME] if out.is_dir() else []) + (sorted(out.rglob(f"*/{manifest.NAME}"))
+                                                               if out.is_dir() else []):
+        if p.is_file():
+            data = json.loads(p.read_text())
+            p.write_text(json.dumps(_as_urls(data, shown), indent=1) + "\n")
 
 
 def _as_urls(obj: Any, shown: dict[str, str]) -> Any:

@@ -32,8 +32,8 @@ from typing import Any
 from ..errors import BadInput, CkptError, DestinationError
 
 PART_BYTES = 8 << 20  # a multipart upload's part (S3 refuses parts under 5 MiB but the last)
-PART_CONCURRENCY = 8  # parts of one file in flight
-FILES_IN_FLIGHT = 16  # small files (one PUT or GET each) in flight
+PART_CONCURRENCY = 4  # parts of one file in flight (loopback: as fast as 8, half the memory)
+FILES_IN_FLIGHT = 8  # small files (one PUT or GET each, a PUT of one under 2 parts held whole) in flight
 _URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 
 
@@ -201,13 +201,19 @@ class Store:
                                      [e for _, _, e in ranges], on_error="raise")
         return out
 
-    def download(self, pairs: Iterable[tuple[str, str | os.PathLike]]) -> None:
-        """Download objects ``rel`` to local files (streamed, several in flight)."""
-        pairs = list(pairs)
-        if not pairs:
-            return
+    def download(self, pairs: Iterable[tuple[str, str | os.PathLike]], sizes: dict[str, int] | None = None) -> None:
+        """Download objects ``rel`` to local files: small ones (under ``PART_BYTES``, streamed)
+        several at a time, each large one in ``PART_BYTES`` ranged GETs, ``PART_CONCURRENCY``
+        in flight (memory: those parts, never a file; not several files' parts at once)."""
+        pairs = [(r, str(p)) for r, p in pairs]
+        sizes = sizes or {}
+        small = [(r, p) for r, p in pairs if sizes.get(r, 0) <= PART_BYTES]
+        large = [(r, p) for r, p in pairs if sizes.get(r, 0) > PART_BYTES]
         with self._io("downloading"):
-            self.fs.get([self._key(r) for r, _ in pairs], [str(p) for _, p in pairs], batch_size=FILES_IN_FLIGHT)
+            if small:
+                self.fs.get([self._key(r) for r, _ in small], [p for _, p in small], batch_size=FILES_IN_FLIGHT)
+            for r, p in large:
+                self.fs.get_file(self._key(r), p, chunksize=PART_BYTES, max_concurrency=PART_CONCURRENCY)
 
     # -- writing ----------------------------------------------------------------------------
     def upload(self, pairs: Iterable[tuple[str | os.PathLike, str]]) -> None:

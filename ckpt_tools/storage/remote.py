@@ -97,7 +97,7 @@ class Mirror:
     def fetch(self, rels: list[str] | None = None) -> None:
         """Download whole objects (all when ``rels`` is None) into place."""
         rels = [r for r in (self.files if rels is None else rels) if r not in self.whole]
-        self.store.download((r, self._local[r]) for r in rels)
+        self.store.download(((r, self._local[r]) for r in rels), {r: self.files[r].size for r in rels})
         for r in rels:
             got = os.path.getsize(self._local[r])
             if got != self.files[r].size:
