@@ -3,7 +3,7 @@ must fetch so that every describer (and ``inspect``) gives what it gives on a lo
 the tensor data stays in the bucket.
 
 Rounds of ranged reads, each request of a round in flight together:
-1. the first ``HEAD_BYTES`` of every object (a small file is then whole);
+1. the first ``HEAD_BYTES`` of every object but ``.distcp`` files (a small file is then whole);
 2. by kind: a safetensors header (its 8-byte length says how long), a zip's (``torch.save``)
    end records and central directory, whole small metadata (``.metadata``, JSON, unknown kinds);
 3. inside those: each zip record that is not tensor storage (the pickle, ``byteorder``,
@@ -32,22 +32,23 @@ _CEN = b"PK\x01\x02"
 def fill_headers(mirror: Mirror) -> int:
     """Fetch into ``mirror`` the bytes that describe its checkpoint; the bytes moved."""
     files = mirror.files
-    moved = mirror.fill([(rel, 0, min(x.size, HEAD_BYTES)) for rel, x in files.items()])
+    # a .distcp is read only where its .metadata points (round 3): a 512-rank DCP's data files
+    # are not opened at all
+    moved = mirror.fill([(rel, 0, min(x.size, HEAD_BYTES)) for rel, x in files.items()
+                         if not mirror.local(rel).name.endswith(".distcp")])
     second: list[tuple[str, int, int]] = []
     zips: list[str] = []
     for rel, x in files.items():
-        if x.size <= HEAD_BYTES:
+        name = mirror.local(rel).name
+        if x.size <= HEAD_BYTES or name.endswith(".distcp"):
             continue
         head = _read(mirror, rel, 0, 8)
-        name = mirror.local(rel).name
         if name.endswith(".safetensors"):
             (n,) = struct.unpack("<Q", head)
             second.append((rel, HEAD_BYTES, min(x.size, 8 + n)))
         elif head[:4] == b"PK\x03\x04":
             zips.append(rel)
             second.append((rel, max(0, x.size - HEAD_BYTES), x.size))
-        elif name.endswith(".distcp"):
-            continue
         else:  # metadata, JSON, pickles, anything unknown: whole (small in practice)
             second.append((rel, HEAD_BYTES, x.size))
     moved += mirror.fill(second)
