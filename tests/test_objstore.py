@@ -105,6 +105,15 @@ def test_urls_and_markers():
                                      ".ckpt-manifest.json", "model-00001-of-00002.safetensors")] == [0, 1, 1, 2, 0]
 
 
+def test_file_urls_are_local_paths(tmp_path):
+    import ckpt_tools
+
+    src = FIXTURES / "llama_hf"
+    assert ckpt_tools.inspect(f"file://{src}") == ckpt_tools.inspect(src)
+    ckpt_tools.convert(f"file://{src}", f"file://{tmp_path / 'out.pt'}", to="torch", progress=False)
+    assert (tmp_path / "out.pt").is_file()
+
+
 def test_store_range_reads_multipart_listing(s3, tmp_path):
     from ckpt_tools.storage.objstore import PART_BYTES, Store
 
