@@ -176,6 +176,58 @@ class CountingProxy:
         self.sock.close()
 
 
+class ThrottlingProxy(CountingProxy):
+    """A proxy that answers the first ``throttle`` requests (or all, with -1) with S3's
+    ``503 SlowDown``, each on a connection it then closes, and forwards the rest."""
+
+    def __init__(self, target_port: int, throttle: int) -> None:
+        self.throttle, self.throttled = throttle, 0
+        super().__init__(target_port)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            if self.throttle < 0 or self.throttled < self.throttle:
+                threading.Thread(target=self._slow_down, args=(conn,), daemon=True).start()
+                continue
+            upstream = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(conn, upstream, "to_server"), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, conn, "to_client"), daemon=True).start()
+
+    def _slow_down(self, conn: socket.socket) -> None:
+        try:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                data += chunk
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n")[1:]:
+                k, _, v = line.partition(b":")
+                if k.strip().lower() == b"content-length":
+                    length = int(v.strip())
+            while len(body) < length:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    break
+                body += chunk
+            with self._lock:
+                self.throttled += 1
+            xml = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+                   b"<Message>Please reduce your request rate.</Message></Error>")
+            conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\n"
+                         b"Content-Length: " + str(len(xml)).encode() + b"\r\n\r\n" + xml)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+
 if __name__ == "__main__":  # a server by hand: python tests/s3server.py DIR
     srv = start_server(Path(sys.argv[1]))
     print(" ".join(f"{k}={v}" for k, v in srv.env().items()), flush=True)

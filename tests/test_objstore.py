@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from s3server import CountingProxy, make_bucket, start_server
+from s3server import CountingProxy, ThrottlingProxy, make_bucket, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "fixtures"
@@ -426,3 +426,30 @@ def test_shard_into_a_bucket(s3, tmp_path):
     assert {k.removeprefix("model.") for k in got} == set(want)
     for k, v in got.items():
         assert torch.equal(v, want[k.removeprefix("model.")]), k
+
+
+def test_throttled_requests_are_retried_then_an_error(s3, tmp_path):
+    """503 SlowDown: retried with backoff (the command succeeds); throttled for good, one error
+    line, exit 3, within seconds."""
+    url = upload(FIXTURES / "llama_hf", "s3://ckpt/src/throttled")
+    port = int(s3.endpoint.rsplit(":", 1)[1])
+    proxy = ThrottlingProxy(port, throttle=2)
+    try:
+        r = ckpt("inspect", url, "--json", env={"AWS_ENDPOINT_URL": proxy.endpoint})
+        assert r.returncode == 0, r.stderr
+        assert proxy.throttled == 2
+    finally:
+        proxy.close()
+    assert without_paths(json.loads(r.stdout)) == without_paths(json.loads(ckpt("inspect", FIXTURES / "llama_hf",
+                                                                                "--json").stdout))
+    proxy = ThrottlingProxy(port, throttle=-1)
+    try:
+        t = time.monotonic()
+        r = ckpt("inspect", url, env={"AWS_ENDPOINT_URL": proxy.endpoint})
+        took = time.monotonic() - t
+    finally:
+        proxy.close()
+    _one_error(r, 3)
+    assert "SlowDown" in r.stderr or "reduce your request rate" in r.stderr, r.stderr
+    assert proxy.throttled >= 2 and took < 60, (proxy.throttled, took)
+    print(f"throttled for good: {proxy.throttled} attempts, error after {took:.1f}s")

@@ -106,7 +106,7 @@ class Store:
         # old endpoint or credentials, or an event loop of a forked parent
         self.fs = cls(skip_instance_cache=True, **_options(proto))
         if proto in ("s3", "s3a"):
-            self.fs.retries = 2  # s3fs's own loop on top of botocore's retries: a dead endpoint fails fast
+            self.fs.retries = 1  # no loop of s3fs on top of botocore's retries: a dead endpoint fails fast
         self.root = cls._strip_protocol(self.url).rstrip("/")
 
     # -- errors -----------------------------------------------------------------------------
