@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ class S3Server:
     endpoint: str
     proc: subprocess.Popen
     log: Path
+    ports: tuple[int, ...] = ()
 
     def env(self, endpoint: str | None = None) -> dict[str, str]:
         """The standard AWS environment a user would set for this server."""
@@ -65,6 +67,10 @@ class S3Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        # weed puts its gRPC unix sockets in /tmp whatever -dir says: ours go with it
+        for port in self.ports:
+            for p in Path(tempfile.gettempdir()).glob(f"seaweedfs-*-{port}.sock"):
+                p.unlink(missing_ok=True)
 
 
 def start_server(root: Path, *, timeout: float = 60.0) -> S3Server:
@@ -87,7 +93,8 @@ def start_server(root: Path, *, timeout: float = 60.0) -> S3Server:
     log = root / "weed.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=root, start_new_session=True)
-    server = S3Server(f"http://127.0.0.1:{s3}", proc, log)
+    server = S3Server(f"http://127.0.0.1:{s3}", proc, log,
+                      (master, master_g, volume, volume_g, filer, filer_g, s3, s3_g, iam, debug, metrics))
     deadline = time.monotonic() + timeout
     import botocore.session
     from botocore.config import Config

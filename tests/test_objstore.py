@@ -323,13 +323,14 @@ def test_existing_destination_refused_then_overwritten(s3, tmp_path):
 
 # -- a run killed midway, and ckpt clean ----------------------------------------------------------
 
-def test_killed_upload_leaves_no_marker_and_clean_removes_it(s3, big_dcp):
+def test_killed_upload_leaves_no_marker_and_clean_removes_it(s3, big_dcp, tmp_path):
     from ckpt_tools.storage.objstore import Store
 
     _, src = big_dcp
     dst = "s3://ckpt/out/killed"
     proc = subprocess.Popen([sys.executable, "-m", "ckpt_tools", "convert", src, dst, "--to", "dcp", "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ.copy())
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})  # its local staging, killed with it
     st = Store(dst, role="destination")
     deadline = time.monotonic() + 240
     try:
