@@ -319,6 +319,11 @@ def test_existing_destination_refused_then_overwritten(s3, tmp_path):
     left = keys(dst)
     assert "model.safetensors" in left and ".metadata" not in left and "__1_0.distcp" not in left
     assert ".ckpt-manifest.json" in left and ".ckpt-writing" not in left
+    for other in (dst, f"{dst}/inner", "s3://ckpt/out"):  # never into its own source
+        r = ckpt("convert", dst, other, "--to", "dcp", "--overwrite")
+        _one_error(r, 4)
+        assert "must not be the source" in r.stderr
+    assert keys(dst) == left
 
 
 # -- a run killed midway, and ckpt clean ----------------------------------------------------------

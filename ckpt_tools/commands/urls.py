@@ -28,7 +28,7 @@ from contextlib import ExitStack
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ..errors import CkptError, UsageError
+from ..errors import CkptError, DestinationError, UsageError
 from ..formats.probe import fill_headers
 from ..runtime import env
 from ..storage import manifest, remote
@@ -77,6 +77,10 @@ def _run_remote(fn: Callable, bound: pyinspect.BoundArguments, remote_names: lis
         if dest in remote_names:
             url = bound.arguments[dest]
             out_store = Store(url, role="destination")
+            for n in remote_names:
+                if n != dest and _overlap(bound.arguments[n], url):
+                    raise DestinationError(f"{url}: the destination must not be the source, lie inside it, or "
+                                           "contain it; choose another DST")
             remote.check_destination(out_store, overwrite=overwrite)  # before any work
             out_local = work / "out" / (PurePosixPath(out_store.root).name or "checkpoint")
             out_local.parent.mkdir()
@@ -102,6 +106,11 @@ def _run_remote(fn: Callable, bound: pyinspect.BoundArguments, remote_names: lis
                 e.args = (_as_urls(e.args[0], shown), *e.args[1:])
             raise
         return _as_urls(result, shown)
+
+
+def _overlap(a: str, b: str) -> bool:
+    a, b = a.rstrip("/") + "/", b.rstrip("/") + "/"
+    return a.startswith(b) or b.startswith(a)
 
 
 def _manifests_name_urls(out: Path, shown: dict[str, str]) -> None:
