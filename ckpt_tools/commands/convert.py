@@ -26,7 +26,9 @@ from ..runtime import env
 from ..storage.atomic import check_destination
 from .export import write_hf
 from .options import Options, note
+from .urls import accepts_urls
 
+@accepts_urls(dest="dst")
 def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None = None,
             dtype: str | None = None, max_shard_size: str | int = "5GB", model_only: bool = False,
             base: str | None = None, overwrite: bool = False, progress: bool = True,
@@ -133,6 +135,7 @@ def run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) -> 
     return report
 
 
+@accepts_urls(dest="dst")
 def export(src: str | Path, dst: str | Path, *, base: str | None = None, dtype: str | None = None,
            max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = True,
            lora: str = "merge", lora_alpha: float | None = None) -> dict[str, Any]:
@@ -155,6 +158,7 @@ def export(src: str | Path, dst: str | Path, *, base: str | None = None, dtype: 
     return run(Path(src), Path(dst), opts)
 
 
+@accepts_urls(dest="dst")
 def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = None,
             overwrite: bool = False, progress: bool = True, rank_local: str = "drop",
             workers: int = 1) -> dict[str, Any]:

@@ -12,8 +12,10 @@ from ..layouts import describe, layout_of
 from ..naming import lora
 from ..engine.reader import Reader
 from .latest import holds_checkpoints, run_listing
+from .urls import accepts_urls
 
 
+@accepts_urls(sources=("path",), need="headers")
 def inspect(path: str | Path, *, tensors: bool = False) -> dict[str, Any]:
     """Describe the checkpoint at ``path`` as CONTRACT.md's ``inspect --json`` object.
 

@@ -14,8 +14,10 @@ from typing import Any
 from ..errors import BadInput
 from ..formats import detect
 from ..layouts import runs
+from .urls import accepts_urls
 
 
+@accepts_urls(sources=("run_dir",), need=lambda a: "data" if a.get("verify") else "headers")
 def latest(run_dir: str | Path, *, verify: bool = False) -> str:
     """The path of the newest complete checkpoint under ``run_dir``.
 
@@ -36,6 +38,7 @@ def latest(run_dir: str | Path, *, verify: bool = False) -> str:
     return info["latest"]
 
 
+@accepts_urls(sources=("run_dir",), need=lambda a: "data" if a.get("verify") else "headers")
 def run_listing(run_dir: str | Path, *, verify: bool = False, until_complete: bool = False) -> dict[str, Any]:
     """CONTRACT's ``{"run", "latest", "checkpoints": [{"path", "step", "format", "layout",
     "world_size", "size", "complete", "missing"}, ...]}`` for ``run_dir``, newest first

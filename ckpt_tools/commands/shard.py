@@ -26,12 +26,14 @@ from ..hf.models import model_class
 from ..runtime import env, launch
 from ..storage import atomic
 from .options import note
+from .urls import accepts_urls
 from .shard_job import MIXED_PRECISION, ShardJob, SourceTensor, build_meta_model, load_config, plan_reads, rank_main, stage
 
 FORMATS = ("sharded", "dcp")
 OPTIMIZERS = ("adamw",)
 
 
+@accepts_urls(sources=(), dest="dst")  # DST may be an object-storage URL (published marker-last)
 def shard(model: str, dst: str | Path, *, ranks: int, format: str = "sharded", device: str = "cpu",
           mixed_precision: str | None = None, cpu_offload: bool = False,
           with_optimizer: str | None = None, overwrite: bool = False, check: bool = False,

@@ -28,8 +28,10 @@ from ..naming.lora import summary as lora_summary
 from ..security import safefs
 from ..storage import manifest
 from .compare import FileCheck, Findings, compare, finite
+from .urls import accepts_urls
 
 
+@accepts_urls(sources=("a", "b"))
 def verify(a: str | Path, b: str | Path | None = None, *, atol: float = 0.0, rtol: float = 0.0,
            nan_check: bool = False, progress: bool = True) -> dict[str, Any]:
     """Check the checkpoint ``a``, or compare ``a`` with ``b``; never raises for a difference.

@@ -102,8 +102,16 @@ def report_stale(dst: Path, *, remove: bool) -> list[Path]:
 
 def clean_staging(dst: str | Path) -> dict[str, list[str]]:
     """``ckpt clean DST``: remove the temporary siblings of ``dst`` that interrupted runs left;
-    ones a live run is writing are kept. Returns ``{"removed": [...], "in_use": [...]}``."""
-    dst = Path(dst)
+    ones a live run is writing are kept. Returns ``{"removed": [...], "in_use": [...]}``.
+    For an object-storage URL: unfinished uploads and an interrupted run's objects
+    (:func:`ckpt_tools.storage.remote.clean`)."""
+    from .objstore import is_remote, local_path
+
+    if is_remote(dst):
+        from .remote import clean
+
+        return clean(str(dst))
+    dst = Path(local_path(dst))
     prefix = f".{dst.name}{TMP_MARK}"
     removed, in_use = [], []
     siblings = sorted(p for p in dst.parent.iterdir() if p.name.startswith(prefix)) if dst.parent.is_dir() else []
