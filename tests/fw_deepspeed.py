@@ -9,9 +9,11 @@ the job records what the engine itself holds: every parameter's fp32 master and 
 gathered whole (``deepspeed.utils.safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``),
 and runs on to ``steps``.
 
-CPU (fair in tests only): ``DS_ACCELERATOR=cpu`` and the process group the harness opened
-(gloo); DeepSpeed's shared-memory all-reduce stays off (``DS_BUILD_OPS=0`` at install), so no
-op is compiled and collectives go through gloo.
+CPU (fair in tests only): ``DS_ACCELERATOR=cpu``, the process group the harness opened (gloo)
+and ``LOCAL_RANK`` set as a launcher would; DeepSpeed's shared-memory all-reduce is left off
+(``DS_BUILD_OPS=0`` at install, and the op marked unavailable), so nothing is compiled and
+collectives go through gloo. DeepSpeed clips gradients at 1.0 unless told: clipping is off, as
+in the FSDP2 job resumed from the save.
 """
 
 from __future__ import annotations
@@ -48,7 +50,11 @@ def _engine(stage: int, bf16: bool, world_size: int, seed: int, width: int):
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     import deepspeed
     import torch
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
+    # DeepSpeed's shared-memory all-reduce is an optional CPU kernel it JIT-compiles with g++ on
+    # first use (minutes); marked unavailable, collectives go through the gloo group
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
     module = model(seed, width)
     optimizer = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.01)
     config = {
@@ -102,11 +108,12 @@ def job(rank: int, world_size: int, out: str, *, stage: int, bf16: bool = False,
 
 
 def resume_fsdp2(rank: int, world_size: int, path: str, *, first: int, steps: int, seed: int = 1,
-                 width: int = 50) -> list[float]:
+                 width: int = 50, sharded: bool = False) -> list[float]:
     """An FSDP2 job (``fully_shard`` on each decoder layer, then the root; the same AdamW) that
     loads model and optimizer from the DCP at ``path`` (``get_state_dict`` → ``dcp.load`` →
-    ``set_state_dict``), then trains ``steps`` steps from step ``first``: the global losses.
-    Another seed, so nothing passes by accident."""
+    ``set_state_dict``), or with ``sharded`` from its rank files (``load_state_dict`` of each
+    ``torch.load(weights_only=True)``), then trains ``steps`` steps from step ``first``: the
+    global losses. Another seed, so nothing passes by accident."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -118,10 +125,16 @@ def resume_fsdp2(rank: int, world_size: int, path: str, *, first: int, steps: in
         fully_shard(layer)
     fully_shard(module)
     optimizer = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.01)
-    model_sd, optim_sd = get_state_dict(module, optimizer)
-    state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if sharded:
+        module.load_state_dict(torch.load(os.path.join(path, f"model_world_size_{world_size}_rank_{rank}.pt"),
+                                          weights_only=True))
+        optimizer.load_state_dict(torch.load(os.path.join(path, f"optim_world_size_{world_size}_rank_{rank}.pt"),
+                                             weights_only=True))
+    else:
+        model_sd, optim_sd = get_state_dict(module, optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     losses = []
     for step in range(first, first + steps):
         ids = batch_for(step, rank, world_size)

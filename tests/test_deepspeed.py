@@ -12,7 +12,9 @@ Checked: ``inspect`` (format, stage, world size, step); ``export`` bit-equal to 
 own ``zero_to_fp32`` (and its bf16 cast for the bf16 run); ``convert --to dcp`` holding the
 engine's own fp32 master and Adam moments (gathered in the job with DeepSpeed's
 ``safe_get_full_*``), read back by torch's DCP loader; an FSDP2 job at 2 ranks resumed from it
-continuing with the DeepSpeed run's losses; forged files refused with exit 3.
+continuing with the DeepSpeed run's losses, and so does one loading ``convert --to sharded``
+rank files at 2 ranks; ``convert --to torch`` holds the whole training state; forged files
+refused with exit 3.
 """
 
 from __future__ import annotations
@@ -152,6 +154,28 @@ def test_convert_dcp_resumes_fsdp2_at_2(saves, dcp_of, case, tmp_path):
     losses = run_ranks(functools.partial(fw_deepspeed.resume_fsdp2, first=SAVE_AT, steps=STEPS - SAVE_AT),
                        2, tmp_path, str(dcp_of[case]))[0]
     assert close(losses, save.losses[SAVE_AT:]), (losses, save.losses[SAVE_AT:])
+
+
+def test_convert_sharded_resumes_fsdp2_at_2(saves, tmp_path):
+    """Rank files at 2 ranks from a 3-rank ZeRO-2 save: each FSDP2 rank loads its own files
+    (``load_state_dict``) and continues with the DeepSpeed run's losses."""
+    save = saves["z2_3"]
+    _ckpt("convert", str(save.path), str(tmp_path / "sharded"), "--to", "sharded", "--world-size", "2", "--quiet")
+    losses = run_ranks(functools.partial(fw_deepspeed.resume_fsdp2, first=SAVE_AT, steps=STEPS - SAVE_AT,
+                                         sharded=True), 2, tmp_path, str(tmp_path / "sharded"))[0]
+    assert close(losses, save.losses[SAVE_AT:]), (losses, save.losses[SAVE_AT:])
+
+
+def test_convert_torch_is_the_whole_training_state(saves, tmp_path):
+    import torch
+
+    save = saves["z3_3"]
+    _ckpt("convert", str(save.path), str(tmp_path / "all.pt"), "--to", "torch", "--quiet")
+    got = torch.load(tmp_path / "all.pt", weights_only=True)
+    for fqn, want in save.held.items():
+        assert torch.equal(got["model"][fqn], want["fp32"]), fqn
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got["optimizer"]["state"][fqn][key], want[key]), (fqn, key)
 
 
 def _rewrite(path: Path, change) -> None:

@@ -115,6 +115,8 @@ def _format_files(ckpt: Checkpoint) -> set[str]:
         files |= {p.name for p in ckpt.root.glob("*.index.json")}
     if ckpt.format == "sharded":
         files |= {f.path for f in ckpt.files if PATTERN.match(f.path) or f.path == CONFIG_NAME}
+    if ckpt.format == "deepspeed":  # the model states (read for their shapes) and the ``latest`` tag
+        files |= {f.path for f in ckpt.files} | {"latest"}
     return files
 
 
