@@ -1,0 +1,40 @@
+"""Megatron-Core ``dist_checkpointing`` with the ``torch_dist`` strategy: a DCP (``.metadata`` +
+``__R_I.distcp``) beside ``common.pt`` (what is not sharded: Megatron's ``args``, iteration,
+RNG when saved) and ``metadata.json`` (the strategy's name and version). Its ``.metadata``
+also carries every rank's save plan (``all_local_plans``), read as inert records
+(:mod:`ckpt_tools.security.dcpmeta`). The DCP is read as any other; ``common.pt`` and
+``metadata.json`` are side files, carried as they are. Names are Megatron's own
+(``decoder.layers.self_attention.linear_qkv.weight``, layers stacked on a leading axis);
+:mod:`ckpt_tools.naming.megatron` says what an export would need."""
+
+from __future__ import annotations
+
+import json
+
+from ..errors import BadInput
+from ..security import safefs
+from .plain import RUN_FOLDERS, hint, parts, recorded_step  # noqa: F401 - run hooks: plain's
+
+NAME = "megatron"
+RANK_LOCAL_FILE = None
+METADATA_JSON = "metadata.json"
+COMMON = "common.pt"
+
+
+def detect(ckpt) -> bool:
+    root = ckpt.root
+    if ckpt.format != "dcp" or not root.is_dir() or not (root / METADATA_JSON).is_file():
+        return False
+    try:
+        meta = json.loads(safefs.read_capped(root / METADATA_JSON, safefs.MAX_JSON_BYTES))
+    except (BadInput, ValueError, RecursionError):
+        return False
+    return isinstance(meta, dict) and meta.get("sharded_backend") == "torch_dist"
+
+
+def fsdp_version(ckpt) -> int | None:
+    return None
+
+
+def rank_local_object(obj) -> int | None:
+    return None
