@@ -221,6 +221,29 @@ def test_partitions_that_do_not_add_up_exit_3(saves, tmp_path):
     assert "do not add up" in out, out
 
 
+def _forge_stage(o):
+    o["optimizer_state_dict"]["zero_stage"] = 7
+
+
+FORGED = {
+    "group padding mid-way": (lambda o: o["optimizer_state_dict"].update(group_paddings=[5]), "padded on rank 0"),
+    "alignment paddings": (lambda o: o["optimizer_state_dict"].update(
+        param_alignment_paddings=[[1] * len(o["optimizer_state_dict"]["param_alignment_paddings"][0])]),
+        "do not add up"),
+    "paddings not a list": (lambda o: o["optimizer_state_dict"].update(group_paddings="x"), "paddings do not match"),
+    "unknown stage": (_forge_stage, "ZeRO stage 7"),
+}
+
+
+@pytest.mark.parametrize("forged", FORGED)
+def test_forged_partition_facts_exit_3(saves, forged, tmp_path):
+    change, says = FORGED[forged]
+    src, step = _copy(saves["z2_3"], tmp_path)
+    _rewrite(step / "zero_pp_rank_0_mp_rank_00_optim_states.pt", change)
+    out = _refused("convert", str(src), str(tmp_path / "out"), "--to", "dcp")
+    assert says in out, out
+
+
 def test_missing_rank_exit_3(saves, tmp_path):
     src, step = _copy(saves["z3_3"], tmp_path)
     (step / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()

@@ -111,8 +111,8 @@ def describe(path: Path) -> Checkpoint:
         facts["mixed_precision"] = "bf16" if optim[0].startswith("bf16_") else None
     else:
         facts["zero_stage"] = None
-        tensors += _module_tensors(mz, rel + model_file, fqns, d / model_file, params=True)
-    tensors += _module_tensors(mz, rel + model_file, m.get("buffer_names") or [], d / model_file, params=False)
+        tensors += _module_tensors(mz, rel + model_file, fqns, d / model_file)
+    tensors += _module_tensors(mz, rel + model_file, m.get("buffer_names") or [], d / model_file)
     shared = m.get("shared_params") or {}
     by_name = {t.name: t for t in tensors if t.group == "model"}
     for alias, source in (shared.items() if isinstance(shared, dict) else ()):
@@ -138,7 +138,8 @@ def _shapes(group: Any, where: Path) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _module_tensors(zf: TorchZip, file: str, names, where: Path, *, params: bool) -> list[TensorInfo]:
+def _module_tensors(zf: TorchZip, file: str, names, where: Path) -> list[TensorInfo]:
+    """Tensors of the saved ``module`` (buffers; the weights when no optimizer file is there)."""
     module = zf.tree.get("module")
     out = []
     for name in names:
@@ -157,6 +158,13 @@ def _local(node: Any, where: Path, name: str):
     if local is None:
         raise BadInput(f"{where}: {name} is not a stored tensor")
     return local
+
+
+def _nth(values: Any, g: int, groups: int) -> Any:
+    """``values[g]`` of a per-group list (0 where none was saved); None where it is not one."""
+    if values is None:
+        return 0
+    return values[g] if isinstance(values, list) and len(values) == groups else None
 
 
 class _Partitions:
@@ -202,9 +210,9 @@ class _Partitions:
                     at += p
                 out.append(spans)
             return out
-        align = self.osd[0].get("param_alignment_paddings")
-        align = align[g] if isinstance(align, list) and g < len(align) else [0] * len(params)
-        pads = [(o.get("group_paddings") or [0] * len(self.groups))[g] for o in self.osd]
+        align = _nth(self.osd[0].get("param_alignment_paddings"), g, len(self.groups))
+        align = [0] * len(params) if align == 0 else align
+        pads = [_nth(o.get("group_paddings"), g, len(self.groups)) for o in self.osd]
         if (not isinstance(align, list) or len(align) != len(params)
                 or not all(type(x) is int and x >= 0 for x in [*align, *pads])):
             raise BadInput(f"{self._file(0)}: group {g}'s paddings do not match its {len(params)} parameters")
@@ -238,7 +246,7 @@ class _Partitions:
             dtype = None
             for r in range(self.ws):
                 local = _local(node_of(r, g), self._file(r), f"group {g} {state or 'master'}")
-                if local.size[0] < (self.master[r][g].size[0] if local.size else 0) or len(local.size) != 1:
+                if len(local.size) != 1 or local.size[0] < self.master[r][g].size[0]:
                     raise BadInput(f"{self._file(r)}: group {g} {state} holds {local.size}, shorter than its "
                                    f"partition of {self.master[r][g].size[0]}")
                 dtype = local.dtype
@@ -269,8 +277,8 @@ class _Partitions:
         names = list(first.get(0, {})) if isinstance(first.get(0), dict) else []
         out = []
         for state in names:
-            scalar = local_of(first[0][state]) if type(first[0][state]) is Reduce else None
-            if scalar is not None and not scalar.size:  # step: one per group, each parameter's
+            if not _local(first[0][state], self._file(0), f"group 0 {state}").size:
+                # step: one scalar per group, each of its parameters' 
                 for g, params in enumerate(self.groups):
                     node = _local(self._state(0).get(g, {}).get(state), self._file(0), f"group {g} {state}")
                     loc = tensor_location(self.zips[0], self.files[0], node)
