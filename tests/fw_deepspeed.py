@@ -25,23 +25,23 @@ from fw_common import GLOBAL_BATCH, batch_for
 LR = 1e-2
 
 
-def model(seed: int, width: int = 50):
-    """The tiny Llama at hidden ``width`` (50, or the tests' ``odd`` 30)."""
+def model(seed: int, width: int = 50, tied: bool = False):
+    """The tiny Llama at hidden ``width`` (50, or the tests' ``odd`` 30), embeddings ``tied``."""
     import torch
     from fw_common import tiny_model
     from make_fixtures import tiny_llama_config
     from transformers import LlamaForCausalLM
 
     if width == 30:
-        return tiny_model(seed, odd=True)
+        return tiny_model(seed, odd=True, tied=tied)
     torch.manual_seed(seed)
-    config = tiny_llama_config()
+    config = tiny_llama_config(tied=tied)
     config.hidden_size, config.intermediate_size = width, width * 3 // 2
     config.num_attention_heads, config.num_key_value_heads, config.head_dim = width // 10, 1, 10
     return LlamaForCausalLM(config)
 
 
-def _engine(stage: int, bf16: bool, world_size: int, seed: int, width: int):
+def _engine(stage: int, bf16: bool, world_size: int, seed: int, width: int, tied: bool):
     import torch.distributed as dist
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -55,7 +55,7 @@ def _engine(stage: int, bf16: bool, world_size: int, seed: int, width: int):
     # DeepSpeed's shared-memory all-reduce is an optional CPU kernel it JIT-compiles with g++ on
     # first use (minutes); marked unavailable, collectives go through the gloo group
     deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
-    module = model(seed, width)
+    module = model(seed, width, tied)
     optimizer = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.01)
     config = {
         "train_batch_size": GLOBAL_BATCH,
@@ -85,12 +85,12 @@ def _held(engine) -> dict:
 
 
 def job(rank: int, world_size: int, out: str, *, stage: int, bf16: bool = False, save_at: int = 2,
-        steps: int = 4, seed: int = 0, width: int = 50) -> dict:
+        steps: int = 4, seed: int = 0, width: int = 50, tied: bool = False) -> dict:
     """Train ``steps`` steps, saving after ``save_at``; returns the global losses of every step
     and (rank 0) what the engine held at the save."""
     import torch.distributed as dist
 
-    engine = _engine(stage, bf16, world_size, seed, width)
+    engine = _engine(stage, bf16, world_size, seed, width, tied)
     losses, held = [], None
     for step in range(steps):
         ids = batch_for(step, rank, world_size)
@@ -108,7 +108,7 @@ def job(rank: int, world_size: int, out: str, *, stage: int, bf16: bool = False,
 
 
 def resume_fsdp2(rank: int, world_size: int, path: str, *, first: int, steps: int, seed: int = 1,
-                 width: int = 50, sharded: bool = False) -> list[float]:
+                 width: int = 50, sharded: bool = False, tied: bool = False) -> list[float]:
     """An FSDP2 job (``fully_shard`` on each decoder layer, then the root; the same AdamW) that
     loads model and optimizer from the DCP at ``path`` (``get_state_dict`` → ``dcp.load`` →
     ``set_state_dict``), or with ``sharded`` from its rank files (``load_state_dict`` of each
@@ -120,7 +120,7 @@ def resume_fsdp2(rank: int, world_size: int, path: str, *, first: int, steps: in
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    module = model(seed, width)
+    module = model(seed, width, tied)
     for layer in module.model.layers:
         fully_shard(layer)
     fully_shard(module)

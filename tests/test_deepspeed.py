@@ -178,6 +178,35 @@ def test_convert_torch_is_the_whole_training_state(saves, tmp_path):
             assert torch.equal(got["optimizer"]["state"][fqn][key], want[key]), (fqn, key)
 
 
+@pytest.fixture(scope="session")
+def tied(tmp_path_factory):
+    """ZeRO 3 at 3 ranks with tied embeddings: DeepSpeed saves ``lm_head.weight`` as a shared
+    parameter (``shared_params``), its state once."""
+    root = tmp_path_factory.mktemp("tied")
+    save = Save.__new__(Save)
+    save.path, save.stage, save.bf16, save.world_size = root / "run", 3, False, 3
+    result = run_ranks(functools.partial(fw_deepspeed.job, stage=3, save_at=SAVE_AT, steps=STEPS, tied=True),
+                       3, root, str(save.path))[0]
+    save.losses, save.held = result["losses"], result["held"]
+    return save
+
+
+def test_tied_export_and_fsdp2_resume(tied, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    base = tmp_path / "base"
+    fw_deepspeed.model(0, tied=True).config.save_pretrained(base)
+    _ckpt("export", str(tied.path), str(tmp_path / "hf"), "--base", str(base), "--quiet")
+    got, ref = load_file(tmp_path / "hf" / "model.safetensors"), _zero_to_fp32(tied.path)
+    assert "lm_head.weight" in ref and got.keys() == ref.keys() - {"lm_head.weight"}  # written once, as HF ties it
+    assert all(torch.equal(got[k], ref[k]) for k in got)
+    _ckpt("convert", str(tied.path), str(tmp_path / "dcp"), "--to", "dcp", "--quiet")
+    losses = run_ranks(functools.partial(fw_deepspeed.resume_fsdp2, first=SAVE_AT, steps=STEPS - SAVE_AT, tied=True),
+                       2, tmp_path, str(tmp_path / "dcp"))[0]
+    assert close(losses, tied.losses[SAVE_AT:]), (losses, tied.losses[SAVE_AT:])
+
+
 def _rewrite(path: Path, change) -> None:
     """Load one of the fixture's own files (DeepSpeed's classes: the test trusts its own save),
     change it, save it back."""
