@@ -178,6 +178,16 @@ def test_convert_torch_is_the_whole_training_state(saves, tmp_path):
             assert torch.equal(got["optimizer"]["state"][fqn][key], want[key]), (fqn, key)
 
 
+def test_verify_against_its_conversion_and_reshard_refused(saves, tmp_path):
+    """``verify`` reads the ZeRO save as any other source; ``reshard`` (which keeps the source's
+    format) is refused: writing ``deepspeed`` is not done yet, and the message says what to do."""
+    save = saves["z2_3"]
+    _ckpt("convert", str(save.path), str(tmp_path / "all.pt"), "--to", "torch", "--quiet")
+    assert json.loads(_ckpt("verify", str(save.path), str(tmp_path / "all.pt"), "--json"))["ok"]
+    out = _refused("reshard", str(save.path), str(tmp_path / "r"), "--to", "2")
+    assert "reads but does not write" in out and "--to sharded" in out, out
+
+
 @pytest.fixture(scope="session")
 def tied(tmp_path_factory):
     """ZeRO 3 at 3 ranks with tied embeddings: DeepSpeed saves ``lm_head.weight`` as a shared
