@@ -178,6 +178,27 @@ def test_convert_torch_is_the_whole_training_state(saves, tmp_path):
             assert torch.equal(got["optimizer"]["state"][fqn][key], want[key]), (fqn, key)
 
 
+def test_without_optimizer_files(saves, tmp_path):
+    """Stages 1/2 without the optimizer files: the model is the module DeepSpeed saved (bf16 in a
+    bf16 run); stage 3 keeps no weights outside them: exit 3 saying so."""
+    import torch
+    from safetensors.torch import load_file
+
+    src, step = _copy(saves["z1_bf16_2"], tmp_path)
+    for f in step.glob("*optim_states.pt"):
+        f.unlink()
+    info = json.loads(_ckpt("inspect", str(src), "--json"))
+    assert info["zero_stage"] is None and info["dtypes"] == {"bfloat16": len(saves["z1_bf16_2"].held)}
+    _ckpt("convert", str(src), str(tmp_path / "hf"), "--to", "hf", "--quiet")
+    module = torch.load(step / "mp_rank_00_model_states.pt", weights_only=True)["module"]
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    assert got.keys() == module.keys() and all(torch.equal(got[k], v) for k, v in module.items())
+    src3, step3 = _copy(saves["z3_3"], tmp_path / "z3")
+    for f in step3.glob("*optim_states.pt"):
+        f.unlink()
+    assert "keeps its weights only in the optimizer files" in _refused("inspect", str(src3))
+
+
 def test_verify_against_its_conversion_and_reshard_refused(saves, tmp_path):
     """``verify`` reads the ZeRO save as any other source; ``reshard`` (which keeps the source's
     format) is refused: writing ``deepspeed`` is not done yet, and the message says what to do."""

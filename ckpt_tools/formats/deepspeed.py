@@ -109,7 +109,10 @@ def describe(path: Path) -> Checkpoint:
         objects.append(stage.param_groups())
         facts["zero_stage"] = stage.stage
         facts["mixed_precision"] = "bf16" if optim[0].startswith("bf16_") else None
-    else:
+    elif model3:
+        raise BadInput(f"{d}: no zero_pp_rank_R_mp_rank_00_optim_states.pt: a ZeRO-3 save keeps its weights only "
+                       "in the optimizer files (its model states hold none); copy them in beside the model states")
+    else:  # stages 1/2 saved without the optimizer (save_checkpoint(exclude_frozen..., optimizer off)): module
         facts["zero_stage"] = None
         tensors += _module_tensors(mz, rel + model_file, fqns, d / model_file)
     tensors += _module_tensors(mz, rel + model_file, m.get("buffer_names") or [], d / model_file)
