@@ -11,7 +11,7 @@ Real DeepSpeed 0.19.8 jobs on CPU ranks (``fw_deepspeed.job``: the tiny Llama at
 Checked: ``inspect`` (format, stage, world size, step); ``export`` bit-equal to DeepSpeed's
 own ``zero_to_fp32`` (and its bf16 cast for the bf16 run); ``convert --to dcp`` holding the
 engine's own fp32 master and Adam moments (gathered in the job with DeepSpeed's
-``safe_get_full_*``), read back by torch's DCP loader; an FSDP2 job at 2 ranks resumed from it
+``safe_get_full_*``), read back by torch's DCP loader; FSDP2 jobs at 2 and 3 ranks resumed from it
 continuing with the DeepSpeed run's losses, and so does one loading ``convert --to sharded``
 rank files at 2 ranks; ``convert --to torch`` holds the whole training state; forged files
 refused with exit 3.
@@ -146,13 +146,13 @@ def test_convert_dcp_holds_the_engines_master_and_moments(saves, dcp_of, case, t
     assert group["params"] == list(held) and group["lr"] == fw_deepspeed.LR
 
 
-@pytest.mark.parametrize("case", ["z2_3", "z3_3"])
-def test_convert_dcp_resumes_fsdp2_at_2(saves, dcp_of, case, tmp_path):
+@pytest.mark.parametrize("case, world_size", [("z2_3", 2), ("z3_3", 2), ("z3_3", 3)])
+def test_convert_dcp_resumes_fsdp2(saves, dcp_of, case, world_size, tmp_path):
     """AdamW is the same algorithm in both (DeepSpeed's gradient clipping off): the FSDP2 job
     continues with the uninterrupted DeepSpeed run's losses."""
     save = saves[case]
     losses = run_ranks(functools.partial(fw_deepspeed.resume_fsdp2, first=SAVE_AT, steps=STEPS - SAVE_AT),
-                       2, tmp_path, str(dcp_of[case]))[0]
+                       world_size, tmp_path, str(dcp_of[case]))[0]
     assert close(losses, save.losses[SAVE_AT:]), (losses, save.losses[SAVE_AT:])
 
 

@@ -67,6 +67,8 @@ def test_inspect_lists_what_torch_reads(save, tmp_path):
     info = json.loads(_ckpt("inspect", str(path), "--json", "--tensors"))
     assert (info["format"], info["layout"]) == ("dcp", "megatron")
     assert set(info["side_files"]) == {"common.pt", "metadata.json"}
+    # Megatron's optimizer keys (optimizer.state.exp_avg.<key>) read per parameter
+    assert info["optimizer"]["type"] == "Adam/AdamW" and info["optimizer"]["params"] == info["groups"]["model"]["num_tensors"]
     ref = {k: v for k, v in _flat(_torch_read(path, tmp_path, "src.pt")).items() if torch.is_tensor(v)}
     # Megatron's keys are flat (``embedding.word_embeddings.weight``, ``optimizer.state.exp_avg.<key>``):
     # the model's are read under their own names, the optimizer's under ``state.``

@@ -10,6 +10,7 @@ also carries every rank's save plan (``all_local_plans``), read as inert records
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from ..errors import BadInput
 from ..security import safefs
@@ -38,3 +39,20 @@ def fsdp_version(ckpt) -> int | None:
 
 def rank_local_object(obj) -> int | None:
     return None
+
+
+def complete(ckpt, base: str | None = None):
+    """Megatron keys its optimizer state ``optimizer.state.<state>.<parameter key>``
+    (``optim_state_to_sharding_state``), where DCP's convention is ``state.<fqn>.<state>``:
+    each tensor keeps its saved key and is told its parameter and state, so the optimizer is
+    counted per parameter (``inspect``) and written FQN-keyed by the other writers."""
+    model = {t.name for t in ckpt.group("model")}
+    tensors, changed = [], False
+    for t in ckpt.tensors:
+        state, _, param = t.name.removeprefix("state.").partition(".")
+        if t.group == "optimizer" and t.name.startswith("state.") and param in model and (t.param, t.state) != (
+                param, state):
+            t = replace(t, param=param, state=state)
+            changed = True
+        tensors.append(t)
+    return replace(ckpt, tensors=tuple(tensors)) if changed else ckpt
