@@ -14,7 +14,6 @@ from dataclasses import replace
 
 from ..errors import BadInput
 from ..security import safefs
-from .plain import RUN_FOLDERS, hint, parts, recorded_step  # noqa: F401 - run hooks: plain's
 
 NAME = "megatron"
 RANK_LOCAL_FILE = None
