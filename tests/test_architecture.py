@@ -156,8 +156,10 @@ def test_frameworks_named_only_at_the_edge(name):
     docstrings = {id(n.body[0].value) for n in ast.walk(tree)
                   if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
                   and n.body and isinstance(n.body[0], ast.Expr)}
+    # a format module may name its own format, a word of CONTRACT.md (`deepspeed`)
+    own = {path.stem} if _layer(name) == "formats" else set()
     named = sorted({n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and id(n) not in docstrings
-                    and isinstance(n.value, str) and n.value.lower() in FRAMEWORKS})
+                    and isinstance(n.value, str) and n.value.lower() in FRAMEWORKS - own})
     assert not named, f"{path.relative_to(ROOT)} names {named}"
 
 

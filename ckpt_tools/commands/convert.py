@@ -177,7 +177,9 @@ def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = No
                    workers=workers)
     ckpt = describe(Path(src))
     if ckpt.format not in ("sharded", "dcp"):
-        raise BadInput(f"{src}: is {ckpt.format!r}, which has no ranks; use `ckpt convert --to sharded --world-size {to}`")
+        why = "which has no ranks" if not ckpt.world_size else "which ckpt reads but does not write"
+        raise BadInput(f"{src}: is {ckpt.format!r}, {why}; use `ckpt convert --to sharded --world-size {to}` "
+                       f"(or --to dcp)")
     if from_ is not None and from_ != ckpt.world_size:
         raise BadInput(f"{src}: --from {from_} but the checkpoint was saved by {ckpt.world_size} ranks")
     if ckpt.format == "sharded" and ckpt.mesh_shape and len(ckpt.mesh_shape) > 1:

@@ -55,6 +55,7 @@ def summarize(ckpt: Checkpoint, *, tensors: bool = False) -> dict[str, Any]:
     if ckpt.details.get("fsdp"):
         out["fsdp"] = ckpt.details["fsdp"]
     out.update(layout_of(ckpt).to_json())
+    out.update(ckpt.details.get("facts") or {})  # what a format says of itself (a ZeRO save's stage, step)
     if "optimizer" in groups:
         out["optimizer"] = _optimizer(ckpt)
     extra = sorted({str(o.path[0]) if o.path else o.name for o in ckpt.objects if o.group == "extra"})
@@ -97,7 +98,9 @@ def format_summary(info: dict[str, Any]) -> str:
              + (f", FSDP{info['fsdp_version']}" if info.get("fsdp_version") else ""),
              f"  world size  {info['world_size'] if info['world_size'] is not None else '- (unsharded)'}"
              + (f", mesh {tuple(info['mesh_shape'])}" if info.get("mesh_shape") else "")
-             + (f", {info['fsdp']}" if info.get("fsdp") else ""),
+             + (f", {info['fsdp']}" if info.get("fsdp") else "")
+             + (f", ZeRO stage {info['zero_stage']}" if info.get("zero_stage") else "")
+             + (f", global step {info['global_step']}" if info.get("global_step") is not None else ""),
              f"  tensors     {info['num_tensors']} ({human_bytes(info['total_bytes'])})",
              f"  files       {info['num_files']} ({human_bytes(info['file_bytes'])} on disk)",
              "  dtypes      " + ", ".join(f"{k} {v}" for k, v in sorted(info["dtypes"].items())),

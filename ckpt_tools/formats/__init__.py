@@ -9,10 +9,10 @@ from pathlib import Path
 from ..core.describe import Checkpoint, check_coverage
 from ..security import bounded, safefs
 from ..errors import BadInput
-from . import dcp, hf, sharded, torchsave
+from . import dcp, deepspeed, hf, sharded, torchsave
 
-FORMATS = ("hf", "torch", "dcp", "sharded")
-_ORDER = (("sharded", sharded), ("dcp", dcp), ("hf", hf), ("torch", torchsave))
+FORMATS = ("hf", "torch", "dcp", "sharded")  # the formats written (read: _ORDER)
+_ORDER = ((deepspeed.NAME, deepspeed), ("sharded", sharded), ("dcp", dcp), ("hf", hf), ("torch", torchsave))
 
 
 def detect(path: Path | str) -> str:

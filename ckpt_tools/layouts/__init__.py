@@ -31,11 +31,11 @@ from ..formats.sharded import CONFIG_NAME, PATTERN
 from ..security import safefs
 from ..storage import manifest
 from ..storage.atomic import TMP_MARK
-from . import accelerate, plain, torchtitan, trainer, verl
+from . import accelerate, megatron, plain, torchtitan, trainer, verl
 
-LAYOUTS = ("plain", "verl", "accelerate", "trainer", "torchtitan")
+LAYOUTS = ("plain", "verl", "accelerate", "trainer", "torchtitan", "megatron")
 # most specific first: a Trainer checkpoint is also an accelerate save_state directory
-_ADAPTERS = (verl, trainer, accelerate, torchtitan)
+_ADAPTERS = (verl, trainer, accelerate, torchtitan, megatron)
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,8 @@ def _format_files(ckpt: Checkpoint) -> set[str]:
         files |= {p.name for p in ckpt.root.glob("*.index.json")}
     if ckpt.format == "sharded":
         files |= {f.path for f in ckpt.files if PATTERN.match(f.path) or f.path == CONFIG_NAME}
+    if ckpt.format == "deepspeed":  # the model states (read for their shapes) and the ``latest`` tag
+        files |= {f.path for f in ckpt.files} | {"latest"}
     return files
 
 

@@ -29,7 +29,7 @@ from ..formats import describe
 from ..hf import archcheck, assets as hfassets
 from ..hf.hub import resolve_model_dir
 from ..runtime import env
-from . import lora as peft_lora, torchtitan
+from . import lora as peft_lora, megatron, torchtitan
 from .wrappers import normalize_name
 
 
@@ -68,6 +68,8 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
         if n in names:
             raise BadInput(f"{src}: two tensors become {n!r} once wrapper prefixes are removed")
         names[n] = t
+    if megatron.detect(names):
+        raise megatron.refuse(names, src)
     found = peft_lora.find(ckpt, alpha=lora_alpha) if any(".lora_" in n for n in names) else None
     if found is None and lora == "adapter":
         raise BadInput(f"{src}: holds no LoRA weights (lora_A/lora_B) to write as an adapter; drop --lora adapter")

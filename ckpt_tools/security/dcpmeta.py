@@ -106,6 +106,28 @@ class TensorProperties(_Record):
         self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
 
 
+class SavePlan(_Record):
+    """What each rank planned to write. ``dcp.save`` does not keep it, but Megatron-Core's
+    ``torch_dist`` strategy stores every rank's plan in ``.metadata`` (``all_local_plans``), to
+    reuse on its next save; read as plain records, never used to locate data."""
+
+    _fields = ("items", "storage_data", "planner_data", "usable")
+
+
+class WriteItem(_Record):
+    _fields = ("index", "type", "bytes_io_data", "tensor_data")
+
+
+class TensorWriteData(_Record):
+    _fields = ("chunk", "properties", "size")
+
+
+class WriteItemType(Enum):
+    TENSOR = 1
+    SHARD = 2
+    BYTE_IO = 3
+
+
 # DCP's (module, name) → stand-in
 CLASSES: dict[tuple[str, str], type] = {
     ("torch.distributed.checkpoint.metadata", "Metadata"): Metadata,
@@ -118,6 +140,10 @@ CLASSES: dict[tuple[str, str], type] = {
     ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): MemFormat,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): StorageInfo,
     ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"): StoragePrefix,
+    ("torch.distributed.checkpoint.planner", "SavePlan"): SavePlan,
+    ("torch.distributed.checkpoint.planner", "WriteItem"): WriteItem,
+    ("torch.distributed.checkpoint.planner", "TensorWriteData"): TensorWriteData,
+    ("torch.distributed.checkpoint.planner", "WriteItemType"): WriteItemType,
 }
 
 

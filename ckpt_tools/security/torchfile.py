@@ -125,12 +125,13 @@ class _Unpickler(pickle._Unpickler):
 
     dispatch = dict(pickle._Unpickler.dispatch)
 
-    def __init__(self, data: bytes | Any) -> None:
+    def __init__(self, data: bytes | Any, admit: frozenset[tuple[str, str]] = frozenset()) -> None:
         super().__init__(data if hasattr(data, "read") else io.BytesIO(data))
         self.storages: dict[str, StorageRef] = {}
+        self.admit = admit
 
     def find_class(self, module: str, name: str) -> Global:
-        if (module, name) not in ALLOWED_GLOBALS:
+        if (module, name) not in ALLOWED_GLOBALS and (module, name) not in self.admit:
             raise UnsafeInput(f"the pickle references {module}.{name}, which is not an allowlisted "
                               "tensor-rebuilding global; refusing to load it (it could run code)")
         return Global(module, name)
@@ -233,8 +234,9 @@ bounded.register(Reduce, lambda n: (n.func, n.args, n.state), _cycle)
 bounded.register(NewObj, lambda n: (n.func, n.args, n.state), _cycle)
 
 
-def _parse(data: bytes, where: str = "the pickle") -> tuple[Any, dict[str, StorageRef]]:
-    unpickler = _Unpickler(data)
+def _parse(data: bytes, where: str = "the pickle",
+           admit: frozenset[tuple[str, str]] = frozenset()) -> tuple[Any, dict[str, StorageRef]]:
+    unpickler = _Unpickler(data, admit)
     try:
         tree = unpickler.load()
     except bounded.HostileTree as e:
@@ -322,9 +324,11 @@ def zip_records(path: Path) -> tuple[str, dict[str, Record]]:
 class TorchZip:
     """A torch.save file: ``prefix`` (its archive folder), ``records`` (name -> Record, file order),
     the raw ``pickle``, its parsed ``tree`` and ``storages`` (key -> StorageRef, first-use order).
-    Refuses what torch.load refuses, and TorchScript archives (they carry code)."""
+    Refuses what torch.load refuses, and TorchScript archives (they carry code). ``admit``: more
+    global names a caller's format saves (a framework's own classes, :mod:`.zeroglobals`), kept
+    as inert :class:`Global` nodes like every other: named, never imported or constructed."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, admit: frozenset[tuple[str, str]] = frozenset()) -> None:
         self.path = Path(path)
         self.prefix, self.records = zip_records(self.path)
         names = self.records.keys()
@@ -336,7 +340,7 @@ class TorchZip:
             raise BadInput(f"{self.path}: its pickle claims {self.records['data.pkl'].size} bytes; "
                            "corrupt or not a checkpoint file")
         self.pickle = self.read("data.pkl")
-        self.tree, self.storages = _parse(self.pickle, str(self.path))
+        self.tree, self.storages = _parse(self.pickle, str(self.path), admit)
         for key, ref in self.storages.items():
             rec = self.records.get(f"data/{key}")
             if rec is None or rec.size != ref.nbytes:
