@@ -32,7 +32,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["run_ranks"]
+__all__ = ["run_ranks", "terminal_sigint"]
 
 # Environment forced on the children (2-core machine, up to 8 ranks).
 _CHILD_ENV = {
@@ -201,3 +201,13 @@ def _kill_all(procs) -> None:
             p.kill()
     for p in procs:
         p.join(10)
+
+
+def terminal_sigint() -> None:
+    """``preexec_fn`` for a program a test interrupts as a terminal would: SIGINT at its default,
+    as in a shell's foreground job. A test suite started in the background of a non-interactive
+    shell (``cmd &``) inherits SIGINT ignored, and a program keeps a SIGINT its parent ignores
+    ignored (as ``ckpt`` does, as Python does): the Ctrl-C would never arrive."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from dist import terminal_sigint
 import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
@@ -71,7 +72,7 @@ def _start(src: Path, dst: Path, to: str, *extra: str) -> subprocess.Popen:
     could fill up and stall the run), read back with :func:`_stderr`."""
     with open(_log(dst), "wb") as log:
         return subprocess.Popen([sys.executable, "-m", "ckpt_tools", "convert", str(src), str(dst), "--to", to, *extra],
-                                stdout=subprocess.DEVNULL, stderr=log)
+                                stdout=subprocess.DEVNULL, stderr=log, preexec_fn=terminal_sigint)
 
 
 def _log(dst: Path) -> Path:

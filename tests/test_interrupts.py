@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from dist import terminal_sigint
 import torch
 
 import ckpt_tools
@@ -43,7 +44,7 @@ def big(tmp_path_factory) -> dict[str, Path]:
 def _start(*args: str, log: Path) -> subprocess.Popen:
     with open(log, "wb") as f:
         return subprocess.Popen([sys.executable, "-m", "ckpt_tools", *args], stdout=subprocess.DEVNULL,
-                                stderr=f, start_new_session=True)
+                                stderr=f, start_new_session=True, preexec_fn=terminal_sigint)
 
 
 def _ctrl_c(proc: subprocess.Popen) -> None:

@@ -35,8 +35,10 @@ def _errors(output: str) -> list[str]:
 
 # -- inspect: the step without torch ---------------------------------------------------------
 
-_RUN_CLI = ("import atexit, runpy, sys; "
-            "atexit.register(lambda: print('TORCH', 'torch' in sys.modules, file=sys.stderr)); "
+# the program ends with os._exit once its command is done (no atexit): the check runs there
+_RUN_CLI = ("import os, runpy, sys; _exit = os._exit; "
+            "os._exit = lambda code: (print('TORCH', 'torch' in sys.modules, file=sys.stderr), sys.stderr.flush(), "
+            "_exit(code)); "
             "sys.argv = ['ckpt', 'inspect', sys.argv[1], '--json']; "
             "runpy.run_module('ckpt_tools', run_name='__main__')")
 
