@@ -1,23 +1,28 @@
 """``python -m ckpt_tools.runtime.child SPEC``: one helper process of :mod:`.procs`.
 
-Reads the caller's ``sys.path`` and then the work (a function and its arguments) from SPEC,
-runs it, and writes ``("ok", value)`` or ``("error", exception, traceback)`` beside SPEC
-(``NAME.out``). The caller's ``__main__`` is never imported.
+Reads SPEC, only from a private directory of this user's (:mod:`.private`): the caller's
+``sys.path`` (a JSON line, never unpickled), then the work (a function of ours by reference and
+its arguments, pickled by the parent as multiprocessing would send them down a pipe); runs it,
+and writes ``("ok", value)`` or ``("error", exception, traceback)`` beside SPEC (``NAME.out``).
+The caller's ``__main__`` is never imported. Input checkpoints never come through here.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import sys
 import traceback
 from pathlib import Path
 
+from . import private
+
 
 def main(spec: str) -> int:
     spec_path = Path(spec)
-    with open(spec_path, "rb") as f:  # written by our parent into its private directory
-        head = pickle.load(f)
+    with private.open_read(spec_path) as f:  # written by our parent into its private directory
+        head = json.loads(f.readline())  # plain data: never unpickled
         sys.path[:] = head["sys_path"] + [p for p in sys.path if p not in head["sys_path"]]
         from .lifeline import tie_to_parent
 
@@ -33,7 +38,8 @@ def main(spec: str) -> int:
         data = pickle.dumps(outcome)
     except Exception:  # an exception or result that does not pickle: its text does
         data = pickle.dumps(("error", RuntimeError(f"{outcome[1]!r}"), traceback.format_exc()))
-    tmp.write_bytes(data)
+    with private.open_write(tmp) as f:
+        f.write(data)
     os.replace(tmp, out)
     return 0 if outcome[0] == "ok" else 1
 

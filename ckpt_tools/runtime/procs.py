@@ -15,6 +15,7 @@ traceback each. Each child dies with this process (:mod:`.lifeline`).
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import signal
@@ -25,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from . import private
 
 # After a stop is asked (SIGTERM), how long a child gets to end on its own (one in the middle of
 # a commit finishes it first, see storage/atomic.py) before it is killed.
@@ -41,7 +44,7 @@ class Child:
         """``("ok", value)`` or ``("error", exception, traceback text)``, as the child wrote it;
         ``("died", exit code)`` when it wrote nothing (a signal, out of memory)."""
         try:
-            with open(self.out, "rb") as f:
+            with private.open_read(self.out) as f:
                 return pickle.load(f)  # written by our own child into our private directory
         except FileNotFoundError:
             return ("died", self.proc.returncode)
@@ -53,8 +56,8 @@ def start(fn: Callable[..., Any], args: Sequence[Any], *, work: Path, name: str,
     module-level function of an importable module (not of ``__main__``). ``work``: a private
     directory of the caller's; ``env``: variables to add to the child's environment."""
     spec = work / f"{name}.in"
-    with open(spec, "wb") as f:
-        pickle.dump({"sys_path": list(sys.path), "parent": os.getpid()}, f)
+    with private.open_write(spec) as f:
+        f.write(json.dumps({"sys_path": list(sys.path), "parent": os.getpid()}).encode() + b"\n")
         pickle.dump((fn, tuple(args)), f)
     child_env = {**os.environ, **(env or {})}
     root = str(Path(__file__).resolve().parents[2])  # the folder that holds ckpt_tools/
