@@ -288,21 +288,20 @@ def storages_in(tree: Any) -> list[StorageRef]:
     return list(seen.values())
 
 
-def renumber(tree: Any, zf: TorchZip, emitter: Emitter) -> Any:
+def renumber(tree: Any, zf: TorchZip, emitter: Emitter, leaf: Callable[[Any], Any] | None = None) -> Any:
     """A copy of ``tree`` (from file ``zf``) whose storages are new ones of ``emitter``, each
-    filled from the source record it replaces."""
+    filled from the source record it replaces. ``leaf(x)``: a writer's own node types, replaced
+    by what it returns (None for any other node)."""
     new: dict[int, StorageRef] = {}
-
-    def storage(ref: StorageRef) -> StorageRef:
-        if id(ref) not in new:
-            new[id(ref)] = emitter.storage(ref, ref.numel, [zf.part(f"data/{ref.key}")])
-        return new[id(ref)]
-
     memo: dict[int, Any] = {}
 
     def copy(x: Any) -> Any:
         if type(x) is StorageRef:
-            return storage(x)
+            if id(x) not in new:
+                new[id(x)] = emitter.storage(x, x.numel, [zf.part(f"data/{x.key}")])
+            return new[id(x)]
+        if leaf is not None and (out := leaf(x)) is not None:
+            return out
         if id(x) in memo:
             return memo[id(x)]
         if type(x) in (Reduce, NewObj):
