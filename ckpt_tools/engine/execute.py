@@ -1,7 +1,8 @@
 """The one engine that moves bytes: it carries out a writer's plan (a list of
 :class:`~ckpt_tools.core.plan.FileJob`) from a source description into a staged destination, in
 this process (:mod:`.stream`), in ``--workers`` processes or across a ``torchrun`` launch
-(:mod:`.parallel`), and commits it whole (:mod:`ckpt_tools.storage.atomic`).
+(:mod:`.parallel`), and commits it whole (:mod:`ckpt_tools.storage.atomic`). A remote source's
+bytes are fetched by the ranges the plan reads, as it goes (:mod:`.fetch`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from ..core.describe import Checkpoint
 from ..core.plan import FileJob
 from ..runtime import env
 from ..security import safefs
-from ..storage import manifest
+from ..storage import manifest, remote
 from ..storage.atomic import check_destination, staged
-from . import parallel
+from . import fetch, parallel
 from .stream import Writer, run_jobs
 
 
@@ -28,18 +29,22 @@ def execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path,
     dst = Path(dst)
     sealed: dict[Path, tuple[int, str]] = {}
 
-    def complete(tmp: Path, written: dict[str, Any]) -> None:
+    def complete(tmp: Path, written: dict[str, Any], elsewhere: dict[str, tuple[int, str]] | None = None) -> None:
         if src.stamps is not None:
             # a source rewritten while it was read (a training job saving over it) gives an
-            # output that is no faithful copy of anything: it is not published
-            safefs.check_unchanged(src.base_dir(), src.stamps, names=[f.path for f in src.files])
+            # output that is no faithful copy of anything: it is not published (a remote
+            # source's stand-in changes as its ranges arrive; its reads check their lengths)
+            safefs.check_unchanged(src.base_dir(), src.stamps, names=[
+                f.path for f in src.files if not remote.is_standin(src.base_dir() / f.path)])
         writer.finish(tmp, jobs, written)
         if after is not None:
             after(tmp)
         if not writer.single_file:
             # last: a manifest vouches for every file beside it
-            manifest.write(tmp, source=str(src.root), source_format=src.format, format=fmt, known=sealed)
+            manifest.write(tmp, source=str(src.root), source_format=src.format, format=fmt, known=sealed,
+                           elsewhere=elsewhere)
 
+    fetch.side_files(src)  # a remote source's files no plan reads but layouts copy (nothing when local)
     if env.world() > 1 and not writer.single_file:
         parallel.execute_torchrun(src, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=desc,
                                   complete=complete)
@@ -47,6 +52,8 @@ def execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path,
     check_destination(src.root, dst, overwrite=overwrite)
     with staged(dst, overwrite=overwrite, is_dir=not writer.single_file) as tmp:
         if workers > 1 and len(jobs) > 1 and not writer.single_file:
+            with fetch.Ahead(src, jobs) as ahead:
+                ahead.all()  # the workers read the stand-in this process filled
             written = parallel.run_parallel(src, writer, jobs, tmp, workers=workers, progress=progress, desc=desc)
         else:
             written = run_jobs(src, writer, jobs, tmp, progress=progress, desc=desc,

@@ -1,6 +1,9 @@
 """Reading the bytes a description points at: one chunk or one object at a time.
 
 Files are memory-mapped, so a chunk costs page cache, not process memory, until it is copied.
+A remote source's stand-in (:mod:`ckpt_tools.storage.remote`) holds only what was fetched: a
+reader outside the engine's plan asks for each chunk's (or file's) bytes before reading them;
+the engine's (``planned``) has had exactly its plan's ranges fetched (:mod:`.fetch`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from ..core.dtypes import as_torch, scalar_from_bytes
 from ..errors import BadInput
 from ..security import safefs
 from ..security.torchfile import loads_blob
+from ..storage import remote
+from .torchranges import TorchRanges
 
 if TYPE_CHECKING:
     import torch
@@ -35,8 +40,10 @@ class Reader:
     memory) and kept, so a plan that walks W rank files tensor by tensor unpickles each once.
     """
 
-    def __init__(self, ckpt: Checkpoint, *, cache_files: int | None = None):
+    def __init__(self, ckpt: Checkpoint, *, cache_files: int | None = None, planned: bool = False):
         self.ckpt = ckpt
+        self.planned = planned  # the engine made the plan's ranges present: no fetch on demand
+        self._torch: TorchRanges | None = None
         self._maps: dict[str, mmap.mmap] = {}
         self._loaded: OrderedDict[str, Any] = OrderedDict()
         self._cache_files = cache_files
@@ -59,6 +66,20 @@ class Reader:
         self._maps.clear()
 
     # -- raw bytes ----------------------------------------------------------------------
+    def _need(self, loc: Location) -> None:
+        """A remote stand-in's bytes of ``loc`` fetched (whole: a reader outside a plan)."""
+        if self.planned:
+            return
+        path = self.ckpt.base_dir() / loc.file
+        if loc.kind == "pickled":
+            if remote.is_standin(path):  # the value's storage records (the pickle is there)
+                with self._lock:
+                    if self._torch is None:
+                        self._torch = TorchRanges(self.ckpt.base_dir())
+                remote.present(self._torch.of(loc.file, loc.key)[0])
+        elif loc.kind in ("raw", "torch_item", "bytes_item"):
+            remote.present([(path, loc.offset, loc.offset + loc.length)])
+
     def _map(self, file: str) -> mmap.mmap:
         with self._lock:
             return self._map_locked(file)
@@ -81,6 +102,7 @@ class Reader:
         return self._bytes(loc)
 
     def _bytes(self, loc: Location) -> memoryview:
+        self._need(loc)
         m = self._map(loc.file)
         safefs.check_span(loc.offset, loc.length, len(m), what=str(self.ckpt.base_dir() / loc.file))
         return memoryview(m)[loc.offset: loc.offset + loc.length]
@@ -103,6 +125,7 @@ class Reader:
         return obj
 
     def _lookup(self, loc: Location) -> Any:
+        self._need(loc)
         obj = self._pickled(loc.file)
         for k in loc.key:
             try:
@@ -143,6 +166,7 @@ class Reader:
         loc = chunk.location
         nbytes = chunk.numel * tensor.dtype.itemsize
         path = self.ckpt.base_dir() / loc.file
+        self._need(loc)
         if loc.kind == "raw" and loc.length == nbytes:
             return path, loc.offset, loc.length
         if loc.kind == "torch_item":
@@ -163,6 +187,7 @@ class Reader:
         from ..security.safeload import load_torch_bytes, load_torch_meta
 
         where = f"{self.ckpt.base_dir() / loc.file} ({name})"
+        self._need(loc)
         m = self._map(loc.file)
         safefs.check_span(loc.offset, loc.length, len(m), what=where)
         meta = load_torch_meta(_MapSlice(m, loc.offset, loc.length), where=where)

@@ -9,6 +9,7 @@ so memory stays near the largest piece plus that budget whatever the model's siz
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import math
 import sys
 from collections import deque
@@ -22,6 +23,7 @@ from ..core.plan import FileJob, Piece, Span
 from ..errors import BadInput
 from ..storage import manifest
 from ..storage.castio import CastSpan
+from .fetch import Ahead
 from .reader import Reader
 
 if TYPE_CHECKING:
@@ -124,21 +126,28 @@ def _plus_low_rank(reader: Reader, piece: Piece) -> torch.Tensor:
 
 
 def stream(reader: Reader, pieces: Sequence[Piece], bar: tqdm | _NoBar | None = None,
-           budget: int = PREFETCH_BYTES, spans: bool = False,
-           casts: bool = False) -> Iterator[tuple[Piece, torch.Tensor | Span | CastSpan]]:
-    """Yield ``(piece, values)`` in order, preparing the next ones in a background thread."""
+           budget: int = PREFETCH_BYTES, spans: bool = False, casts: bool = False,
+           ready: Callable[[int], None] | None = None) -> Iterator[tuple[Piece, torch.Tensor | Span | CastSpan]]:
+    """Yield ``(piece, values)`` in order, preparing the next ones in a background thread
+    (which first calls ``ready(n)`` for piece ``n``: its source bytes are then present)."""
+
+    def prepare(n: int, p: Piece) -> torch.Tensor | Span | CastSpan:
+        if ready is not None:
+            ready(n)
+        return materialize(reader, p, spans=spans, casts=casts)
+
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-read") as pool:
         pending: deque = deque()
-        it = iter(pieces)
+        it = iter(enumerate(pieces))
         inflight = 0
 
         def fill() -> None:
             nonlocal inflight
             while not pending or inflight < budget:
-                p = next(it, None)
+                n, p = next(it, (0, None))
                 if p is None:
                     return
-                pending.append((p, pool.submit(materialize, reader, p, spans=spans, casts=casts)))
+                pending.append((p, pool.submit(prepare, n, p)))
                 inflight += p.nbytes
 
         fill()
@@ -191,13 +200,18 @@ def run_jobs(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path
     written, and its (size, digest) recorded there for the manifest."""
     total = sum(j.nbytes for j in jobs)
     written = {}
-    with Reader(src) as reader, progress_bar(total, desc, progress) as bar, manifest.Sealer() as sealer:
-        for job in jobs:
+    # a remote source's ranges are fetched a few files ahead of the writer (nothing for a local one)
+    with Ahead(src, jobs) as ahead, Reader(src, planned=ahead.active) as reader, \
+            progress_bar(total, desc, progress) as bar, manifest.Sealer() as sealer:
+        for i, job in enumerate(jobs):
+            ahead.wait(i)  # its objects and first pieces
             path = out if writer.single_file else out / job.path
             path.parent.mkdir(parents=True, exist_ok=True)
             pieces = stream(reader, job.pieces, bar, spans=getattr(writer, "accepts_spans", False),
-                            casts=getattr(writer, "accepts_casts", False))
+                            casts=getattr(writer, "accepts_casts", False),
+                            ready=functools.partial(ahead.wait, i) if ahead.active else None)
             written[job.path] = writer.write(path, job, pieces, reader.object)
+            ahead.done(i)  # the stand-in's disk stays near what is fetched ahead of the writer
             if sealed is not None:
                 # a writer that hashed its file as it wrote it returns the digest
                 known = written[job.path] if isinstance(written[job.path], manifest.Digest) else None

@@ -10,8 +10,9 @@ Rounds of ranged reads, each request of a round in flight together:
    ``version``) and storage records of at most ``SMALL_ITEM`` bytes (an optimizer's ``step``);
    each DCP ``.metadata``'s non-tensor items and small tensor items in the ``.distcp`` files.
 
-A ``.distcp`` or a zip's tensor records are never fetched here: a command that reads tensor
-data fetches whole objects (``Mirror.fetch``).
+A ``.distcp`` or a zip's tensor records are never fetched here: a command that writes from a
+plan has the engine fetch the ranges its plan reads (:mod:`ckpt_tools.engine.fetch`); one that
+checks files byte for byte fetches whole objects (``Mirror.fetch``).
 """
 
 from __future__ import annotations
