@@ -10,16 +10,20 @@ of bench.py (a 4-rank bf16 DCP for ``export``; an 8-rank fp32 model + AdamW chec
   library ckpt uses), in a process of its own: the floor for moving the bytes through a client;
 - ``ckpt export`` / ``ckpt reshard 8→4``: bucket to bucket, as a user runs them.
 
-Medians over rounds; peak RSS and peak anonymous RSS sampled from /proc every 20 ms.
+Medians over rounds; peak RSS and peak anonymous RSS sampled from /proc every 20 ms; peak local
+disk (allocated blocks under the run's own TMPDIR: the stand-in of the source and the staging
+tree; the s3fs copy's temporary directory) every 100 ms.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -39,16 +43,58 @@ with tempfile.TemporaryDirectory() as d:
 """
 
 
-def timed(argv: list[str], env: dict[str, str]) -> dict:
+class PeakDisk:
+    """Samples the disk allocated under a directory (a run's TMPDIR: stand-in and staging) until stopped."""
+
+    def __init__(self, root: Path):
+        self.root, self.peak, self._stop = root, 0, False
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop:
+            used = 0
+            for d, _, names in os.walk(self.root):
+                for n in names:
+                    try:
+                        used += os.lstat(os.path.join(d, n)).st_blocks * 512
+                    except OSError:
+                        pass
+            self.peak = max(self.peak, used)
+            time.sleep(0.1)
+
+    def stop(self):
+        self._stop = True
+        self._t.join()
+
+
+def timed(argv: list[str], env: dict[str, str], tmp: Path) -> dict:
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     t0 = time.perf_counter()
-    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    peak = Peak(p.pid)
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**env, "TMPDIR": str(tmp)})
+    peak, disk = Peak(p.pid), PeakDisk(tmp)
     _, err = p.communicate()
     dt = time.perf_counter() - t0
     peak.stop()
+    disk.stop()
     if p.returncode:
         print(f"{argv[:4]} failed: {err.decode()[-2000:]}", file=sys.stderr)
-    return {"seconds": dt, "peak_rss": peak.rss, "peak_anon": peak.anon, "ok": p.returncode == 0}
+    return {"seconds": dt, "peak_rss": peak.rss, "peak_anon": peak.anon, "peak_disk": disk.peak,
+            "ok": p.returncode == 0}
+
+
+def _llama_config(hf: Path) -> None:
+    """The config.json of bench.make_hf's Llama shapes (its layer count read from the index)."""
+    import json
+
+    names = json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"]
+    layers = len({n.split(".")[2] for n in names if n.startswith("model.layers.")})
+    (hf / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 11008, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "num_hidden_layers": layers, "vocab_size": 32000, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16"}))
 
 
 def main() -> None:
@@ -69,6 +115,7 @@ def main() -> None:
         import ckpt_tools
 
         make_hf(work / "hf", args.gb, __import__("torch").bfloat16)
+        _llama_config(work / "hf")  # export writes what from_pretrained loads: it needs the config
         ckpt_tools.convert(work / "hf", work / "dcp", to="dcp", world_size=4, progress=False)
         make_sharded_with_adam(work / "ws8", args.gb, 8)
         cases = []
@@ -80,7 +127,7 @@ def main() -> None:
         tools = [
             ("s3fs copy (DCP)", [sys.executable, "-c", COPY, "bench/src/dcp", "bench/out/copy_dcp"], "out/copy_dcp"),
             ("ckpt export (DCP → HF)", [sys.executable, "-m", "ckpt_tools", "export", "s3://bench/src/dcp",
-                                       "s3://bench/out/hf", "--quiet"], "out/hf"),
+                                       "s3://bench/out/hf", "--base", str(work / "hf"), "--quiet"], "out/hf"),
             ("s3fs copy (rank files)", [sys.executable, "-c", COPY, "bench/src/ws8", "bench/out/copy_ws8"],
              "out/copy_ws8"),
             ("ckpt reshard 8→4", [sys.executable, "-m", "ckpt_tools", "reshard", "s3://bench/src/ws8",
@@ -91,9 +138,9 @@ def main() -> None:
             for name, argv, out in tools:
                 if fs.exists(f"bench/{out}"):
                     fs.rm(f"bench/{out}", recursive=True)
-                runs[name].append(timed(argv, env))
-        print("| bucket → bucket | time (s) | × s3fs copy | peak RSS (MiB) | peak anon (MiB) |")
-        print("|---|---|---|---|---|")
+                runs[name].append(timed(argv, env, work / "tmp"))
+        print("| bucket → bucket | time (s) | × s3fs copy | peak RSS (MiB) | peak anon (MiB) | peak local disk (MiB) |")
+        print("|---|---|---|---|---|---|")
         base = None
         for name, _, _ in tools:
             rs = sorted(runs[name], key=lambda r: r["seconds"])
@@ -101,11 +148,10 @@ def main() -> None:
             if name.startswith("s3fs"):
                 base = r["seconds"]
             print(f"| {name} | {r['seconds']:.2f} | {r['seconds'] / base:.2f} | {r['peak_rss'] / 2**20:.0f} | "
-                  f"{r['peak_anon'] / 2**20:.0f} |" + ("" if all(x["ok"] for x in rs) else " FAILED"))
+                  f"{r['peak_anon'] / 2**20:.0f} | {r['peak_disk'] / 2**20:.0f} |"
+                  + ("" if all(x["ok"] for x in rs) else " FAILED"))
     finally:
         server.stop()
-        import shutil
-
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -11,6 +11,7 @@ test can say how many bytes a command moved.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -126,6 +127,30 @@ def make_bucket(server: S3Server, name: str) -> None:
         "s3", endpoint_url=server.endpoint, aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
         region_name="us-east-1")
     client.create_bucket(Bucket=name)
+
+
+@contextlib.contextmanager
+def bucket_with(root: Path, local: Path, prefix: str, bucket: str = "ckpt"):
+    """A server under ``root`` with ``local`` uploaded to ``s3://bucket/prefix`` by the plain client;
+    yields ``(env, fs)``: the standard AWS environment for a ``ckpt`` process, and the s3fs client."""
+    import s3fs
+
+    server = start_server(root)  # fails (never skips) when it cannot start
+    try:
+        make_bucket(server, bucket)
+        env = {**os.environ, **server.env()}
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, endpoint_url=env["AWS_ENDPOINT_URL"],
+                               key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"])
+        fs.put(str(local), f"{bucket}/{prefix}", recursive=True)
+        yield env, fs
+    finally:
+        server.stop()
+
+
+def ckpt_with(env: dict, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m ckpt_tools ARGS`` in a process of its own with ``env``."""
+    return subprocess.run([sys.executable, "-m", "ckpt_tools", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
 
 
 class CountingProxy:

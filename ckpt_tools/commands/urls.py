@@ -3,18 +3,36 @@
 A command function decorated with :func:`accepts_urls` takes ``s3://bucket/prefix`` (any fsspec
 URL; ``file://`` is a local path) wherever it takes a path, and works unchanged on local paths:
 
-- a remote source becomes a local stand-in (:class:`~ckpt_tools.storage.remote.Mirror`): for a
-  command that reads headers only (``inspect``, ``latest``) holding just the ranges that
-  describe it (:func:`~ckpt_tools.formats.probe.fill_headers`), for one that reads tensors the
-  whole objects, downloaded in parallel;
+- a remote source becomes a local stand-in (:class:`~ckpt_tools.storage.remote.Mirror`, sparse
+  files of the objects' sizes) holding just the ranges that describe it
+  (:func:`~ckpt_tools.formats.probe.fill_headers`). A command that reads headers only
+  (``inspect``, ``latest``) stops there. One that writes from a plan (``convert``, ``export``,
+  ``reshard``: ``need="plan"``) registers the stand-in, and the engine fetches the byte ranges
+  its plan's copies read, a few output files ahead of the writer, several requests in flight
+  (:mod:`ckpt_tools.engine.fetch`); a reader outside the plan (a tied-weights check) fetches
+  the chunk it reads. One that checks files byte for byte (``verify``, ``latest --verify``:
+  ``need="data"``) downloads the objects whole, in parallel;
 - a remote destination is checked first (exit 4 when it exists without ``overwrite``), written
   to a private local staging tree by the command as usual, then published marker-last
   (:func:`~ckpt_tools.storage.remote.publish`);
+- under ``torchrun`` every process does the above in its own ``$TMPDIR`` (no shared filesystem):
+  it describes the source, fetches the rows of its share of the output files, writes and
+  uploads them; rank 0 checks DST before any process writes and uploads the markers after every
+  upload succeeded (:class:`~ckpt_tools.storage.remote.Destination`), so a failed process leaves
+  no marker;
 - paths in the result and in error messages are shown as the URLs the user gave.
 
-Limits: the stand-in and the staging tree take local disk (sparse for headers-only commands);
-tensor data is downloaded whole before a command reads it, not fetched per planned row range;
-under ``torchrun`` a URL is refused (exit 2): the per-rank split is not built.
+Limits: the staging tree takes local disk for the whole output before it is uploaded (the
+stand-in only for the ranges fetched ahead of the writer: the engine punches out what it has
+written, where the filesystem can). Whole objects are still fetched for: files of the source
+that no chunk names (side files, configs: layouts copy them), a ``torch.save`` file whose pickle
+ckpt's restricted reader does not walk (legacy, non-zip files), and a DCP item that is not one
+plain tensor record; a value of a ``torch.save`` file (rank files, torch files) moves its whole
+storage record (a per-rank shard, not a row range of it). With ``--workers K`` the plan's
+ranges are all fetched before the workers start (they read the stand-in). Under ``torchrun``, only outputs the
+engine splits over processes (DCP, rank files, HF shards) may go to a URL: a single-file output
+is refused there (exit 2, run it as one process) after its work, a command that reads no
+checkpoint (``shard``) before any.
 """
 
 from __future__ import annotations
@@ -36,10 +54,12 @@ from ..storage.objstore import Store, is_remote, local_path
 
 
 def accepts_urls(*, sources: tuple[str, ...] = ("src",), dest: str | None = None,
-                 need: str | Callable[[dict[str, Any]], str] = "data") -> Callable:
+                 need: str | Callable[[dict[str, Any]], str] | None = None) -> Callable:
     """Let the decorated command take URLs for the arguments named in ``sources`` (read) and
     ``dest`` (written; its ``overwrite`` argument is honoured). ``need``: ``"headers"`` for a
-    command that reads headers and metadata only, ``"data"`` for one that reads tensors."""
+    command that reads headers and metadata only, ``"plan"`` for one that writes from a plan
+    (the engine fetches the ranges its plan reads), ``"data"`` for one that checks files byte
+    for byte (whole objects); by default ``"plan"`` with a ``dest``, else ``"data"``."""
     # need may also be a function of the bound arguments (latest --verify reads checksummed data)
 
     def decorate(fn: Callable) -> Callable:
@@ -54,12 +74,13 @@ def accepts_urls(*, sources: tuple[str, ...] = ("src",), dest: str | None = None
             remote_names = [n for n in names if is_remote(bound.arguments[n])]
             if not remote_names:
                 return fn(*bound.args, **bound.kwargs)
-            if env.world() > 1:
-                # each process would stage and publish on its own; the split (each rank uploads
-                # its share, rank 0 the markers) is not built yet: refused, never half-done
-                raise UsageError(f"{bound.arguments[remote_names[0]]}: object-storage URLs are not supported under "
-                                 "torchrun yet; run the command as one process (plain `ckpt ...`)")
-            return _run_remote(fn, bound, remote_names, dest, need(bound.arguments) if callable(need) else need)
+            if env.world() > 1 and dest in remote_names and not sources:
+                # a command that reads no checkpoint (shard) writes through its own framework,
+                # not the engine's per-process split: refused before any work
+                raise UsageError(f"{bound.arguments[dest]}: this command cannot write object storage under "
+                                 "torchrun; run it as one process (plain `ckpt ...`), or write a local DST")
+            how = need(bound.arguments) if callable(need) else need or ("plan" if dest else "data")
+            return _run_remote(fn, bound, remote_names, dest, how)
 
         return wrapper
 
@@ -70,10 +91,11 @@ def _run_remote(fn: Callable, bound: pyinspect.BoundArguments, remote_names: lis
                 need: str) -> Any:
     shown: dict[str, str] = {}  # local stand-in -> URL, for messages and results
     overwrite = bool(bound.arguments.get("overwrite", False))
+    spread = env.world() > 1  # under torchrun: every process stages privately, the engine publishes
     with ExitStack() as stack:
         work = remote.staging_dir("ckpt-remote-")
         stack.callback(shutil.rmtree, work, True)
-        out_store = out_local = None
+        out_store = out_local = out_dest = None
         if dest in remote_names:
             url = bound.arguments[dest]
             out_store = Store(url, role="destination")
@@ -81,24 +103,36 @@ def _run_remote(fn: Callable, bound: pyinspect.BoundArguments, remote_names: lis
                 if n != dest and _overlap(bound.arguments[n], url):
                     raise DestinationError(f"{url}: the destination must not be the source, lie inside it, or "
                                            "contain it; choose another DST")
-            remote.check_destination(out_store, overwrite=overwrite)  # before any work
+            if not spread:  # under torchrun rank 0 checks it, before any process writes
+                remote.check_destination(out_store, overwrite=overwrite)  # before any work
             out_local = work / "out" / (PurePosixPath(out_store.root).name or "checkpoint")
             out_local.parent.mkdir()
             bound.arguments[dest] = str(out_local)
             shown[str(out_local)] = url
+            if spread:
+                out_dest = stack.enter_context(remote.Destination(
+                    out_store, out_local, overwrite=overwrite,
+                    prepare=lambda out: _manifests_name_urls(out, shown)))
         for i, n in enumerate(x for x in remote_names if x != dest):
             url = bound.arguments[n]
             (work / f"src{i}").mkdir()
             mirror = remote.Mirror(Store(url, role="source"), work / f"src{i}")
-            if need == "headers":
-                fill_headers(mirror)
-            else:
+            if need == "data":
                 mirror.fetch()
+            else:
+                fill_headers(mirror)
+                if need == "plan":
+                    stack.enter_context(mirror)  # the engine (and any reader) fetches what it reads
             bound.arguments[n] = str(mirror.path)
             shown[str(mirror.path)] = url
         try:
             result = fn(*bound.args, **bound.kwargs)
-            if out_store is not None:
+            if out_dest is not None and not out_dest.published:
+                # only the engine's split writes (rank files, DCP, HF shards) spread over processes
+                raise UsageError(f"{out_store.url}: this command's output is not split over the processes "
+                                 "of a torchrun launch, so it cannot be written there; run it as one process "
+                                 "(plain `ckpt ...`)")
+            if out_store is not None and out_dest is None:
                 _manifests_name_urls(out_local, shown)
                 remote.publish(out_local, out_store, overwrite=overwrite)
         except CkptError as e:

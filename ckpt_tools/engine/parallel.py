@@ -1,6 +1,9 @@
 """Writing one plan with several processes: ``--workers K`` (a local process pool), or every
 process of a ``torchrun`` launch taking its share of the output files. Each output file is
-written by exactly one process, so the result is byte-identical to a single process's."""
+written by exactly one process, so the result is byte-identical to a single process's. Under
+``torchrun`` a local DST is staged in one directory the processes share; a remote one
+(:class:`~ckpt_tools.storage.remote.Destination`) in a private directory per process, each
+uploading its own files, rank 0 the markers last."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from ..core.describe import Checkpoint
 from ..core.plan import FileJob
 from ..errors import CkptError
 from ..runtime import env, lifeline, procs
+from ..storage import remote
 from ..storage.atomic import (TMP_MARK, check_destination, commit_into, discarded_on_error, fsync_tree, holding,
                               remember_staging, remove_path)
 from .stream import Writer, progress_bar, run_jobs
@@ -80,6 +84,15 @@ def execute_torchrun(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], d
     if own:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    dest = remote.destination(dst)
+    if dest is not None:
+        try:
+            _execute_to_store(src, writer, jobs, dst, dest, rank=rank, world=world, progress=progress, desc=desc,
+                              complete=complete)
+        finally:
+            if own:
+                dist.destroy_process_group()
+        return
     launched = env.launch()
     run_id = launched.run_id if launched else "none"
     tmp = dst.parent / f".{dst.name}{TMP_MARK}run-{run_id}"
@@ -128,6 +141,59 @@ def execute_torchrun(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], d
         lock.close()
         if own:
             dist.destroy_process_group()
+
+
+def _execute_to_store(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path, dest: remote.Destination, *,
+                      rank: int, world: int, progress: bool, desc: str,
+                      complete: Callable[..., None]) -> None:
+    """A remote DST under torchrun, no shared filesystem: each process writes its share into its
+    own private staging directory (``dst``, a path of its own) and uploads it; once every upload
+    is done, rank 0 writes the describing files (with the digests the others report) and
+    uploads them, markers last. Any process's failure: no marker is uploaded."""
+    import torch.distributed as dist
+
+    error = None
+    if rank == 0:
+        try:
+            dest.begin()  # DST refused (exit 4) or its old markers removed, before any rank writes
+        except CkptError as e:
+            error = e
+    (error,) = _bcast(error)
+    if error is not None:
+        raise error
+    remove_path(dst)
+    dst.mkdir(parents=True)
+    written: dict[str, Any] = {}
+    sealed: dict[Path, tuple[int, str]] = {}
+    uploaded: list[str] = []
+    try:
+        written = run_jobs(src, writer, balance(jobs, world)[rank], dst, progress=progress and rank == 0, desc=desc,
+                           sealed=sealed)
+        uploaded = dest.upload_data(dst)
+    except Exception as e:  # reported to every process, raised everywhere
+        error = CkptError(f"process {rank} of the torchrun launch failed: {e}")
+        error.exit_code = getattr(e, "exit_code", 5)
+    digests = {str(p.relative_to(dst)): v for p, v in sealed.items()}
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (written, digests, uploaded, error))
+    failed = [e for *_, e in gathered if e is not None]
+    final = failed[0] if failed else None
+    if rank == 0 and final is None:
+        merged: dict[str, Any] = {}
+        elsewhere: dict[str, tuple[int, str]] = {}
+        for i, (w, d, _, _) in enumerate(gathered):
+            merged.update(w)
+            if i != 0:
+                elsewhere.update(d)
+        try:
+            complete(dst, merged, elsewhere)
+            dest.finish(dst, {rel for _, _, up, _ in gathered for rel in up})
+        except Exception as e:  # noqa: BLE001 - every process raises it
+            final = e if isinstance(e, CkptError) else CkptError(f"process 0 of the torchrun launch failed: {e}")
+    (final,) = _bcast(final)
+    dest.published = final is None
+    if final is not None:
+        raise final
 
 
 def _bcast(value: Any) -> list:

@@ -147,12 +147,14 @@ class Sealer:
 
 
 def write(out: Path, *, source: str, source_format: str, format: str,
-          known: dict[Path, tuple[int, str]] | None = None) -> None:
+          known: dict[Path, tuple[int, str]] | None = None,
+          elsewhere: dict[str, tuple[int, str]] | None = None) -> None:
     """The manifest of every file under ``out``; ``known`` digests (from a :class:`Sealer`)
-    are used for files whose size has not changed since."""
+    are used for files whose size has not changed since. ``elsewhere``: files of the checkpoint
+    written by other processes, not under ``out`` (relative name -> size, digest)."""
 
     known = known or {}
-    files = {}
+    files = {rel: {"size": size, "xxh3_64": digest} for rel, (size, digest) in (elsewhere or {}).items()}
     for root, _, names in os.walk(out):
         for n in sorted(names):
             p = Path(root) / n
