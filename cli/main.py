@@ -121,7 +121,8 @@ _RANK_LOCAL = click.option("--rank-local", type=click.Choice(["drop", "keep-firs
 @main.command("convert", short_help="Convert a checkpoint to another format (--to).")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
-@click.option("--to", "to", required=True, type=click.Choice(["hf", "torch", "dcp", "sharded"]), help="Output format.")
+@click.option("--to", "to", required=True, metavar="{hf,torch,dcp,sharded,deepspeed}",
+              help="Output format (deepspeed: a DeepSpeed ZeRO save, from one, at --world-size; checked by the library).")
 @click.option("--world-size", type=click.IntRange(min=1), help="Ranks of sharded/dcp output (default: the source's, else 1).")
 @_DTYPE
 @_SIZE
@@ -169,7 +170,7 @@ def export_cmd(src, dst, base, dtype, max_shard_size, lora, lora_alpha, overwrit
 @_OVERWRITE
 @command
 def reshard_cmd(src, dst, to, from_, workers, rank_local, overwrite, progress):
-    """Reshard a sharded or DCP checkpoint (model, optimizer, extra state) to --to ranks."""
+    """Reshard a sharded, DCP or DeepSpeed ZeRO checkpoint (model, optimizer, extra state) to --to ranks."""
     _report(ckpt_tools.reshard(src, dst, to=to, from_=from_, overwrite=overwrite, progress=progress,
                                rank_local=rank_local, workers=workers), progress)
 

@@ -68,8 +68,15 @@ def _engine(stage: int, bf16: bool, world_size: int, seed: int, width: int, tied
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
-    engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+    # a scheduler whose factor stays 1 (the FSDP2 jobs resumed from the save have none): its
+    # state (last_epoch, _step_count) is what the save carries
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _constant)
+    engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     return engine
+
+
+def _constant(step: int) -> float:
+    return 1.0
 
 
 def _held(engine) -> dict:
@@ -84,6 +91,19 @@ def _held(engine) -> dict:
     return out
 
 
+def _train_step(engine, step: int, rank: int, world_size: int) -> float:
+    """One step of the engine on ``step``'s batch; the loss averaged over the ranks."""
+    import torch.distributed as dist
+
+    ids = batch_for(step, rank, world_size)
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    g = loss.detach().float().clone()
+    dist.all_reduce(g)
+    return g.item() / world_size
+
+
 def job(rank: int, world_size: int, out: str, *, stage: int, bf16: bool = False, save_at: int = 2,
         steps: int = 4, seed: int = 0, width: int = 50, tied: bool = False) -> dict:
     """Train ``steps`` steps, saving after ``save_at``; returns the global losses of every step
@@ -91,20 +111,14 @@ def job(rank: int, world_size: int, out: str, *, stage: int, bf16: bool = False,
     import torch.distributed as dist
 
     engine = _engine(stage, bf16, world_size, seed, width, tied)
-    losses, held = [], None
+    losses, held, sched = [], None, None
     for step in range(steps):
-        ids = batch_for(step, rank, world_size)
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        g = loss.detach().float().clone()
-        dist.all_reduce(g)
-        losses.append(g.item() / world_size)
+        losses.append(_train_step(engine, step, rank, world_size))
         if step + 1 == save_at:
             engine.save_checkpoint(out, tag=f"global_step{save_at}")
-            held = _held(engine)
+            held, sched = _held(engine), engine.lr_scheduler.state_dict()
     dist.barrier()
-    return {"losses": losses, "held": held if rank == 0 else None}
+    return {"losses": losses, "held": held if rank == 0 else None, "lr_scheduler": sched}
 
 
 def resume_fsdp2(rank: int, world_size: int, path: str, *, first: int, steps: int, seed: int = 1,
@@ -146,3 +160,28 @@ def resume_fsdp2(rank: int, world_size: int, path: str, *, first: int, steps: in
         dist.all_reduce(g)
         losses.append(g.item() / world_size)
     return losses
+
+
+def resume(rank: int, world_size: int, path: str, *, stage: int, bf16: bool = False, first: int, steps: int,
+           seed: int = 1, width: int = 50, tied: bool = False) -> dict:
+    """A DeepSpeed job at ``world_size`` (the same config and AdamW; another seed, so nothing
+    passes by accident) that loads the save at ``path`` with the engine's own
+    ``load_checkpoint``, records what the engine then holds (fp32 master and moments, gathered)
+    and trains ``steps`` steps from step ``first``: the global losses."""
+    import torch.distributed as dist
+
+    engine = _engine(stage, bf16, world_size, seed, width, tied)
+    load_path, _ = engine.load_checkpoint(path)
+    if load_path is None:
+        raise RuntimeError(f"engine.load_checkpoint({path!r}) found nothing to load")
+    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:  # stages 1/2 link the parameters to their moments at the first step; asked now
+        link()
+    held = _held(engine)
+    scheduler = engine.lr_scheduler.state_dict()  # as load_checkpoint restored it
+    losses = []
+    for step in range(first, first + steps):
+        losses.append(_train_step(engine, step, rank, world_size))
+    dist.barrier()
+    return {"losses": losses, "held": held if rank == 0 else None, "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples, "lr_scheduler": scheduler}

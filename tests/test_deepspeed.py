@@ -13,8 +13,15 @@ own ``zero_to_fp32`` (and its bf16 cast for the bf16 run); ``convert --to dcp`` 
 engine's own fp32 master and Adam moments (gathered in the job with DeepSpeed's
 ``safe_get_full_*``), read back by torch's DCP loader; FSDP2 jobs at 2 and 3 ranks resumed from it
 continuing with the DeepSpeed run's losses, and so does one loading ``convert --to sharded``
-rank files at 2 ranks; ``convert --to torch`` holds the whole training state; forged files
-refused with exit 3.
+rank files at 2 ranks; ``convert --to torch`` holds the whole training state (DeepSpeed's
+``lr_scheduler`` included); forged files refused with exit 3.
+
+Written as DeepSpeed saves at another world size (``reshard --to M``, ``convert --to
+deepspeed``): at the source's own size the files come back pickle for pickle and bit for bit;
+at M (ZeRO 1 bf16 2 → 3, ZeRO 2 and 3 3 → 2) DeepSpeed's own ``engine.load_checkpoint`` in an
+M-rank job holds the source's fp32 master and moments bit for bit, its step counters and
+scheduler, and trains on with the DeepSpeed run's losses; what the writer cannot prove is exit 3
+with nothing written.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ class Save:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the spawned ranks inherit it
         result = run_ranks(functools.partial(fw_deepspeed.job, stage=stage, bf16=bf16, save_at=SAVE_AT, steps=STEPS),
                            world_size, root, str(self.path))[0]
-        self.losses, self.held = result["losses"], result["held"]
+        self.losses, self.held, self.scheduler = result["losses"], result["held"], result["lr_scheduler"]
 
 
 @pytest.fixture(scope="session")
@@ -144,6 +151,7 @@ def test_convert_dcp_holds_the_engines_master_and_moments(saves, dcp_of, case, t
         assert float(got["optimizer"]["state"][fqn]["step"]) == SAVE_AT
     (group,) = got["optimizer"]["param_groups"]
     assert group["params"] == list(held) and group["lr"] == fw_deepspeed.LR
+    assert got["lr_scheduler"] == saves[case].scheduler  # DeepSpeed's lr_scheduler, as the job's extra state
 
 
 @pytest.mark.parametrize("case, world_size", [("z2_3", 2), ("z3_3", 2), ("z3_3", 3)])
@@ -176,6 +184,7 @@ def test_convert_torch_is_the_whole_training_state(saves, tmp_path):
         assert torch.equal(got["model"][fqn], want["fp32"]), fqn
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(got["optimizer"]["state"][fqn][key], want[key]), (fqn, key)
+    assert got["lr_scheduler"] == save.scheduler
 
 
 def test_without_optimizer_files(saves, tmp_path):
@@ -199,14 +208,11 @@ def test_without_optimizer_files(saves, tmp_path):
     assert "keeps its weights only in the optimizer files" in _refused("inspect", str(src3))
 
 
-def test_verify_against_its_conversion_and_reshard_refused(saves, tmp_path):
-    """``verify`` reads the ZeRO save as any other source; ``reshard`` (which keeps the source's
-    format) is refused: writing ``deepspeed`` is not done yet, and the message says what to do."""
+def test_verify_against_its_conversion(saves, tmp_path):
+    """``verify`` reads the ZeRO save as any other source."""
     save = saves["z2_3"]
     _ckpt("convert", str(save.path), str(tmp_path / "all.pt"), "--to", "torch", "--quiet")
     assert json.loads(_ckpt("verify", str(save.path), str(tmp_path / "all.pt"), "--json"))["ok"]
-    out = _refused("reshard", str(save.path), str(tmp_path / "r"), "--to", "2")
-    assert "reads but does not write" in out and "--to sharded" in out, out
 
 
 @pytest.fixture(scope="session")
@@ -218,7 +224,7 @@ def tied(tmp_path_factory):
     save.path, save.stage, save.bf16, save.world_size = root / "run", 3, False, 3
     result = run_ranks(functools.partial(fw_deepspeed.job, stage=3, save_at=SAVE_AT, steps=STEPS, tied=True),
                        3, root, str(save.path))[0]
-    save.losses, save.held = result["losses"], result["held"]
+    save.losses, save.held, save.scheduler = result["losses"], result["held"], result["lr_scheduler"]
     return save
 
 
@@ -267,6 +273,8 @@ def test_forged_param_shapes_exit_3(saves, case, tmp_path):
     out = _refused("convert", str(src), str(tmp_path / "out"), "--to", "dcp")
     assert "param_shapes" in out and "group 0" in out, out
     assert not (tmp_path / "out").exists()
+    out = _refused("reshard", str(src), str(tmp_path / "ds"), "--to", "2")  # the writer reads the same way
+    assert "param_shapes" in out and not (tmp_path / "ds").exists(), out
 
 
 def test_partitions_that_do_not_add_up_exit_3(saves, tmp_path):
@@ -319,3 +327,175 @@ def test_pickle_naming_another_class_exit_3(saves, tmp_path):
              lambda o: o["optimizer_state_dict"].update(extra=argparse.Namespace(x=1)))
     out = _refused("inspect", str(src))
     assert "argparse.Namespace" in out, out
+
+
+# -- written as DeepSpeed saves at another world size (reshard --to M, convert --to deepspeed) ----
+
+def _load_all(step_dir: Path) -> dict:
+    """Every file of a ZeRO step directory, loaded with DeepSpeed's classes (the test's own files)."""
+    import torch
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed  # noqa: F401  (its classes, for the unpickler)
+
+    return {p.name: torch.load(p, weights_only=False) for p in sorted(step_dir.glob("*.pt"))}
+
+
+def _same(a, b, where: str = "") -> list[str]:
+    """Where two loaded pickles differ (tensors bit for bit, dtype included)."""
+    import torch
+
+    if torch.is_tensor(a):
+        same = torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return [] if same else [where]
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or list(a) != list(b):
+            return [where]
+        return [d for k in a for d in _same(a[k], b[k], f"{where}.{k}")]
+    if isinstance(a, (list, tuple)):
+        if type(a) is not type(b) or len(a) != len(b):
+            return [where]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _same(x, y, f"{where}[{i}]")]
+    return [] if repr(a) == repr(b) else [where]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_reshard_to_the_same_world_size_round_trips(saves, case, tmp_path):
+    """At its own world size the written save is the source, pickle for pickle and bit for bit
+    (stage 3's padding elements aside: DeepSpeed leaves them as its buffers held them, ckpt
+    writes zeros)."""
+    import torch
+
+    save = saves[case]
+    _ckpt("reshard", str(save.path), str(tmp_path / "out"), "--to", str(save.world_size), "--quiet")
+    assert (tmp_path / "out" / "latest").read_text() == f"global_step{SAVE_AT}"
+    src, got = _load_all(save.path / f"global_step{SAVE_AT}"), _load_all(tmp_path / "out" / f"global_step{SAVE_AT}")
+    assert list(src) == list(got)
+    for r in range(save.world_size if save.stage == 3 else 0):
+        # the elements of rank r's flat partition that are padding: each parameter's tail
+        name = f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        shapes = src[name.replace("optim", "model")]["param_shapes"][0].values()
+        pad = torch.cat([torch.arange(-(-s.numel() // save.world_size)) + r * -(-s.numel() // save.world_size)
+                         >= s.numel() for s in shapes])
+        osd_src, osd_got = src[name]["optimizer_state_dict"], got[name]["optimizer_state_dict"]
+        for holder_src, holder_got, key in [(osd_src["fp32_flat_groups"], osd_got["fp32_flat_groups"], 0),
+                                            *[(osd_src["optimizer_state_dict"]["state"][0],
+                                               osd_got["optimizer_state_dict"]["state"][0], k)
+                                              for k in ("exp_avg", "exp_avg_sq")]]:
+            a, b = holder_src[key], holder_got[key]
+            assert torch.equal(b[~pad], a[~pad]) and not b[pad].any(), (name, key)
+            holder_got[key] = a
+    for name in src:
+        assert not _same(src[name], got[name], name)
+
+
+RESUMED = [("z1_bf16_2", 3), ("z2_3", 2), ("z3_3", 2)]
+
+
+@pytest.fixture(scope="session")
+def resumed(saves, tmp_path_factory):
+    """Each case resharded to M, then loaded by a DeepSpeed job at M ranks that trains on."""
+    out = {}
+    for case, world in RESUMED:
+        save, root = saves[case], tmp_path_factory.mktemp(f"ds_{case}_to_{world}")
+        _ckpt("reshard", str(save.path), str(root / "ds"), "--to", str(world), "--quiet")
+        out[case, world] = run_ranks(functools.partial(fw_deepspeed.resume, stage=save.stage, bf16=save.bf16,
+                                                       first=SAVE_AT, steps=STEPS - SAVE_AT),
+                                     world, root, str(root / "ds"))[0]
+    return out
+
+
+@pytest.mark.parametrize("case, world", RESUMED)
+def test_reshard_loads_in_deepspeed_at_m_ranks(saves, resumed, case, world):
+    """DeepSpeed's own ``engine.load_checkpoint`` at M ranks takes the written save: the fp32
+    master and Adam moments it then holds are the source's bit for bit, its step counters are
+    carried, and training continues with the uninterrupted run's losses."""
+    import torch
+
+    save, got = saves[case], resumed[case, world]
+    assert got["held"].keys() == save.held.keys()
+    for fqn, want in save.held.items():
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(got["held"][fqn][key], want[key]), (fqn, key)
+    assert (got["global_steps"], got["global_samples"]) == (STEPS, STEPS * 12)
+    assert got["lr_scheduler"] == save.scheduler  # as load_checkpoint restored it
+    want = save.losses[SAVE_AT:]
+    # the first step is computed from the loaded weights alone; after it, a bf16 run's gradients are
+    # reduced in bf16 across M ranks instead of N, which rounds otherwise (fp32 runs: every step)
+    upto = 1 if save.bf16 else len(want)
+    assert close(got["losses"][:upto], want[:upto]), (got["losses"], want)
+    assert close(got["losses"], want, rel=1e-3), (got["losses"], want)
+
+
+
+def test_tied_reshard_loads_in_deepspeed_at_2(tied, tmp_path):
+    """ZeRO 3 with tied embeddings (``shared_params``), 3 → 2 ranks: the same, through DeepSpeed."""
+    import torch
+
+    _ckpt("reshard", str(tied.path), str(tmp_path / "ds"), "--to", "2", "--quiet")
+    got = run_ranks(functools.partial(fw_deepspeed.resume, stage=3, first=SAVE_AT, steps=STEPS - SAVE_AT, tied=True),
+                    2, tmp_path, str(tmp_path / "ds"))[0]
+    assert got["held"].keys() == tied.held.keys()
+    assert all(torch.equal(got["held"][fqn][k], want[k]) for fqn, want in tied.held.items() for k in want)
+    assert close(got["losses"], tied.losses[SAVE_AT:]), (got["losses"], tied.losses[SAVE_AT:])
+
+def test_convert_to_deepspeed_is_the_reshard(saves, tmp_path):
+    """``convert --to deepspeed --world-size M`` of a ZeRO save writes what ``reshard --to M`` does."""
+    save = saves["z2_3"]
+    _ckpt("reshard", str(save.path), str(tmp_path / "r"), "--to", "2", "--quiet")
+    _ckpt("convert", str(save.path), str(tmp_path / "c"), "--to", "deepspeed", "--world-size", "2", "--quiet")
+    step = f"global_step{SAVE_AT}"
+    a, b = _load_all(tmp_path / "r" / step), _load_all(tmp_path / "c" / step)
+    assert list(a) == list(b) and not [d for n in a for d in _same(a[n], b[n], n)]
+    info = json.loads(_ckpt("inspect", str(tmp_path / "c"), "--json"))
+    assert (info["format"], info["world_size"], info["zero_stage"]) == ("deepspeed", 2, 2)
+
+
+def test_refused_writes_nothing(saves, tmp_path):
+    """What cannot be written as a ZeRO save is exit 3, and DST is not created: another source
+    (a DCP has no ZeRO stage or ds_config), a save whose layout is not DeepSpeed's (forged
+    group paddings that still add up), and a save with files of other parallel ranks."""
+    save = saves["z2_3"]
+    _ckpt("convert", str(save.path), str(tmp_path / "dcp"), "--to", "dcp", "--quiet")
+    out = _refused("convert", str(tmp_path / "dcp"), str(tmp_path / "o1"), "--to", "deepspeed", "--world-size", "2")
+    assert "only a DeepSpeed ZeRO save" in out and not (tmp_path / "o1").exists(), out
+
+    src, step = _copy(save, tmp_path)
+    _rewrite(step / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+             lambda o: o["optimizer_state_dict"].update(param_alignment_paddings=None))
+    out = _refused("reshard", str(src), str(tmp_path / "o2"), "--to", "2")
+    assert "param_alignment_paddings" in out and not (tmp_path / "o2").exists(), out
+
+    src3, step3 = _copy(save, tmp_path / "pp")
+    shutil.copyfile(step3 / "mp_rank_00_model_states.pt", step3 / "mp_rank_01_model_states.pt")
+    out = _refused("reshard", str(src3), str(tmp_path / "o3"), "--to", "2")
+    assert "mp_rank_01_model_states.pt" in out and not (tmp_path / "o3").exists(), out
+
+
+@pytest.mark.parametrize("case", ["z1_bf16_2", "z3_3"])
+def test_from_and_to_a_bucket_equal_local(saves, base, case, tmp_path):
+    """A ZeRO save in a bucket: ``reshard`` bucket → bucket and ``export`` bucket → local give
+    what they give on the local copy (DeepSpeed's own pickles compared, every tensor bit for
+    bit): the writer's pickle records and flat pieces are all fetched, none read as holes."""
+    from s3server import bucket_with, ckpt_with
+    from safetensors.torch import load_file
+
+    save = saves[case]
+    to = 3 if save.world_size == 2 else 2
+    args = ["--dtype", "bf16"] if save.bf16 else []
+    with bucket_with(tmp_path / "s3", save.path, "run") as (env, fs):
+        r = ckpt_with(env, "reshard", "s3://ckpt/run", "s3://ckpt/out", "--to", str(to), "--quiet")
+        assert r.returncode == 0, r.stderr
+        fs.get("ckpt/out", str(tmp_path / "got"), recursive=True)
+        r = ckpt_with(env, "export", "s3://ckpt/run", str(tmp_path / "hf_remote"), "--base", str(base), "--quiet", *args)
+        assert r.returncode == 0, r.stderr
+    _ckpt("reshard", str(save.path), str(tmp_path / "want"), "--to", str(to), "--quiet")
+    step = f"global_step{SAVE_AT}"
+    assert (tmp_path / "got" / "latest").read_text() == step
+    want, got = _load_all(tmp_path / "want" / step), _load_all(tmp_path / "got" / step)
+    assert list(want) == list(got)
+    for name in want:
+        assert not _same(want[name], got[name], name)
+    _ckpt("export", str(save.path), str(tmp_path / "hf_local"), "--base", str(base), "--quiet", *args)
+    a, b = load_file(tmp_path / "hf_local" / "model.safetensors"), load_file(tmp_path / "hf_remote" / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].equal(b[k]) for k in a)

@@ -9,6 +9,7 @@ the writer chosen (:mod:`ckpt_tools.formats.writers`), the plan executed, the re
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from ..core.plan import rows_of, targets_from
 from ..engine.execute import execute
 from ..engine.reader import Reader
 from ..errors import BadInput, UsageError
-from ..formats import writers
+from ..formats import deepspeedwrite, writers
 from ..layouts import describe
 from ..hf import assets as hfassets
 from ..runtime import env
@@ -44,6 +45,8 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
     ``layout="verl"`` with ``to="sharded"`` names the rank files' device mesh ``("fsdp",)`` as
     verl's does (a job loads DTensors only onto a mesh of the same names; without it the mesh is
     unnamed, as ``fully_shard``'s default). ``lora``/``lora_alpha``: see :func:`export`.
+    ``to="deepspeed"`` writes a DeepSpeed ZeRO save, from one, at ``world_size`` ranks (what
+    :func:`reshard` does; any other source is exit 3: its stage and ds_config would be invented).
 
     Example: ``ckpt_tools.convert("ckpt/actor", "out.pt", to="torch", model_only=True)``
     """
@@ -59,6 +62,8 @@ def run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) -> 
         opts = replace(opts, progress=False)  # one voice per torchrun launch
     check_destination(src, dst, overwrite=opts.overwrite)  # before any work, or any warning about it
     ckpt = ckpt or describe(src, base=opts.base)
+    if opts.to == deepspeedwrite.NAME:
+        return _write_deepspeed(ckpt, src, dst, opts)
     out_layout = opts.output
     if out_layout is not None and out_layout.mesh_names and ckpt.format == "sharded":
         raise UsageError(f"{src}: per-rank files keep their own device mesh, its names included "
@@ -135,6 +140,31 @@ def run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) -> 
     return report
 
 
+def _write_deepspeed(ckpt: Checkpoint, src: Path, dst: Path, opts: Options) -> dict[str, Any]:
+    """A ZeRO save written as a ZeRO save at ``opts.world_size`` ranks (same stage, precision and
+    training state; see :mod:`ckpt_tools.formats.deepspeedwrite`)."""
+    if opts.dtype or opts.model_only or opts.layout or opts.lora:
+        raise UsageError(f"--to {opts.to} keeps the save's stage, precision and whole training state; "
+                         "--dtype, --model-only, --layout and --lora do not apply")
+    source = deepspeedwrite.source(ckpt)  # exit 3 for any other source, or a save it cannot prove
+    ws = opts.world_size or ckpt.world_size
+    writer, jobs = deepspeedwrite.plan(source, ws)
+    scripts = deepspeedwrite.scripts(source)
+
+    def after(tmp: Path) -> None:
+        for script in scripts:
+            shutil.copyfile(script, tmp / script.name)
+
+    # one process: the writer holds the source's parsed pickles (the files are few and small beside
+    # their records, which the kernel copies or the engine streams a parameter piece at a time)
+    execute(ckpt, writer, jobs, dst, overwrite=opts.overwrite, progress=opts.progress,
+            desc=f"{ckpt.format} → {opts.to}", fmt=opts.to, workers=1, after=after)
+    return {"src": str(src), "dst": str(dst), "format": opts.to, "world_size": ws,
+            "zero_stage": source.stage, "tag": writer.tag,
+            "num_tensors": len(ckpt.tensors),
+            "total_bytes": sum(j.nbytes for j in jobs), "left_out": []}
+
+
 @accepts_urls(dest="dst")
 def export(src: str | Path, dst: str | Path, *, base: str | None = None, dtype: str | None = None,
            max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = True,
@@ -162,8 +192,9 @@ def export(src: str | Path, dst: str | Path, *, base: str | None = None, dtype: 
 def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = None,
             overwrite: bool = False, progress: bool = True, rank_local: str = "drop",
             workers: int = 1) -> dict[str, Any]:
-    """Reshard a ``sharded`` or ``dcp`` checkpoint to ``to`` ranks, keeping its format and the
-    whole training state (model, optimizer, extra state).
+    """Reshard a ``sharded``, ``dcp`` or DeepSpeed ZeRO checkpoint to ``to`` ranks, keeping its
+    format and the whole training state (model, optimizer, extra state; a ZeRO save keeps its
+    stage and precision, and DeepSpeed's ``engine.load_checkpoint`` takes it at ``to`` ranks).
 
     ``workers`` processes write the output files in parallel (each file by one process, so the
     result is byte-identical to a single process's).
@@ -176,7 +207,7 @@ def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = No
     opts = Options(to="sharded", world_size=to, overwrite=overwrite, progress=progress, rank_local=rank_local,
                    workers=workers)
     ckpt = describe(Path(src))
-    if ckpt.format not in ("sharded", "dcp"):
+    if ckpt.format not in ("sharded", "dcp", deepspeedwrite.NAME):
         why = "which has no ranks" if not ckpt.world_size else "which ckpt reads but does not write"
         raise BadInput(f"{src}: is {ckpt.format!r}, {why}; use `ckpt convert --to sharded --world-size {to}` "
                        f"(or --to dcp)")

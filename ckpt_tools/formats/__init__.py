@@ -11,7 +11,7 @@ from ..security import bounded, safefs
 from ..errors import BadInput
 from . import dcp, deepspeed, hf, sharded, torchsave
 
-FORMATS = ("hf", "torch", "dcp", "sharded")  # the formats written (read: _ORDER)
+FORMATS = ("hf", "torch", "dcp", "sharded", deepspeed.NAME)  # the formats written (read: _ORDER)
 _ORDER = ((deepspeed.NAME, deepspeed), ("sharded", sharded), ("dcp", dcp), ("hf", hf), ("torch", torchsave))
 
 

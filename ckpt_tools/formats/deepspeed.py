@@ -43,29 +43,29 @@ from .shardtree import tensor_location
 NAME = "deepspeed"
 LATEST = "latest"
 MODEL_STATES = "mp_rank_00_model_states.pt"
-_MODEL3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
-_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+MODEL3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
+OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 
 
-def _holds_states(d: Path) -> bool:
-    return d.is_dir() and ((d / MODEL_STATES).is_file() or any(_MODEL3.match(p.name) for p in d.iterdir()))
+def holds_states(d: Path) -> bool:
+    return d.is_dir() and ((d / MODEL_STATES).is_file() or any(MODEL3.match(p.name) for p in d.iterdir()))
 
 
 def detect(path: Path) -> bool:
     if not path.is_dir():
         return False
-    if _holds_states(path):
+    if holds_states(path):
         return True
-    return (path / LATEST).is_file() and any(_holds_states(p) for p in path.iterdir() if p.is_dir())
+    return (path / LATEST).is_file() and any(holds_states(p) for p in path.iterdir() if p.is_dir())
 
 
 def step_dir(path: Path) -> Path:
     """The ``global_stepN/`` directory: ``path`` itself, or the one its ``latest`` names."""
-    if _holds_states(path):
+    if holds_states(path):
         return path
     tag = safefs.read_capped(path / LATEST, 4096).decode("utf-8", "replace").strip()
     d = safefs.resolve_inside(path, tag, what=f"{path / LATEST}")
-    if not _holds_states(d):
+    if not holds_states(d):
         raise BadInput(f"{path / LATEST} names {tag!r}, which holds no DeepSpeed model states; "
                        "point at a global_stepN directory")
     return d
@@ -75,8 +75,8 @@ def describe(path: Path) -> Checkpoint:
     d = step_dir(path)
     rel = "" if d == path else f"{d.relative_to(path)}/"
     names = sorted(p.name for p in d.iterdir() if p.is_file())
-    model3 = {int(m.group(1)): n for n in names if (m := _MODEL3.match(n))}
-    optim = {int(m.group(2)): n for n in names if (m := _OPTIM.match(n))}
+    model3 = {int(m.group(1)): n for n in names if (m := MODEL3.match(n))}
+    optim = {int(m.group(2)): n for n in names if (m := OPTIM.match(n))}
     model_file = MODEL_STATES if MODEL_STATES in names else model3.get(0)
     if model_file is None:
         raise BadInput(f"{d}: no {MODEL_STATES} or zero_pp_rank_0_mp_rank_00_model_states.pt")
@@ -116,6 +116,9 @@ def describe(path: Path) -> Checkpoint:
         facts["zero_stage"] = None
         tensors += _module_tensors(mz, rel + model_file, fqns, d / model_file)
     tensors += _module_tensors(mz, rel + model_file, m.get("buffer_names") or [], d / model_file)
+    if m.get("lr_scheduler") is not None:  # the scheduler's state_dict: the job's extra state elsewhere
+        objects.append(ObjectInfo("extra", "lr_scheduler", Location(rel + model_file, "pickled", key=("lr_scheduler",)),
+                                  path=("lr_scheduler",)))
     shared = m.get("shared_params") or {}
     by_name = {t.name: t for t in tensors if t.group == "model"}
     for alias, source in (shared.items() if isinstance(shared, dict) else ()):
