@@ -28,22 +28,32 @@ def _cpu() -> None:
     torch.cuda.current_device = lambda: "cpu"  # tensors it makes "on the current device" stay on the CPU
 
 
-def _model(seed: int):
+# Llama-style settings (what naming/megatron maps to LlamaForCausalLM): RMSNorm, SwiGLU, no biases,
+# GQA (4 heads in 2 query groups), RoPE on the two halves of each head (Megatron's default)
+LLAMA = {"normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": False}
+
+
+def _model(seed: int, llama: bool = False, tied: bool = False, qkv_bias: bool = False):
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch.manual_seed(seed)
-    config = TransformerConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+    extra = {**LLAMA, "activation_func": torch.nn.functional.silu, "add_qkv_bias": qkv_bias} if llama else {}
+    config = TransformerConfig(**extra, num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                                num_query_groups=2, use_cpu_initialization=True, bias_dropout_fusion=False,
                                masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
                                hidden_dropout=0.0, attention_dropout=0.0)
-    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=64)
+    return GPTModel(config, get_gpt_layer_local_spec(normalization=config.normalization), vocab_size=VOCAB,
+                    max_sequence_length=64, position_embedding_type="rope" if llama else "learned_absolute",
+                    share_embeddings_and_output_weights=tied)
 
 
-def job(rank: int, world_size: int, out: str, *, steps: int = 1, seed: int = 0) -> dict:
-    """Train ``steps`` steps, save to ``out``; rank 0 returns its full model and optimizer state."""
+def job(rank: int, world_size: int, out: str, *, steps: int = 1, seed: int = 0, llama: bool = False,
+        tied: bool = False, qkv_bias: bool = False, run_args: dict | None = None) -> dict:
+    """Train ``steps`` steps, save to ``out``; rank 0 returns its full model and optimizer state.
+    ``run_args``: training arguments saved as Megatron-LM saves its ``args`` (a Namespace)."""
     _cpu()
     import torch
     from megatron.core import dist_checkpointing, parallel_state
@@ -52,7 +62,7 @@ def job(rank: int, world_size: int, out: str, *, steps: int = 1, seed: int = 0) 
     )
 
     parallel_state.initialize_model_parallel(1, 1)
-    model = _model(seed)
+    model = _model(seed, llama, tied, qkv_bias)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     # its forward needs a GPU (a CUDA activation buffer): the gradients of each step are drawn
     # instead, the same on every rank, so the optimizer holds real AdamW state
@@ -69,12 +79,50 @@ def job(rank: int, world_size: int, out: str, *, steps: int = 1, seed: int = 0) 
     os.makedirs(out, exist_ok=True)
     torch.distributed.barrier()
     # the default strategy is torch_dist (DCP underneath)
-    dist_checkpointing.save({"model": model_sd, "optimizer": optim_sd}, out)
+    common = {}
+    if run_args is not None:  # as Megatron-LM's save_checkpoint adds them: in the common state (common.pt)
+        import argparse
+
+        common = {"args": argparse.Namespace(**run_args), "checkpoint_version": 3.0, "iteration": steps}
+    dist_checkpointing.save({"model": model_sd, "optimizer": optim_sd, **common}, out)
     torch.distributed.barrier()
     held = {"model": {k: v.detach().clone() for k, v in model.state_dict().items() if v is not None and torch.is_tensor(v)},
             "optimizer": optimizer.state_dict()}
+    if llama:
+        held["probe"] = probe(model)
     parallel_state.destroy_model_parallel()
     return held if rank == 0 else None
+
+
+SEQ = 6
+
+
+def probe(model) -> dict:
+    """Megatron-Core's own modules run on a fixed input, per layer: the input norm, Q/K/V as
+    ``get_query_key_value_tensors`` splits ``linear_qkv``'s output ([seq, batch, heads, head
+    dim]), the same after Megatron's rotary embedding, ``linear_proj`` and the MLP (after its
+    norm); plus the final norm. (The whole model's forward does not run on CPU: its attention
+    forks the CUDA RNG tracker.)"""
+    import torch
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(SEQ, 1, model.config.hidden_size, generator=g)
+    freqs = model.rotary_pos_emb(SEQ)
+    out = {"x": x}
+    with torch.no_grad():
+        for i, layer in enumerate(model.decoder.layers):
+            normed = layer.input_layernorm(x)
+            q, k, v = layer.self_attention.get_query_key_value_tensors(normed)[:3]
+            att = layer.self_attention
+            context = torch.randn(SEQ, 1, att.query_projection_size, generator=g)
+            out[i] = {"input_norm": normed, "q": q, "k": k, "v": v,
+                      "q_rot": apply_rotary_pos_emb(q, freqs, model.config),
+                      "k_rot": apply_rotary_pos_emb(k, freqs, model.config),
+                      "context": context, "proj": att.linear_proj(context)[0],
+                      "mlp": layer.mlp(layer.pre_mlp_layernorm(x))[0]}
+        out["final_norm"] = model.decoder.final_layernorm(x)
+    return out
 
 
 def load(rank: int, world_size: int, path: str, *, seed: int = 1) -> dict | None:
@@ -91,3 +139,24 @@ def load(rank: int, world_size: int, path: str, *, seed: int = 1) -> dict | None
     out = {k: v.detach().clone() for k, v in model.state_dict().items() if v is not None and torch.is_tensor(v)}
     parallel_state.destroy_model_parallel()
     return out if rank == 0 else None
+
+
+def llama_job(rank: int, world_size: int, out: str, tied: bool = False, qkv_bias: bool = False) -> dict:
+    """:func:`job` with the Llama-style settings (``LLAMA``), tied or untied embeddings; with
+    ``qkv_bias``, Qwen2's (biases on Q, K and V only)."""
+    return job(rank, world_size, out, llama=True, tied=tied, qkv_bias=qkv_bias, run_args=llama_args(tied, qkv_bias))
+
+
+def llama_args(tied: bool = False, qkv_bias: bool = False) -> dict:
+    """The Megatron-LM arguments (``pretrain_gpt.py`` flags) that train :func:`_model`'s Llama-style
+    GPT, as its ``args`` Namespace holds them (a dtype and an enum among them, as there)."""
+    import torch
+    from megatron.core.transformer.enums import AttnBackend
+
+    return {"num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 4, "kv_channels": 8,
+            "group_query_attention": True, "num_query_groups": 2, "swiglu": True, "normalization": "RMSNorm",
+            "norm_epsilon": 1e-5, "position_embedding_type": "rope", "rotary_interleaved": False,
+            "rotary_percent": 1.0, "rotary_base": 10000, "use_rope_scaling": False, "qk_layernorm": False,
+            "num_experts": None, "add_qkv_bias": qkv_bias, "add_bias_linear": False,
+            "untie_embeddings_and_output_weights": not tied, "padded_vocab_size": VOCAB,
+            "params_dtype": torch.float32, "attention_backend": AttnBackend.auto, "iteration": 1}

@@ -6,7 +6,8 @@ A real Megatron-Core 0.16.1 save (``fw_megatron.job``: a tiny ``GPTModel`` and A
 records. Checked against torch's own reader of the same save (``dcp_to_torch_save``, i.e.
 ``_load_state_dict(no_dist=True)``): ``inspect`` lists what it reads, ``convert --to dcp``
 holds the same tensors and Megatron-Core's own ``dist_checkpointing.load`` loads it back;
-``export`` refuses Megatron's names (exit 3) until a name map exists.
+``export`` of this model (Megatron's default GPT: LayerNorm, GELU, biases) is exit 3 naming what the
+name map does not cover; the Llama-style export is tested in ``test_megatron_export.py``.
 """
 
 from __future__ import annotations
@@ -95,10 +96,25 @@ def test_convert_dcp_equals_the_source_and_megatron_loads_it(save, tmp_path):
         assert torch.equal(loaded[k], held["model"][k]), k
 
 
-def test_export_refuses_megatron_names(save, tmp_path):
+def test_export_refuses_a_megatron_model_the_map_does_not_cover(save, tmp_path):
+    """This save is Megatron-Core's default GPT (LayerNorm with biases, a non-gated GELU MLP with
+    biases, learned absolute positions): not a Llama, so exit 3 naming what has no counterpart,
+    nothing written; without a config, exit 3 naming --base."""
+    from transformers import LlamaConfig
+
     path, _ = save
-    for args in (["export", str(path), str(tmp_path / "hf")], ["convert", str(path), str(tmp_path / "hf"), "--to", "hf"]):
+    base = tmp_path / "base"
+    LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2).save_pretrained(base)
+    for args in (["export", str(path), str(tmp_path / "hf"), "--base", str(base)],
+                 ["convert", str(path), str(tmp_path / "hf"), "--to", "hf", "--base", str(base)]):
         result = CliRunner().invoke(cli, args)
         assert result.exit_code == 3, result.output
-        assert "Megatron-Core names" in result.output and "name map" in result.output, result.output
+        assert "no Hugging Face counterpart" in result.output, result.output
+        for named in ("LayerNorm (the map is for RMSNorm): decoder.final_layernorm.bias",
+                      "linear biases: decoder.layers.mlp.linear_fc1.bias",
+                      "learned absolute positions (the map is for RoPE): embedding.position_embeddings.weight"):
+            assert named in result.output, (named, result.output)
+    result = CliRunner().invoke(cli, ["export", str(path), str(tmp_path / "hf")])
+    assert result.exit_code == 3 and "--base" in result.output, result.output
     assert not (tmp_path / "hf").exists()

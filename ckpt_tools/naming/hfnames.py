@@ -3,7 +3,8 @@
 Order of work (pure planning, no tensor data except the tied-embedding comparison):
   1. names as the model's state dict spells them (wrapper prefixes removed, no two alike);
   2. a naming scheme maps them (:mod:`.lora`: merge the update, or split out a PEFT
-     adapter; :mod:`.torchtitan`: torchtitan's names and rotary row order);
+     adapter; :mod:`.torchtitan`: torchtitan's names and rotary row order; :mod:`.megatron`:
+     Megatron-Core's stacked layers, fused QKV and [gate; up] split into HF's weights);
   3. tied embeddings written once;
   4. :mod:`ckpt_tools.hf.archcheck`: ``from_pretrained`` of the config's architecture must find every name
      and shape it needs and nothing it does not. A mismatch is exit 3, before a byte is written.
@@ -68,8 +69,15 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
         if n in names:
             raise BadInput(f"{src}: two tensors become {n!r} once wrapper prefixes are removed")
         names[n] = t
-    if megatron.detect(names):
-        raise megatron.refuse(names, src)
+    if megatron.detect(names):  # Megatron-Core's stacked, fused names: no LoRA, a map of their own
+        if lora == "adapter":
+            raise BadInput(f"{src}: a Megatron-Core save holds no PEFT LoRA weights to write as an adapter; "
+                           "drop --lora adapter")
+        pieces = megatron.to_hf_pieces(ckpt, names, config, src, cast)
+        notes = megatron.check_args(ckpt, config, src)
+        pieces = untie(ckpt, pieces, config, src)
+        return ExportPlan(ckpt, pieces, None, lambda: check(pieces, config, src) + notes,
+                          bool(config) and not archcheck.known_good(config, _asked(pieces)))
     found = peft_lora.find(ckpt, alpha=lora_alpha) if any(".lora_" in n for n in names) else None
     if found is None and lora == "adapter":
         raise BadInput(f"{src}: holds no LoRA weights (lora_A/lora_B) to write as an adapter; drop --lora adapter")

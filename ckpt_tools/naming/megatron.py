@@ -1,22 +1,79 @@
-"""Megatron-Core GPT names, recognised so that an export refuses them rather than writing them.
+"""Megatron-Core GPT names -> Hugging Face names, for the Llama-style families.
 
-Megatron-Core's ``sharded_state_dict`` names a GPT's weights its own way
-(``embedding.word_embeddings.weight``, ``decoder.layers.self_attention.linear_qkv.weight`` with
-the layers stacked on a leading axis and Q, K, V fused and interleaved per query group,
-``output_layer.weight``). No map from them to a Hugging Face architecture's names is written
-yet (it would be one table like :mod:`.torchtitan`'s, plus the QKV split and the layer axis
-unstacked); until then ``export`` (and ``convert --to hf``) is exit 3 naming what is missing,
-and ``convert --to dcp`` keeps the save as the DCP it is.
+Families mapped (HF ``model_type``): ``llama``, ``mistral`` (the same names) and ``qwen2``
+(``llama`` plus q/k/v biases): a Megatron-Core ``GPTModel`` with RMSNorm, a gated MLP (SwiGLU),
+RoPE on the two halves of each head (Megatron's default, ``rotary_interleaved=False``, which is
+Hugging Face's convention: no row permutation), GQA or MHA, no linear biases but Qwen2's q/k/v
+ones, tied or untied embeddings; the local and the Transformer-Engine layer specs (whose norm
+weights are named ``input_layernorm.weight`` / ``self_attention.linear_qkv.layer_norm_weight``).
+
+Megatron's ``sharded_state_dict`` stacks the layers on a leading axis
+(``decoder.layers.self_attention.linear_qkv.weight`` is ``[num_layers, rows, hidden]``), fuses
+Q, K and V interleaved per query group (``[q heads of group 0, k0, v0, q heads of group 1, ...]``,
+as ``SelfAttention.get_query_key_value_tensors`` splits them) and holds ``[gate; up]`` in
+``linear_fc1``. Every Hugging Face weight is therefore a list of row ranges of one layer of one
+stacked tensor, and each such range is a contiguous byte range of the file that stores it: the
+weight is described as those byte ranges (the stored items' headers are read, no tensor data),
+so the engine streams it like any copy (no whole-model buffer). Megatron-LM pads the vocabulary
+(``make_vocab_size_divisible_by``): embedding rows beyond the config's ``vocab_size`` are left out.
+
+Refused (exit 3, naming what is missing): any name outside the table (LayerNorm biases, linear
+biases, MoE experts and router, QK-norm, MLA), a ``linear_fc1`` that is not ``2 x
+intermediate_size`` rows (a non-gated MLP), a config of another family, and stacked tensors
+split across columns (tensor-parallel row-parallel layers saved per rank). What the shapes
+cannot say (activation, normalization, rotary convention, epsilon, theta) is checked against
+Megatron-LM's training arguments where the save holds them (:func:`check_args`); a Megatron-Core
+save of the model alone records none: a note then says what was taken from config.json (a
+non-gated MLP whose ``ffn_hidden_size`` is twice the config's ``intermediate_size`` cannot be
+told apart by its shapes).
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..core.describe import Checkpoint, Chunk, Location, TensorInfo
+from ..core.dtypes import DType
+from ..core.plan import Piece, Target, whole
+from ..engine.reader import Reader
 from ..errors import BadInput
 
 _MARKS = ("decoder.layers.", "embedding.word_embeddings.weight", "output_layer.weight")
+FAMILIES = ("llama", "mistral", "qwen2")
+STACKED = "decoder.layers."
+_PER_LAYER = re.compile(r"^decoder\.layers\.\d+\.")
+
+# Megatron name (below ``decoder.layers.`` for the stacked ones) -> (HF name, part) pairs; the
+# part says which rows of the layer the HF weight takes (None: all of them)
+_LAYER_TABLE = {
+    "self_attention.linear_qkv.weight": (("model.layers.{}.self_attn.q_proj.weight", "q"),
+                                         ("model.layers.{}.self_attn.k_proj.weight", "k"),
+                                         ("model.layers.{}.self_attn.v_proj.weight", "v")),
+    "self_attention.linear_qkv.bias": (("model.layers.{}.self_attn.q_proj.bias", "q"),
+                                       ("model.layers.{}.self_attn.k_proj.bias", "k"),
+                                       ("model.layers.{}.self_attn.v_proj.bias", "v")),
+    "self_attention.linear_proj.weight": (("model.layers.{}.self_attn.o_proj.weight", None),),
+    "self_attention.linear_qkv.layer_norm_weight": (("model.layers.{}.input_layernorm.weight", None),),
+    "input_layernorm.weight": (("model.layers.{}.input_layernorm.weight", None),),
+    "mlp.linear_fc1.layer_norm_weight": (("model.layers.{}.post_attention_layernorm.weight", None),),
+    "pre_mlp_layernorm.weight": (("model.layers.{}.post_attention_layernorm.weight", None),),
+    "mlp.linear_fc1.weight": (("model.layers.{}.mlp.gate_proj.weight", "gate"),
+                              ("model.layers.{}.mlp.up_proj.weight", "up")),
+    "mlp.linear_fc2.weight": (("model.layers.{}.mlp.down_proj.weight", None),),
+}
+_TOP_TABLE = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+# what an unmapped name most likely means, for the refusal
+_WHY = (("layer_norm_bias", "LayerNorm (the map is for RMSNorm)"), ("layernorm.bias", "LayerNorm (the map is for RMSNorm)"),
+        ("experts", "MoE experts"), ("router", "an MoE router"), ("q_layernorm", "QK-norm"),
+        ("k_layernorm", "QK-norm"), ("linear_q_", "multi-latent attention"), ("linear_kv_", "multi-latent attention"),
+        (".bias", "linear biases"), ("position_embeddings", "learned absolute positions (the map is for RoPE)"))
 
 
 def detect(names: Iterable[str]) -> bool:
@@ -24,9 +81,201 @@ def detect(names: Iterable[str]) -> bool:
     return any(n.startswith(_MARKS) for n in names)
 
 
-def refuse(names: Iterable[str], src: Path) -> BadInput:
-    """The error for an export of Megatron-Core names: which names, and what is missing."""
-    names = sorted(n for n in names if n.startswith(_MARKS))
-    return BadInput(f"{src}: holds Megatron-Core names ({names[0]}, ... {len(names)} in all; layers stacked, QKV "
-                    "fused), for which ckpt has no map to Hugging Face names yet: export needs a name map for this "
-                    "model family (naming/); convert --to dcp keeps it as the DCP it is")
+def _known(name: str) -> bool:
+    return name in _TOP_TABLE or name.startswith(STACKED) and name[len(STACKED):] in _LAYER_TABLE
+
+
+def _why(name: str) -> str:
+    if _PER_LAYER.match(name):
+        return ("per-layer names, as model.state_dict() or a legacy checkpoint spells them: the map reads "
+                "dist_checkpointing's torch_dist save, whose layers are stacked")
+    return next((what for mark, what in _WHY if mark in name), "no counterpart")
+
+
+def _family(config: dict, src: Path) -> str:
+    if not config:
+        raise BadInput(f"{src}: Megatron-Core names to Hugging Face need the model's config.json (heads, query "
+                       "groups, intermediate size); pass --base MODEL with a config of matching shapes")
+    family = config.get("model_type")
+    if family not in FAMILIES:
+        raise BadInput(f"{src}: Megatron-Core names for model_type {family!r} are not mapped (ckpt maps "
+                       f"{', '.join(FAMILIES)}: RMSNorm, SwiGLU, RoPE); pass --base with a config of one of those")
+    return family
+
+
+def _rows(part: str | None, rows: int, config: dict, name: str) -> list[tuple[int, int]]:
+    """The row ranges of one layer of ``name`` (``rows`` long) that HF's ``part`` takes."""
+    if part is None:
+        return [(0, rows)]
+    if part in ("gate", "up"):
+        inter = config.get("intermediate_size")
+        if not isinstance(inter, int) or rows != 2 * inter:
+            raise BadInput(f"{name}: {rows} rows, but a gated MLP (SwiGLU: [gate; up]) of intermediate_size "
+                           f"{inter} has {2 * inter if isinstance(inter, int) else '2 x intermediate_size'}: "
+                           "a non-gated MLP is not mapped, or config.json does not describe this model")
+        return [(0, inter)] if part == "gate" else [(inter, rows)]
+    heads = config.get("num_attention_heads")
+    groups = config.get("num_key_value_heads") or heads
+    hidden = config.get("hidden_size")
+    if not all(isinstance(v, int) and v > 0 for v in (heads, groups, hidden)) or heads % groups:
+        raise BadInput(f"{name}: config.json's num_attention_heads {heads}, num_key_value_heads {groups}, hidden_size "
+                       f"{hidden} do not describe grouped-query attention")
+    head_dim = config.get("head_dim") or hidden // heads
+    per_group = heads // groups
+    block = (per_group + 2) * head_dim
+    if rows != groups * block:
+        raise BadInput(f"{name}: {rows} rows, but {heads} heads of {head_dim} in {groups} query groups fuse to "
+                       f"{groups * block}: config.json does not describe this model")
+    start, size = {"q": (0, per_group * head_dim), "k": (per_group * head_dim, head_dim),
+                   "v": ((per_group + 1) * head_dim, head_dim)}[part]
+    return [(g * block + start, g * block + start + size) for g in range(groups)]
+
+
+def _view(reader: Reader, src: TensorInfo, layer: int | None, ranges: list[tuple[int, int]], name: str) -> TensorInfo:
+    """A tensor named ``name`` made of rows ``ranges`` of layer ``layer`` of ``src`` (of ``src``
+    itself when ``layer`` is None), described as byte ranges of the files that store them."""
+    lead = 0 if layer is None else 1  # the stacked layer axis, when there is one
+    inner = src.shape[lead:]
+    rest = inner[1:]
+    row_bytes = math.prod(rest) * DType.of(src.dtype).itemsize
+    total = sum(b - a for a, b in ranges)
+    chunks, covered, seen = [], 0, set()
+    for c in src.chunks:
+        box = (c.offsets, c.sizes)
+        if box in seen or not c.numel:
+            continue
+        seen.add(box)
+        if layer is not None and not c.offsets[0] <= layer < c.offsets[0] + c.sizes[0]:
+            continue
+        if tuple(c.sizes[lead + 1:]) != tuple(rest):
+            raise BadInput(f"{src.name}: stored split across columns ({c.sizes} of {src.shape}, a tensor-parallel "
+                           "row-parallel layer saved per rank); ckpt reads Megatron saves whose rows are whole "
+                           "(tensor parallel 1, or a save resharded to it)")
+        c_lo, c_hi = c.offsets[lead], c.offsets[lead] + c.sizes[lead]
+        found = None
+        dst = 0
+        for a, b in ranges:
+            lo, hi = max(a, c_lo), min(b, c_hi)
+            if lo < hi:
+                if found is None:
+                    found = reader.span(src, c)
+                    if found is None:
+                        raise BadInput(f"{src.name}: its item in {c.location.file} is not stored as one contiguous "
+                                       "range of bytes; ckpt cannot take one layer's rows of it")
+                _, offset, _ = found
+                within = ((layer - c.offsets[0]) * c.sizes[1] if layer is not None else 0) + (lo - c_lo)
+                loc = Location(c.location.file, "raw", offset + within * row_bytes, (hi - lo) * row_bytes)
+                chunks.append(Chunk((dst + lo - a, *([0] * len(rest))), (hi - lo, *rest), loc, c.rank))
+                covered += hi - lo
+            dst += b - a
+    if covered != total:
+        raise BadInput(f"{src.name}: its chunks cover {covered} of the {total} rows {name} needs; the save has a hole")
+    return TensorInfo(src.group, name, (total, *rest), src.dtype, tuple(chunks))
+
+
+def to_hf_pieces(ckpt: Checkpoint, names: dict[str, TensorInfo], config: dict, src: Path,
+                 cast: DType | None) -> list[Piece]:
+    """Whole pieces under Hugging Face names for the Megatron-Core model tensors ``names``
+    (each described as byte ranges of the save's files, streamed by the engine). Raises
+    BadInput naming every Megatron name the map does not know, or the shape that does not fit
+    the config.
+
+    Example: ``decoder.layers.self_attention.linear_qkv.weight`` ``[2, 64, 32]`` (4 heads of 8
+    in 2 groups) -> ``model.layers.{0,1}.self_attn.{q,k,v}_proj.weight`` of 32, 16, 16 rows.
+    """
+    _family(config, src)
+    unknown = sorted(n for n in names if not _known(n))
+    if unknown:
+        by_why: dict[str, list[str]] = {}
+        for n in unknown:
+            by_why.setdefault(_why(n), []).append(n)
+        listed = "; ".join(f"{why}: {', '.join(ns[:3])}{' ...' if len(ns) > 3 else ''}" for why, ns in by_why.items())
+        raise BadInput(f"{src}: Megatron-Core names with no Hugging Face counterpart in ckpt's map ({listed}; "
+                       f"{len(unknown)} in all); the map covers "
+                       f"{'/'.join(FAMILIES)}-style GPTs (RMSNorm, SwiGLU, RoPE, no linear biases but Qwen2's q/k/v); "
+                       "convert --to dcp keeps the save under Megatron's own names")
+    vocab = config.get("vocab_size")
+    pieces = []
+    with Reader(ckpt) as reader:
+        for name, t in names.items():
+            if name in _TOP_TABLE:
+                rows = t.shape[0] if t.shape else 0
+                if name != "decoder.final_layernorm.weight" and isinstance(vocab, int) and 0 < vocab < rows:
+                    rows = vocab  # Megatron-LM's padded vocabulary: the padding rows are dropped
+                view = _view(reader, t, None, [(0, rows)], _TOP_TABLE[name])
+                pieces.append(_whole(view, cast))
+                continue
+            if len(t.shape) < 2:
+                raise BadInput(f"{name}: {list(t.shape)} is not stacked on a layer axis")
+            for layer in range(t.shape[0]):
+                for hf, part in _LAYER_TABLE[name.removeprefix(STACKED)]:
+                    view = _view(reader, t, layer, _rows(part, t.shape[1], config, name), hf.format(layer))
+                    pieces.append(_whole(view, cast))
+    seen = set()
+    for p in pieces:
+        if p.target.name in seen:
+            raise BadInput(f"{src}: two Megatron-Core tensors become {p.target.name!r} (a local-spec and a "
+                           "Transformer-Engine norm name both saved?)")
+        seen.add(p.target.name)
+    return pieces
+
+
+# Megatron-LM's argument -> (what the map assumes, or a config.json key whose value it must equal)
+_ASSUMED = {"swiglu": (True, "a gated MLP with SiLU (SwiGLU)"), "normalization": ("RMSNorm", "RMSNorm"),
+            "position_embedding_type": ("rope", "rotary positions"),
+            "rotary_interleaved": (False, "rotary embeddings on the two halves of each head"),
+            "rotary_percent": (1.0, "rotary embeddings on every dimension of a head"),
+            "qk_layernorm": (False, "no QK-norm"), "num_experts": (None, "a dense MLP (no MoE)")}
+_EQUAL = {"num_attention_heads": "num_attention_heads", "num_layers": "num_hidden_layers",
+          "hidden_size": "hidden_size", "ffn_hidden_size": "intermediate_size", "kv_channels": "head_dim",
+          "norm_epsilon": "rms_norm_eps", "rotary_base": "rope_theta"}
+
+
+def check_args(ckpt: Checkpoint, config: dict, src: Path) -> list[str]:
+    """Check what the map assumes (and ``config.json``) against the training arguments the save
+    recorded (Megatron-LM's ``args`` in ``common.pt``, :mod:`ckpt_tools.layouts.megatron`): a
+    difference is exit 3 naming the argument. Without them (a Megatron-Core save of the model
+    alone) the shapes are all that is checked: a note says what was taken from config.json."""
+    args = ckpt.details.get("run_args")
+    if not isinstance(args, dict):
+        why = ckpt.details.get("run_args_unread")
+        return [f"{src}: " + (f"its training arguments could not be read ({why}); " if why else
+                                    "the save records no training arguments (no Megatron-LM args in common.pt); ")
+                + "SwiGLU, RMSNorm and the rotary convention of config.json are assumed, only the shapes are checked"]
+    wrong = [f"{k}={args[k]!r} ({what} expected)" for k, (want, what) in _ASSUMED.items()
+             if k in args and args[k] != want and not (want is False and args[k] in (None, 0))
+             and not (want is None and args[k] in (0, 1))]
+    groups = args.get("num_query_groups") if args.get("group_query_attention") else args.get("num_attention_heads")
+    pairs = [*((k, c) for k, c in _EQUAL.items()), ("num_query_groups", "num_key_value_heads")]
+    values = {**args, "num_query_groups": groups}
+    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    config = {**config, "rope_theta": config.get("rope_theta", rope.get("rope_theta")),
+              "rope_scaling": config.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default")
+                                                             else None)}  # transformers 5 nests them
+    wrong += [f"{k}={values[k]!r} but config.json's {c} is {config.get(c)!r}" for k, c in pairs
+              if values.get(k) is not None and config.get(c) is not None and not _same(values[k], config[c])]
+    if args.get("swiglu") and config.get("hidden_act") not in (None, "silu"):
+        wrong.append(f"swiglu=True but config.json's hidden_act is {config.get('hidden_act')!r}")
+    tied = not args.get("untie_embeddings_and_output_weights", True)
+    if "untie_embeddings_and_output_weights" in args and bool(config.get("tie_word_embeddings", True)) != tied:
+        wrong.append(f"untie_embeddings_and_output_weights={not tied} but config.json's tie_word_embeddings is "
+                     f"{config.get('tie_word_embeddings', True)}")
+    if "use_rope_scaling" in args and bool(args["use_rope_scaling"]) != bool(config.get("rope_scaling")):
+        wrong.append(f"use_rope_scaling={args['use_rope_scaling']!r} but config.json's rope_scaling is "
+                     f"{config.get('rope_scaling')!r}")
+    if wrong:
+        raise BadInput(f"{src}: the training arguments saved in common.pt say {'; '.join(wrong)}: the export would not "
+                       "compute what the Megatron model computed; pass --base with a config that describes it (ckpt maps "
+                       f"{'/'.join(FAMILIES)}-style GPTs)")
+    return []
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1.0)
+    return a == b
+
+
+def _whole(view: TensorInfo, cast: DType | None) -> Piece:
+    dtype = cast if cast is not None and view.dtype.is_floating_point else view.dtype
+    return whole(Target(view, view.group, view.name, dtype))
