@@ -22,8 +22,8 @@ def latest(run_dir: str | Path, *, verify: bool = False) -> str:
     """The path of the newest complete checkpoint under ``run_dir``.
 
     Newest by the step the framework recorded (``global_step_N``, ``checkpoint-N`` and its
-    ``trainer_state.json``, ``checkpoint_N``, ``step-N``, the number in a plain directory's
-    name), never by modification time; complete when every file its format and its layout's
+    ``trainer_state.json``, ``checkpoint_N``, ``step-N``, Megatron-LM's ``iter_N``, DeepSpeed's
+    ``global_stepN``, the number in a plain directory's name), never by modification time; complete when every file its format and its layout's
     loader need is present and long enough (see ``ckpt_tools.formats.whole``). A directory that
     is itself a checkpoint is its own answer. ``verify`` also compares a ckpt manifest's
     checksums. For verl the path is ``global_step_N`` (its ``actor/`` and ``critic/`` checked),

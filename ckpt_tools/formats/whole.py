@@ -10,7 +10,12 @@ directory of many checkpoints is checked in a few milliseconds each.
   readable ``torch.save`` zip whose records lie inside it;
 - ``hf``: the index and every shard it names, each header within its file and its tensors'
   byte ranges exactly filling the data;
-- ``torch``: each file a readable zip with its records inside.
+- ``torch``: each file a readable zip with its records inside;
+- ``deepspeed`` (a ``global_stepN/``, or the one a run's ``latest`` names): the model states
+  (``mp_rank_00_model_states.pt``, or every rank's ``zero_pp_rank_R_mp_rank_00_model_states.pt``
+  in ZeRO-3) and the optimizer states of every data-parallel rank below the model states'
+  ``dp_world_size``, each a readable zip with its records inside (the model states' pickle is
+  read as an inert tree for ``dp_world_size`` and the stage; no tensor).
 
 :func:`check` says what is missing as short phrases relative to the checkpoint's directory.
 """
@@ -22,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import BadInput
-from ..security import safefs
+from ..security import safefs, zeroglobals
 from ..security.dcpmeta import load_dcp_metadata
 from ..security.torchfile import zip_records
-from . import dcp, detect, hf, sharded, torchsave
+from . import dcp, deepspeed, detect, hf, sharded, torchsave
 
 PENDING_METADATA = dcp.METADATA + ".tmp"  # what torch's FileSystemWriter renames at the end
 
@@ -234,4 +239,58 @@ def torch_file_missing(file: Path, root: Path) -> list[str]:
     return _zip_missing(file, root)
 
 
-_CHECKS = {"dcp": _check_dcp, "sharded": _check_sharded, "hf": _check_hf, "torch": _check_torch}
+def check_deepspeed(path: Path) -> Whole:
+    """:func:`check` of a directory known to be a DeepSpeed step directory (a run's
+    ``global_stepN/``), so that one missing its model states says so rather than "no format"."""
+    size = tree_size(path)
+    try:
+        world, missing, _ = _check_deepspeed(path)
+    except OSError as e:
+        return Whole(deepspeed.NAME, None, size, (f"cannot read {short(e, path)}",))
+    return Whole(deepspeed.NAME, world, size, tuple(missing))
+
+
+def _check_deepspeed(path: Path) -> tuple[int | None, list[str], set[str]]:
+    try:
+        step_dir = deepspeed.step_dir(path) if deepspeed.detect(path) else path
+    except BadInput as e:
+        return None, [short(e, path)], set()
+    pre = "" if step_dir == path else f"{step_dir.relative_to(path).as_posix()}/"
+    names = sorted(e.name for e in os.scandir(step_dir) if e.is_file())
+    model3 = {int(m.group(1)): n for n in names if (m := deepspeed.MODEL3.match(n))}
+    optim = {int(m.group(2)): n for n in names if (m := deepspeed.OPTIM.match(n))}
+    model_file = deepspeed.MODEL_STATES if deepspeed.MODEL_STATES in names else model3.get(0)
+    if model_file is None:
+        return None, [f"{pre}{deepspeed.MODEL_STATES} missing (DeepSpeed writes the model states first)"], set()
+    lacks = _zip_missing(step_dir / model_file, path)
+    if lacks:
+        return None, lacks, set()
+    try:
+        states = zeroglobals.read(step_dir / model_file).tree
+    except (BadInput, ValueError) as e:
+        return None, [f"{pre}{model_file} unreadable ({short(e, path)})"], set()
+    states = states if isinstance(states, dict) else {}
+    ws = states.get("dp_world_size")
+    if not isinstance(ws, int) or ws < 1:
+        ws = max([*optim, *model3, -1]) + 1 or None
+    config = states.get("ds_config") if isinstance(states.get("ds_config"), dict) else {}
+    zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
+    need_optim = bool(optim) or (isinstance(zero.get("stage"), int) and zero["stage"] > 0)
+    missing: list[str] = []
+    for r in range(ws or 0):
+        if model3 and r not in model3:
+            missing.append(f"{pre}zero_pp_rank_{r}_mp_rank_00_model_states.pt missing")
+        elif model3 and r:
+            missing += _zip_missing(step_dir / model3[r], path)
+        if need_optim and r not in optim:
+            missing.append(f"{pre}zero_pp_rank_{r}_mp_rank_00_optim_states.pt missing (rank {r} of {ws})")
+        elif r in optim:
+            missing += _zip_missing(step_dir / optim[r], path)
+    extra = sorted(r for r in (*optim, *model3) if ws is not None and r >= ws)
+    if extra:
+        missing.append(f"{pre}: states of ranks {extra} beyond dp_world_size {ws} (files from another save?)")
+    return ws, missing, set()
+
+
+_CHECKS = {"dcp": _check_dcp, "sharded": _check_sharded, "hf": _check_hf, "torch": _check_torch,
+           deepspeed.NAME: _check_deepspeed}

@@ -5,7 +5,8 @@ Each framework's module says where its step directories sit and how they are nam
 (``RUN_FOLDERS``, ``step_of``), which checkpoints a step directory holds (``parts``), what its
 loader needs beyond the format's own files (``missing``), the step it recorded
 (``recorded_step``) and the step its own "latest" marker names (``hint``, reported, never
-trusted). This module only asks them; the format's part is :mod:`ckpt_tools.formats.whole`.
+trusted); one whose step directory is no format of its own (DeepSpeed's ``global_stepN/``) also
+says what makes it whole (``check_whole``). This module only asks them; the format's part is :mod:`ckpt_tools.formats.whole`.
 Nothing here reads a tensor or imports torch.
 """
 
@@ -20,11 +21,11 @@ from ..errors import BadInput
 from ..formats import whole
 from ..security import safefs
 from ..storage import manifest
-from . import accelerate, plain, torchtitan, trainer, verl
+from . import accelerate, deepspeed, megatron, plain, torchtitan, trainer, verl
 
 # frameworks whose step directories are known by their names, most specific first; plain
 # (any numbered sub-directory holding checkpoint files) last
-_BY_NAME = (verl, trainer, accelerate, torchtitan)
+_BY_NAME = (verl, trainer, accelerate, torchtitan, megatron, deepspeed)
 _ALL = (*_BY_NAME, plain)
 ESCAPED = "leads out of RUN_DIR through a symlink; refused, not read"
 
@@ -148,7 +149,7 @@ def _check(root: Path, rel: str, adapter: Any, step: int | None, verify: bool) -
         if not d.is_dir():
             missing.append(f"{where} missing")
             continue
-        w = whole.check(d)
+        w = _whole(adapter, d)
         fmt, ws, size = fmt or w.format, ws or w.world_size, size + w.size
         try:
             side = [*adapter.missing(d, w), *_manifest_missing(d, verify)]
@@ -156,6 +157,16 @@ def _check(root: Path, rel: str, adapter: Any, step: int | None, verify: bool) -
             side = [f"cannot read {whole.short(e, d)}"]
         missing += [where + m for m in (*w.missing, *side)]
     return Entry(path, step, adapter.NAME, fmt, ws, size, tuple(missing))
+
+
+def _whole(adapter: Any, d: Path) -> whole.Whole:
+    """A framework whose step directory is no format of its own (DeepSpeed's) says itself what
+    makes it whole: for the directories it names, and for any whose contents it owns (a
+    custom-tagged one that plain claims by its number)."""
+    if hasattr(adapter, "check_whole"):
+        return adapter.check_whole(d)
+    owner = next((a for a in _BY_NAME if hasattr(a, "owns") and a.owns(d)), None)
+    return owner.check_whole(d) if owner is not None else whole.check(d)
 
 
 def _manifest_missing(d: Path, verify: bool) -> list[str]:
@@ -185,9 +196,13 @@ def _manifest_missing(d: Path, verify: bool) -> list[str]:
 
 
 def _notes(root: Path, entries: list[Entry], steps: set[tuple[str, int | None]]) -> list[str]:
-    """What a framework's own "latest" marker says, where the files disagree with it."""
+    """What a framework's own "latest" marker says, where the files disagree with it (asked only
+    of the frameworks whose step directories the run holds: verl and Megatron-LM both write
+    ``latest_checkpointed_iteration.txt``)."""
     out = []
     for adapter in _BY_NAME:
+        if not any(name == adapter.NAME for name, _ in steps):
+            continue
         step = adapter.hint(root)
         if step is None:
             continue
