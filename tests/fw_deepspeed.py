@@ -41,7 +41,7 @@ def model(seed: int, width: int = 50, tied: bool = False):
     return LlamaForCausalLM(config)
 
 
-def _engine(stage: int, bf16: bool, world_size: int, seed: int, width: int, tied: bool):
+def _engine(stage: int, bf16: bool, world_size: int, seed: int, width: int, tied: bool, fp16: bool = False):
     import torch.distributed as dist
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -65,6 +65,9 @@ def _engine(stage: int, bf16: bool, world_size: int, seed: int, width: int, tied
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 unless told; the FSDP2 job resumed from it does not
         "bf16": {"enabled": bf16},
+        # fp16: DeepSpeed's dynamic loss scaler, started low enough that no step overflows (a
+        # skipped step would make the run's losses no reference for a resumed AdamW job)
+        "fp16": {"enabled": fp16, "initial_scale_power": 8},
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
@@ -105,12 +108,12 @@ def _train_step(engine, step: int, rank: int, world_size: int) -> float:
 
 
 def job(rank: int, world_size: int, out: str, *, stage: int, bf16: bool = False, save_at: int = 2,
-        steps: int = 4, seed: int = 0, width: int = 50, tied: bool = False) -> dict:
+        steps: int = 4, seed: int = 0, width: int = 50, tied: bool = False, fp16: bool = False) -> dict:
     """Train ``steps`` steps, saving after ``save_at``; returns the global losses of every step
     and (rank 0) what the engine held at the save."""
     import torch.distributed as dist
 
-    engine = _engine(stage, bf16, world_size, seed, width, tied)
+    engine = _engine(stage, bf16, world_size, seed, width, tied, fp16)
     losses, held, sched = [], None, None
     for step in range(steps):
         losses.append(_train_step(engine, step, rank, world_size))
@@ -163,14 +166,14 @@ def resume_fsdp2(rank: int, world_size: int, path: str, *, first: int, steps: in
 
 
 def resume(rank: int, world_size: int, path: str, *, stage: int, bf16: bool = False, first: int, steps: int,
-           seed: int = 1, width: int = 50, tied: bool = False) -> dict:
+           seed: int = 1, width: int = 50, tied: bool = False, fp16: bool = False) -> dict:
     """A DeepSpeed job at ``world_size`` (the same config and AdamW; another seed, so nothing
     passes by accident) that loads the save at ``path`` with the engine's own
     ``load_checkpoint``, records what the engine then holds (fp32 master and moments, gathered)
     and trains ``steps`` steps from step ``first``: the global losses."""
     import torch.distributed as dist
 
-    engine = _engine(stage, bf16, world_size, seed, width, tied)
+    engine = _engine(stage, bf16, world_size, seed, width, tied, fp16)
     load_path, _ = engine.load_checkpoint(path)
     if load_path is None:
         raise RuntimeError(f"engine.load_checkpoint({path!r}) found nothing to load")

@@ -5,11 +5,13 @@ Real DeepSpeed 0.19.8 jobs on CPU ranks (``fw_deepspeed.job``: the tiny Llama at
 ``save_checkpoint`` and run on to step 4; once per session:
 
 - ZeRO 1, bf16, 2 ranks (``bf16_zero_pp_rank_*`` files; ``module`` holds bf16 weights);
+- ZeRO 2, fp16, 2 ranks (files named as fp32's; ``module`` holds fp16 weights, the optimizer
+  file DeepSpeed's ``DynamicLossScaler``);
 - ZeRO 2, 3 ranks and ZeRO 3, 3 ranks (fp32), where parameters straddle ranks and stage 3
   pads each parameter at its tail.
 
 Checked: ``inspect`` (format, stage, world size, step); ``export`` bit-equal to DeepSpeed's
-own ``zero_to_fp32`` (and its bf16 cast for the bf16 run); ``convert --to dcp`` holding the
+own ``zero_to_fp32`` (and its bf16/fp16 cast for the mixed-precision runs); ``convert --to dcp`` holding the
 engine's own fp32 master and Adam moments (gathered in the job with DeepSpeed's
 ``safe_get_full_*``), read back by torch's DCP loader; FSDP2 jobs at 2 and 3 ranks resumed from it
 continuing with the DeepSpeed run's losses, and so does one loading ``convert --to sharded``
@@ -18,7 +20,7 @@ rank files at 2 ranks; ``convert --to torch`` holds the whole training state (De
 
 Written as DeepSpeed saves at another world size (``reshard --to M``, ``convert --to
 deepspeed``): at the source's own size the files come back pickle for pickle and bit for bit;
-at M (ZeRO 1 bf16 2 → 3, ZeRO 2 and 3 3 → 2) DeepSpeed's own ``engine.load_checkpoint`` in an
+at M (ZeRO 1 bf16 2 → 3, ZeRO 2 fp16 2 → 3, ZeRO 2 and 3 3 → 2) DeepSpeed's own ``engine.load_checkpoint`` in an
 M-rank job holds the source's fp32 master and moments bit for bit, its step counters and
 scheduler, and trains on with the DeepSpeed run's losses; what the writer cannot prove is exit 3
 with nothing written.
@@ -44,17 +46,28 @@ pytest.importorskip("deepspeed", reason="the DeepSpeed tests need deepspeed==0.1
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 SAVE_AT, STEPS = 2, 4
-CASES = {"z1_bf16_2": (1, True, 2), "z2_3": (2, False, 3), "z3_3": (3, False, 3)}
+CASES = {"z1_bf16_2": (1, "bf16", 2), "z2_fp16_2": (2, "fp16", 2), "z2_3": (2, None, 3), "z3_3": (3, None, 3)}
 
 
 class Save:
-    def __init__(self, root: Path, stage: int, bf16: bool, world_size: int) -> None:
-        self.path, self.stage, self.bf16, self.world_size = root / "run", stage, bf16, world_size
+    def __init__(self, root: Path, stage: int, precision: str | None, world_size: int) -> None:
+        self.path, self.stage, self.precision, self.world_size = root / "run", stage, precision, world_size
         self.root = root
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the spawned ranks inherit it
-        result = run_ranks(functools.partial(fw_deepspeed.job, stage=stage, bf16=bf16, save_at=SAVE_AT, steps=STEPS),
+        result = run_ranks(functools.partial(fw_deepspeed.job, stage=stage, save_at=SAVE_AT, steps=STEPS,
+                                             **self.precision_args),
                            world_size, root, str(self.path))[0]
         self.losses, self.held, self.scheduler = result["losses"], result["held"], result["lr_scheduler"]
+
+    @property
+    def precision_args(self) -> dict:
+        return {self.precision: True} if self.precision else {}  # bf16=True / fp16=True
+
+    @property
+    def dtype(self):
+        import torch
+
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
 
 
 @pytest.fixture(scope="session")
@@ -96,7 +109,7 @@ def test_inspect(saves, case):
     info = json.loads(_ckpt("inspect", str(save.path), "--json"))
     assert (info["format"], info["world_size"], info["zero_stage"], info["global_step"]) == (
         "deepspeed", save.world_size, save.stage, SAVE_AT)
-    assert info["mixed_precision"] == ("bf16" if save.bf16 else None)
+    assert info["mixed_precision"] == save.precision
     assert info["groups"]["model"]["num_tensors"] == len(save.held)
     assert info["groups"]["optimizer"]["num_tensors"] == 3 * len(save.held)  # exp_avg, exp_avg_sq, step
     assert info["optimizer"]["step"] == SAVE_AT
@@ -113,12 +126,12 @@ def test_export_bit_equal_to_zero_to_fp32(saves, base, case, tmp_path):
 
     save = saves[case]
     ref = _zero_to_fp32(save.path)
-    args = ["--dtype", "bf16"] if save.bf16 else []
+    args = ["--dtype", save.precision] if save.precision else []
     _ckpt("export", str(save.path), str(tmp_path / "hf"), "--base", str(base), "--quiet", *args)
     got = load_file(tmp_path / "hf" / "model.safetensors")
     assert got.keys() == ref.keys()
     for name, tensor in ref.items():
-        want = tensor.to(torch.bfloat16) if save.bf16 else tensor
+        want = tensor.to(save.dtype)
         assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert all(torch.equal(v, got[k]) for k, v in model.state_dict().items() if k in got)
@@ -221,7 +234,7 @@ def tied(tmp_path_factory):
     parameter (``shared_params``), its state once."""
     root = tmp_path_factory.mktemp("tied")
     save = Save.__new__(Save)
-    save.path, save.stage, save.bf16, save.world_size = root / "run", 3, False, 3
+    save.path, save.stage, save.precision, save.world_size = root / "run", 3, None, 3
     result = run_ranks(functools.partial(fw_deepspeed.job, stage=3, save_at=SAVE_AT, steps=STEPS, tied=True),
                        3, root, str(save.path))[0]
     save.losses, save.held, save.scheduler = result["losses"], result["held"], result["lr_scheduler"]
@@ -356,6 +369,8 @@ def _same(a, b, where: str = "") -> list[str]:
         if type(a) is not type(b) or len(a) != len(b):
             return [where]
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in _same(x, y, f"{where}[{i}]")]
+    if hasattr(a, "__dict__") and not isinstance(a, type):  # DeepSpeed's objects (loss scaler): their fields
+        return [where] if type(a) is not type(b) else _same(vars(a), vars(b), f"{where}.__dict__")
     return [] if repr(a) == repr(b) else [where]
 
 
@@ -389,7 +404,7 @@ def test_reshard_to_the_same_world_size_round_trips(saves, case, tmp_path):
         assert not _same(src[name], got[name], name)
 
 
-RESUMED = [("z1_bf16_2", 3), ("z2_3", 2), ("z3_3", 2)]
+RESUMED = [("z1_bf16_2", 3), ("z2_fp16_2", 3), ("z2_3", 2), ("z3_3", 2)]
 
 
 @pytest.fixture(scope="session")
@@ -399,7 +414,7 @@ def resumed(saves, tmp_path_factory):
     for case, world in RESUMED:
         save, root = saves[case], tmp_path_factory.mktemp(f"ds_{case}_to_{world}")
         _ckpt("reshard", str(save.path), str(root / "ds"), "--to", str(world), "--quiet")
-        out[case, world] = run_ranks(functools.partial(fw_deepspeed.resume, stage=save.stage, bf16=save.bf16,
+        out[case, world] = run_ranks(functools.partial(fw_deepspeed.resume, stage=save.stage, **save.precision_args,
                                                        first=SAVE_AT, steps=STEPS - SAVE_AT),
                                      world, root, str(root / "ds"))[0]
     return out
@@ -420,9 +435,9 @@ def test_reshard_loads_in_deepspeed_at_m_ranks(saves, resumed, case, world):
     assert (got["global_steps"], got["global_samples"]) == (STEPS, STEPS * 12)
     assert got["lr_scheduler"] == save.scheduler  # as load_checkpoint restored it
     want = save.losses[SAVE_AT:]
-    # the first step is computed from the loaded weights alone; after it, a bf16 run's gradients are
-    # reduced in bf16 across M ranks instead of N, which rounds otherwise (fp32 runs: every step)
-    upto = 1 if save.bf16 else len(want)
+    # the first step is computed from the loaded weights alone; after it, a bf16/fp16 run's gradients
+    # are reduced in 16 bits across M ranks instead of N, which rounds otherwise (fp32 runs: every step)
+    upto = 1 if save.precision else len(want)
     assert close(got["losses"][:upto], want[:upto]), (got["losses"], want)
     assert close(got["losses"], want, rel=1e-3), (got["losses"], want)
 
@@ -482,7 +497,7 @@ def test_from_and_to_a_bucket_equal_local(saves, base, case, tmp_path):
 
     save = saves[case]
     to = 3 if save.world_size == 2 else 2
-    args = ["--dtype", "bf16"] if save.bf16 else []
+    args = ["--dtype", save.precision] if save.precision else []
     with bucket_with(tmp_path / "s3", save.path, "run") as (env, fs):
         r = ckpt_with(env, "reshard", "s3://ckpt/run", "s3://ckpt/out", "--to", str(to), "--quiet")
         assert r.returncode == 0, r.stderr

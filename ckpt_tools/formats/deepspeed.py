@@ -2,10 +2,10 @@
 
 What is on disk (DeepSpeed 0.19, one model-parallel rank):
 - ``mp_rank_00_model_states.pt`` (stages 1/2) or ``zero_pp_rank_R_mp_rank_00_model_states.pt``
-  (stage 3, one per rank): ``module`` (the engine's module weights: fp32, or bf16 in a bf16
-  run; empty placeholders in stage 3), ``buffer_names``, ``param_shapes`` (one ordered
+  (stage 3, one per rank): ``module`` (the engine's module weights: fp32, or bf16/fp16 in a
+  mixed-precision run; empty placeholders in stage 3), ``buffer_names``, ``param_shapes`` (one ordered
   ``{name: torch.Size}`` per optimizer group, in flat order), ``shared_params``,
-  ``global_steps``, ``dp_world_size``;
+  ``global_steps``, ``dp_world_size``, ``ds_config`` (an fp16 run says so only there);
 - ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt``: ``optimizer_state_dict`` holding the
   stage (``ZeroStageEnum``), the fp32 master partitions of rank R and the wrapped optimizer's
   own state of those partitions (``exp_avg``, ``exp_avg_sq``: the same flat layout; ``step``
@@ -108,7 +108,7 @@ def describe(path: Path) -> Checkpoint:
         tensors += stage.model() + stage.moments()
         objects.append(stage.param_groups())
         facts["zero_stage"] = stage.stage
-        facts["mixed_precision"] = "bf16" if optim[0].startswith("bf16_") else None
+        facts["mixed_precision"] = "bf16" if optim[0].startswith("bf16_") else _fp16_or_none(m)
     elif model3:
         raise BadInput(f"{d}: no zero_pp_rank_R_mp_rank_00_optim_states.pt: a ZeRO-3 save keeps its weights only "
                        "in the optimizer files (its model states hold none); copy them in beside the model states")
@@ -129,6 +129,14 @@ def describe(path: Path) -> Checkpoint:
                or n in optim.values()]
     details = {"facts": facts, "optimizer_keyed": "fqn" if optim else None}
     return Checkpoint(NAME, path, ws, tuple(tensors), tuple(objects), tuple(entries), None, details, tuple(fqns))
+
+
+def _fp16_or_none(m: dict) -> str | None:
+    """``"fp16"`` for a save of an fp16 run (its files are named as an fp32 run's): what its
+    ``ds_config`` says, as DeepSpeed reads it."""
+    cfg = m.get("ds_config")
+    fp16 = cfg.get("fp16") if isinstance(cfg, dict) else None
+    return "fp16" if isinstance(fp16, dict) and fp16.get("enabled") is True else None
 
 
 def _shapes(group: Any, where: Path) -> list[tuple[str, tuple[int, ...]]]:

@@ -165,7 +165,7 @@ class Source:
             raise BadInput(f"{self.dir}: holds {', '.join(other[:4])}, which this writer does not know (model "
                            "parallel, pipeline, expert or offloaded state); only data-parallel ZeRO saves of one "
                            "model-parallel rank are written at another world size")
-        self.bf16 = bool(facts.get("mixed_precision"))
+        self.bf16 = facts.get("mixed_precision") == "bf16"  # fp16 files are named as fp32 ones
         self.model_file = (src_format.MODEL_STATES if (self.dir / src_format.MODEL_STATES).is_file()
                            else "zero_pp_rank_0_mp_rank_00_model_states.pt")
         self.model_zip = zeroglobals.read(self.dir / self.model_file)
