@@ -90,7 +90,20 @@ def _child(
         with open(tmp, "wb") as f:
             pickle.dump(("error", traceback.format_exc(), time.time()), f)
     os.replace(tmp, result_file)
+    _end_children()
     os._exit(0 if payload[0] == "ok" else 1)
+
+
+def _end_children() -> None:
+    """Stop what the rank's code started and left running (Megatron's save starts a
+    multiprocessing Manager server per process): ``os._exit`` runs no finalizer, and an orphan
+    would live on after the suite, holding its output open."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.kill()
+    for child in multiprocessing.active_children():
+        child.join(5)
 
 
 def run_ranks(fn: Callable, world_size: int, tmp_path, *args: Any, timeout: float = 300) -> list:
