@@ -33,27 +33,37 @@ def _cpu() -> None:
 LLAMA = {"normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": False}
 
 
-def _model(seed: int, llama: bool = False, tied: bool = False, qkv_bias: bool = False):
+def _model(seed: int, llama: bool = False, tied: bool = False, qkv_bias: bool = False, vocab: int = VOCAB):
+    """The tiny GPT, this rank's part of it under tensor/pipeline parallelism (the layers of its
+    pipeline stage; embedding on the first, output layer on the last)."""
     import torch
+    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch.manual_seed(seed)
     extra = {**LLAMA, "activation_func": torch.nn.functional.silu, "add_qkv_bias": qkv_bias} if llama else {}
-    config = TransformerConfig(**extra, num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+    config = TransformerConfig(**extra, num_layers=2, hidden_size=32,
+                               tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+                               pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+                               pipeline_dtype=torch.float32, ffn_hidden_size=64, num_attention_heads=4,
                                num_query_groups=2, use_cpu_initialization=True, bias_dropout_fusion=False,
                                masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
                                hidden_dropout=0.0, attention_dropout=0.0)
-    return GPTModel(config, get_gpt_layer_local_spec(normalization=config.normalization), vocab_size=VOCAB,
+    return GPTModel(config, get_gpt_layer_local_spec(normalization=config.normalization), vocab_size=vocab,
                     max_sequence_length=64, position_embedding_type="rope" if llama else "learned_absolute",
-                    share_embeddings_and_output_weights=tied)
+                    share_embeddings_and_output_weights=tied,
+                    pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage())
 
 
 def job(rank: int, world_size: int, out: str, *, steps: int = 1, seed: int = 0, llama: bool = False,
-        tied: bool = False, qkv_bias: bool = False, run_args: dict | None = None) -> dict:
-    """Train ``steps`` steps, save to ``out``; rank 0 returns its full model and optimizer state.
-    ``run_args``: training arguments saved as Megatron-LM saves its ``args`` (a Namespace)."""
+        tied: bool = False, qkv_bias: bool = False, run_args: dict | None = None, tp: int = 1, pp: int = 1) -> dict:
+    """Train ``steps`` steps, save to ``out``; rank 0 returns its model and optimizer state (the
+    whole model at ``tp = pp = 1``, else its part). ``run_args``: training arguments saved as
+    Megatron-LM saves its ``args`` (a Namespace). ``tp``/``pp``: tensor and pipeline parallel
+    sizes (the rest of the ranks data-parallel)."""
     _cpu()
     import torch
     from megatron.core import dist_checkpointing, parallel_state
@@ -61,8 +71,8 @@ def job(rank: int, world_size: int, out: str, *, steps: int = 1, seed: int = 0, 
         get_param_id_to_sharded_param_map, optim_state_to_sharding_state,
     )
 
-    parallel_state.initialize_model_parallel(1, 1)
-    model = _model(seed, llama, tied, qkv_bias)
+    parallel_state.initialize_model_parallel(tp, pp)
+    model = _model(seed, llama, tied, qkv_bias, padded_vocab(tp))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     # its forward needs a GPU (a CUDA activation buffer): the gradients of each step are drawn
     # instead, the same on every rank, so the optimizer holds real AdamW state
@@ -88,7 +98,7 @@ def job(rank: int, world_size: int, out: str, *, steps: int = 1, seed: int = 0, 
     torch.distributed.barrier()
     held = {"model": {k: v.detach().clone() for k, v in model.state_dict().items() if v is not None and torch.is_tensor(v)},
             "optimizer": optimizer.state_dict()}
-    if llama:
+    if llama and tp == pp == 1:
         held["probe"] = probe(model)
     parallel_state.destroy_model_parallel()
     return held if rank == 0 else None
@@ -141,10 +151,43 @@ def load(rank: int, world_size: int, path: str, *, seed: int = 1) -> dict | None
     return out if rank == 0 else None
 
 
-def llama_job(rank: int, world_size: int, out: str, tied: bool = False, qkv_bias: bool = False) -> dict:
+def resave(rank: int, world_size: int, src: str, out: str, *, tied: bool = False, qkv_bias: bool = False,
+           vocab: int = VOCAB) -> None:
+    """Megatron-Core's own resharding: a Llama-style model at tensor and pipeline parallel 1 loads
+    the save at ``src`` (made at any TP/PP) with ``dist_checkpointing.load`` and saves its
+    weights to ``out`` again, at TP = PP = 1, with the same training arguments."""
+    _cpu()
+    import argparse
+
+    import torch
+    from megatron.core import dist_checkpointing, parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1)
+    model = _model(1, True, tied, qkv_bias, vocab)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, src)
+    model.load_state_dict(loaded["model"])
+    os.makedirs(out, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save({"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": 1,
+                             "args": argparse.Namespace(**{**llama_args(tied, qkv_bias), "padded_vocab_size": vocab})},
+                            out)
+    torch.distributed.barrier()
+    parallel_state.destroy_model_parallel()
+
+
+def llama_job(rank: int, world_size: int, out: str, tied: bool = False, qkv_bias: bool = False, tp: int = 1,
+              pp: int = 1) -> dict:
     """:func:`job` with the Llama-style settings (``LLAMA``), tied or untied embeddings; with
-    ``qkv_bias``, Qwen2's (biases on Q, K and V only)."""
-    return job(rank, world_size, out, llama=True, tied=tied, qkv_bias=qkv_bias, run_args=llama_args(tied, qkv_bias))
+    ``qkv_bias``, Qwen2's (biases on Q, K and V only); at tensor/pipeline parallel ``tp``/``pp``."""
+    return job(rank, world_size, out, llama=True, tied=tied, qkv_bias=qkv_bias, tp=tp, pp=pp,
+               run_args={**llama_args(tied, qkv_bias), "tensor_model_parallel_size": tp,
+                         "pipeline_model_parallel_size": pp, "padded_vocab_size": padded_vocab(tp)})
+
+
+def padded_vocab(tp: int) -> int:
+    """The vocabulary as Megatron-LM pads it for ``tp`` tensor-parallel ranks (each holds an equal
+    slice of the embedding; here a multiple of ``tp``, Megatron-LM's default is of 128 * tp)."""
+    return -(-VOCAB // tp) * tp
 
 
 def llama_args(tied: bool = False, qkv_bias: bool = False) -> dict:

@@ -259,3 +259,32 @@ def test_unreadable_training_arguments_are_not_unpickled(save, tmp_path):
     result = _export(src, tmp_path / "hf", "--base", _base(tmp_path / "base", tied=tied, family=held["family"]))
     assert result.exit_code == 0, result.output
     assert "could not be read" in result.output and "PurePosixPath" in result.output
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2_pp2"])
+def test_tensor_and_pipeline_parallel_saves_export_as_megatrons_own_reshard(tp, pp, tmp_path):
+    """A save made at tensor and/or pipeline parallel 2 (row-parallel ``linear_proj`` and
+    ``linear_fc2`` stored split across columns, SwiGLU's ``linear_fc1`` split in both halves, each
+    pipeline stage its own layers, the embedding padded for the tensor-parallel ranks) exports to
+    exactly what the export of the same weights gives after Megatron-Core's own
+    ``dist_checkpointing.load`` into a tensor- and pipeline-parallel-1 model saved again; and the
+    export loads in ``from_pretrained``."""
+    import functools
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    save, again = tmp_path / "save", tmp_path / "tp1"
+    run_ranks(functools.partial(fw_megatron.llama_job, tp=tp, pp=pp), tp * pp, tmp_path, str(save))
+    run_ranks(functools.partial(fw_megatron.resave, vocab=fw_megatron.padded_vocab(tp)), 1, tmp_path, str(save),
+              str(again))
+    base = _base(tmp_path / "base", tied=False)
+    for src, dst in ((save, tmp_path / "hf"), (again, tmp_path / "hf_tp1")):
+        result = _export(src, dst, "--base", base)
+        assert result.exit_code == 0, result.output
+    got, want = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "hf_tp1" / "model.safetensors")
+    assert got.keys() == want.keys() and len(got) == 21
+    assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info

@@ -19,8 +19,12 @@ so the engine streams it like any copy (no whole-model buffer). Megatron-LM pads
 
 Refused (exit 3, naming what is missing): any name outside the table (LayerNorm biases, linear
 biases, MoE experts and router, QK-norm, MLA), a ``linear_fc1`` that is not ``2 x
-intermediate_size`` rows (a non-gated MLP), a config of another family, and stacked tensors
-split across columns (tensor-parallel row-parallel layers saved per rank). What the shapes
+intermediate_size`` rows (a non-gated MLP), a config of another family, and chunks that do not
+tile a tensor (a hole, or overlaps). Saves made at tensor or pipeline parallel > 1 are read as
+they are stored: ``sharded_state_dict`` gives each rank's slice its place in the global tensor
+(layers of a pipeline stage on the layer axis, column-parallel rows and row-parallel columns,
+SwiGLU's gate and up halves each split, so the global ``linear_fc1`` is ``[gate; up]`` at any
+tensor-parallel size); each chunk's rows are byte ranges as above. What the shapes
 cannot say (activation, normalization, rotary convention, epsilon, theta) is checked against
 Megatron-LM's training arguments where the save holds them (:func:`check_args`); a Megatron-Core
 save of the model alone records none: a note then says what was taken from config.json (a
@@ -133,12 +137,14 @@ def _rows(part: str | None, rows: int, config: dict, name: str) -> list[tuple[in
 
 def _view(reader: Reader, src: TensorInfo, layer: int | None, ranges: list[tuple[int, int]], name: str) -> TensorInfo:
     """A tensor named ``name`` made of rows ``ranges`` of layer ``layer`` of ``src`` (of ``src``
-    itself when ``layer`` is None), described as byte ranges of the files that store them."""
+    itself when ``layer`` is None), described as byte ranges of the files that store them. A
+    stored chunk may hold some of the columns (a tensor-parallel row-parallel layer saved per
+    rank): each of its rows is still one contiguous run of bytes, a rectangle of the result."""
     lead = 0 if layer is None else 1  # the stacked layer axis, when there is one
     inner = src.shape[lead:]
     rest = inner[1:]
-    row_bytes = math.prod(rest) * DType.of(src.dtype).itemsize
-    total = sum(b - a for a, b in ranges)
+    itemsize = DType.of(src.dtype).itemsize
+    total = sum(b - a for a, b in ranges) * math.prod(rest)
     chunks, covered, seen = [], 0, set()
     for c in src.chunks:
         box = (c.offsets, c.sizes)
@@ -147,10 +153,8 @@ def _view(reader: Reader, src: TensorInfo, layer: int | None, ranges: list[tuple
         seen.add(box)
         if layer is not None and not c.offsets[0] <= layer < c.offsets[0] + c.sizes[0]:
             continue
-        if tuple(c.sizes[lead + 1:]) != tuple(rest):
-            raise BadInput(f"{src.name}: stored split across columns ({c.sizes} of {src.shape}, a tensor-parallel "
-                           "row-parallel layer saved per rank); ckpt reads Megatron saves whose rows are whole "
-                           "(tensor parallel 1, or a save resharded to it)")
+        cols_at, cols = tuple(c.offsets[lead + 1:]), tuple(c.sizes[lead + 1:])
+        row_bytes = math.prod(cols) * itemsize  # one row of this chunk (all its columns)
         c_lo, c_hi = c.offsets[lead], c.offsets[lead] + c.sizes[lead]
         found = None
         dst = 0
@@ -165,12 +169,13 @@ def _view(reader: Reader, src: TensorInfo, layer: int | None, ranges: list[tuple
                 _, offset, _ = found
                 within = ((layer - c.offsets[0]) * c.sizes[1] if layer is not None else 0) + (lo - c_lo)
                 loc = Location(c.location.file, "raw", offset + within * row_bytes, (hi - lo) * row_bytes)
-                chunks.append(Chunk((dst + lo - a, *([0] * len(rest))), (hi - lo, *rest), loc, c.rank))
-                covered += hi - lo
+                chunks.append(Chunk((dst + lo - a, *cols_at), (hi - lo, *cols), loc, c.rank))
+                covered += (hi - lo) * math.prod(cols)
             dst += b - a
     if covered != total:
-        raise BadInput(f"{src.name}: its chunks cover {covered} of the {total} rows {name} needs; the save has a hole")
-    return TensorInfo(src.group, name, (total, *rest), src.dtype, tuple(chunks))
+        raise BadInput(f"{src.name}: its chunks cover {covered} of the {total} elements {name} needs; the save has a "
+                       "hole or overlapping pieces")
+    return TensorInfo(src.group, name, (sum(b - a for a, b in ranges), *rest), src.dtype, tuple(chunks))
 
 
 def to_hf_pieces(ckpt: Checkpoint, names: dict[str, TensorInfo], config: dict, src: Path,
