@@ -52,3 +52,40 @@ def tiny_llama():
         return model.to(dtype or torch.float32)
 
     return make
+
+
+# Every process the suite starts carries this mark in its environment, so that any left behind
+# (an orphan of a rank that ended with os._exit, a server a failed fixture did not stop) is found
+# and ended when the session ends: none outlives the suite holding its output open.
+_MARK = "CKPT_TEST_SESSION"
+os.environ[_MARK] = f"{os.getpid()}-{os.urandom(4).hex()}"
+
+
+def _marked_processes() -> list[int]:
+    needle = f"{_MARK}={os.environ[_MARK]}".encode()
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import signal
+    import time
+
+    left = _marked_processes()
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if left:
+        time.sleep(0.2)
+        print(f"\nconftest: ended {len(left)} process(es) the suite left running: {left}", file=sys.stderr)
