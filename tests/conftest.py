@@ -80,7 +80,7 @@ def pytest_sessionfinish(session, exitstatus):
     import signal
     import time
 
-    left = _marked_processes()
+    left = {pid: _cmdline(pid) for pid in _marked_processes()}
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -88,4 +88,13 @@ def pytest_sessionfinish(session, exitstatus):
             pass
     if left:
         time.sleep(0.2)
-        print(f"\nconftest: ended {len(left)} process(es) the suite left running: {left}", file=sys.stderr)
+        listed = "; ".join(f"{pid} {cmd}" for pid, cmd in left.items())
+        print(f"\nconftest: ended {len(left)} process(es) the suite left running: {listed}", file=sys.stderr)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:300]
+    except OSError:
+        return "?"
