@@ -81,6 +81,9 @@ def pytest_sessionfinish(session, exitstatus):
     import time
 
     left = {pid: _cmdline(pid) for pid in _marked_processes()}
+    # this process's own multiprocessing resource tracker ends when it does (its pipe closes)
+    left = {pid: cmd for pid, cmd in left.items()
+            if not ("multiprocessing.resource_tracker" in cmd and _parent(pid) == os.getpid())}
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -90,6 +93,14 @@ def pytest_sessionfinish(session, exitstatus):
         time.sleep(0.2)
         listed = "; ".join(f"{pid} {cmd}" for pid, cmd in left.items())
         print(f"\nconftest: ended {len(left)} process(es) the suite left running: {listed}", file=sys.stderr)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _cmdline(pid: int) -> str:
