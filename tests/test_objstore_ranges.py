@@ -185,6 +185,23 @@ def test_torchrun_failed_process_publishes_no_marker(s3, trained_dcp, tmp_path):
     assert keys(out) == set()
 
 
+def test_torchrun_single_file_output_refused_before_any_work(s3, trained_dcp, tmp_path):  # noqa: F811
+    """A one-file output (``--to torch``) has no per-process split: under torchrun it is exit 2
+    before any tensor is fetched, and nothing reaches the bucket."""
+    path, url, _ = trained_dcp
+    out = "s3://ckpt/out/torchrun_one_file"
+    proxy = CountingProxy(int(s3.endpoint.rsplit(":", 1)[1]))
+    try:
+        r = _torchrun(tmp_path, "convert", url, out, "--to", "torch", env={"AWS_ENDPOINT_URL": proxy.endpoint})
+        moved = proxy.to_client
+    finally:
+        proxy.close()
+    assert r.returncode != 0 and "run it as one process" in r.stderr, r.stderr[-3000:]
+    assert r.stderr.count("exitcode  : 2") >= 1, r.stderr[-3000:]
+    assert moved < 0.05 * _size(path), moved  # headers only, no tensor data
+    assert keys(out) == set()
+
+
 @pytest.fixture(scope="module")
 def trained_ranks(s3, trained_dcp, tmp_path_factory):  # noqa: F811
     """The same training state as 2-rank files (torch.save pickles: values read through the

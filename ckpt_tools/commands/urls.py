@@ -31,8 +31,8 @@ plain tensor record; a value of a ``torch.save`` file (rank files, torch files) 
 storage record (a per-rank shard, not a row range of it). With ``--workers K`` the plan's
 ranges are all fetched before the workers start (they read the stand-in). Under ``torchrun``, only outputs the
 engine splits over processes (DCP, rank files, HF shards) may go to a URL: a single-file output
-is refused there (exit 2, run it as one process) after its work, a command that reads no
-checkpoint (``shard``) before any.
+is refused there (exit 2, run it as one process) once its plan is made, before any tensor is
+fetched (the engine's check), a command that reads no checkpoint (``shard``) before any work.
 """
 
 from __future__ import annotations

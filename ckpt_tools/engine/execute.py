@@ -13,6 +13,7 @@ from typing import Any
 
 from ..core.describe import Checkpoint
 from ..core.plan import FileJob
+from ..errors import UsageError
 from ..runtime import env
 from ..security import safefs
 from ..storage import manifest, remote
@@ -44,6 +45,10 @@ def execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path,
             manifest.write(tmp, source=str(src.root), source_format=src.format, format=fmt, known=sealed,
                            elsewhere=elsewhere)
 
+    if env.world() > 1 and writer.single_file and (dest := remote.destination(dst)) is not None:
+        # one file is written by one process; a remote DST under torchrun has no rank to publish it
+        raise UsageError(f"{dest.store.url}: this output is one file, not split over the processes of a torchrun "
+                         "launch, so it cannot be written there; run it as one process (plain `ckpt ...`)")
     fetch.side_files(src)  # a remote source's files no plan reads but layouts copy (nothing when local)
     if env.world() > 1 and not writer.single_file:
         parallel.execute_torchrun(src, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=desc,
