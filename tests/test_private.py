@@ -1,5 +1,6 @@
 """The pickled hand-over between ckpt's own processes is loaded only from this user's private
-directory: a spec or result someone else could have written is refused before it is unpickled."""
+directory: a spec or result someone else could have written is refused before it is unpickled;
+and only with the globals its writer named: one naming any other is refused before it runs."""
 
 from __future__ import annotations
 
@@ -98,3 +99,35 @@ def test_writer_never_follows_a_planted_link(tmp_path):
     with pytest.raises(FileExistsError):
         procs.start(os.path.join, ("a", "b"), work=work, name="w")
     assert not target.exists()
+
+
+def test_child_refuses_work_naming_a_global_its_parent_did_not(tmp_path):
+    """In the private directory itself, a spec whose pickle names another global (here
+    ``builtins.getattr`` of a path's ``write_text``) is refused before any of it runs."""
+    import pickle
+
+    work = _work(tmp_path)
+    spec = work / "w.in"
+    with private.open_write(spec) as f:
+        f.write(json.dumps({"sys_path": list(sys.path), "parent": os.getpid(), "admit": []}).encode() + b"\n")
+        pickle.dump((os.path.join, (_Runs(str(_payload_path(work))),)), f)
+    r = _child(spec)
+    assert r.returncode == 1
+    with private.open_read(work / "w.out") as f:
+        status, error, _ = private.load(f)
+    assert status == "error" and "which its writer did not name" in str(error), error
+    assert not _payload_path(work).exists()
+
+
+def test_parent_refuses_a_result_naming_another_global(tmp_path):
+    import pickle
+
+    work = _work(tmp_path)
+    child = procs.start(os.path.join, ("a", "b"), work=work, name="w")
+    child.proc.wait(timeout=60)
+    child.out.unlink()
+    with private.open_write(child.out) as f:
+        f.write(pickle.dumps(("ok", _Runs(str(_payload_path(work))))))
+    with pytest.raises(pickle.UnpicklingError, match="did not name"):
+        child.outcome()
+    assert not _payload_path(work).exists()

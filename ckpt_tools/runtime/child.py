@@ -1,8 +1,9 @@
 """``python -m ckpt_tools.runtime.child SPEC``: one helper process of :mod:`.procs`.
 
 Reads SPEC, only from a private directory of this user's (:mod:`.private`): the caller's
-``sys.path`` (a JSON line, never unpickled), then the work (a function of ours by reference and
-its arguments, pickled by the parent as multiprocessing would send them down a pipe); runs it,
+``sys.path`` and the functions it passes (a JSON line, never unpickled), then the work (a
+function by reference and its arguments, pickled by the parent as multiprocessing would send
+them down a pipe, read by :func:`.private.load`, which looks up nothing else); runs it,
 and writes ``("ok", value)`` or ``("error", exception, traceback)`` beside SPEC (``NAME.out``).
 The caller's ``__main__`` is never imported. Input checkpoints never come through here.
 """
@@ -27,16 +28,18 @@ def main(spec: str) -> int:
         from .lifeline import tie_to_parent
 
         tie_to_parent(head["parent"])
-        fn, args = pickle.load(f)
-    try:
-        outcome: tuple = ("ok", fn(*args))
-    except Exception as e:  # noqa: BLE001 - everything goes back to the parent
-        outcome = ("error", e, traceback.format_exc())
+        try:
+            fn, args = private.load(f, head.get("admit", ()))  # only the globals the parent named
+            outcome: tuple = ("ok", fn(*args))
+        except Exception as e:  # noqa: BLE001 - everything goes back to the parent
+            outcome = ("error", e, traceback.format_exc())
     out = spec_path.with_suffix(".out")
     tmp = spec_path.with_suffix(".out-tmp")
     try:
         data = pickle.dumps(outcome)
-    except Exception:  # an exception or result that does not pickle: its text does
+        if not private.admitted(data):  # names a class the parent's reader does not look up
+            raise pickle.PicklingError(type(outcome[1]).__name__)
+    except Exception:  # an exception or result that does not pickle (or would be refused): its text does
         data = pickle.dumps(("error", RuntimeError(f"{outcome[1]!r}"), traceback.format_exc()))
     with private.open_write(tmp) as f:
         f.write(data)

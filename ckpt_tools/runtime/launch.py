@@ -261,7 +261,7 @@ def _spawn(fn, args, ranks: int, device: str, threads_per_rank: int | None) -> A
         try:
             for rank in range(ranks):
                 children.append(procs.start(_child, (rank, ranks, device, init_method, str(work), threads, fn, args),
-                                            work=work, name=f"rank-{rank}"))
+                                            work=work, name=f"rank-{rank}", passes=[fn]))
             _wait(children)
         finally:
             # on an interrupt too: SIGTERM, then a grace (a rank 0 in the middle of its commit

@@ -45,19 +45,21 @@ class Child:
         ``("died", exit code)`` when it wrote nothing (a signal, out of memory)."""
         try:
             with private.open_read(self.out) as f:
-                return pickle.load(f)  # written by our own child into our private directory
+                return private.load(f)  # written by our own child into our private directory
         except FileNotFoundError:
             return ("died", self.proc.returncode)
 
 
 def start(fn: Callable[..., Any], args: Sequence[Any], *, work: Path, name: str,
-          env: dict[str, str] | None = None) -> Child:
+          env: dict[str, str] | None = None, passes: Sequence[Callable[..., Any]] = ()) -> Child:
     """Run ``fn(*args)`` in a fresh ``python -m ckpt_tools.runtime.child``; ``fn`` must be a
     module-level function of an importable module (not of ``__main__``). ``work``: a private
-    directory of the caller's; ``env``: variables to add to the child's environment."""
+    directory of the caller's; ``env``: variables to add to the child's environment;
+    ``passes``: functions among ``args`` (outside ckpt_tools) the child may look up."""
     spec = work / f"{name}.in"
     with private.open_write(spec) as f:
-        f.write(json.dumps({"sys_path": list(sys.path), "parent": os.getpid()}).encode() + b"\n")
+        head = {"sys_path": list(sys.path), "parent": os.getpid(), "admit": private.names_of([fn, *passes])}
+        f.write(json.dumps(head).encode() + b"\n")
         pickle.dump((fn, tuple(args)), f)
     child_env = {**os.environ, **(env or {})}
     root = str(Path(__file__).resolve().parents[2])  # the folder that holds ckpt_tools/
