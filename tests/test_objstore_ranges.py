@@ -48,13 +48,18 @@ def trained_dcp(s3, tmp_path_factory):  # noqa: F811 - the fixture imported abov
     return path, upload(path, "s3://ckpt/src/trained_dcp"), model_bytes
 
 
-def _counted(s3, *args, **kw):  # noqa: F811
+def _through_proxy(s3, run):  # noqa: F811
+    """``run(env)`` with the endpoint at a counting proxy: its result, and the bytes the store sent."""
     proxy = CountingProxy(int(s3.endpoint.rsplit(":", 1)[1]))
     try:
-        r = ckpt(*args, env={"AWS_ENDPOINT_URL": proxy.endpoint, **kw.get("env", {})})
+        r = run({"AWS_ENDPOINT_URL": proxy.endpoint})
         return r, proxy.to_client
     finally:
         proxy.close()
+
+
+def _counted(s3, *args, **kw):  # noqa: F811
+    return _through_proxy(s3, lambda env: ckpt(*args, env={**env, **kw.get("env", {})}))
 
 
 def _size(path: Path) -> int:
@@ -131,12 +136,7 @@ def test_torchrun_reshard_bucket_to_bucket(s3, trained_dcp, tmp_path):  # noqa: 
     path, url, _ = trained_dcp
     total = _size(path)
     out = "s3://ckpt/out/torchrun_ws2"
-    proxy = CountingProxy(int(s3.endpoint.rsplit(":", 1)[1]))
-    try:
-        r = _torchrun(tmp_path, "reshard", url, out, "--to", "2", env={"AWS_ENDPOINT_URL": proxy.endpoint})
-        moved = proxy.to_client
-    finally:
-        proxy.close()
+    r, moved = _through_proxy(s3, lambda env: _torchrun(tmp_path, "reshard", url, out, "--to", "2", env=env))
     assert r.returncode == 0, r.stderr[-3000:]
     print(f"torchrun (2 processes) reshard --to 2 of a {total / 1e6:.0f} MB remote DCP moved {moved / 1e6:.1f} MB")
     assert moved < 1.1 * total  # each process its rows: once in all, not once per process
@@ -190,12 +190,7 @@ def test_torchrun_single_file_output_refused_before_any_work(s3, trained_dcp, tm
     before any tensor is fetched, and nothing reaches the bucket."""
     path, url, _ = trained_dcp
     out = "s3://ckpt/out/torchrun_one_file"
-    proxy = CountingProxy(int(s3.endpoint.rsplit(":", 1)[1]))
-    try:
-        r = _torchrun(tmp_path, "convert", url, out, "--to", "torch", env={"AWS_ENDPOINT_URL": proxy.endpoint})
-        moved = proxy.to_client
-    finally:
-        proxy.close()
+    r, moved = _through_proxy(s3, lambda env: _torchrun(tmp_path, "convert", url, out, "--to", "torch", env=env))
     assert r.returncode != 0 and "run it as one process" in r.stderr, r.stderr[-3000:]
     assert r.stderr.count("exitcode  : 2") >= 1, r.stderr[-3000:]
     assert moved < 0.05 * _size(path), moved  # headers only, no tensor data

@@ -147,11 +147,8 @@ class Planner:
         if loc.kind in ("raw", "torch_item", "bytes_item"):
             return [(path, loc.offset, loc.offset + loc.length)], loc.kind == "raw"
         if loc.kind == "pickled":
-            return self._records(loc)
+            return self._torch.of(loc.file, loc.key)
         return [], False  # a value the description carries
-
-    def _records(self, loc: Location) -> tuple[list[Range], bool]:
-        return self._torch.of(loc.file, loc.key)
 
 
 def _subtract(ranges: list[Range], others: list[Range]) -> list[Range]:

@@ -218,12 +218,7 @@ def present(ranges: Iterable[tuple[str | os.PathLike, int, int]]) -> int:
     they are. The bytes moved."""
     if not _MIRRORS:
         return 0  # a local source: nothing to do
-    by_mirror: dict[int, tuple[Mirror, list[tuple[str, int, int]]]] = {}
-    for path, start, end in ranges:
-        found = _owner(path)
-        if found is not None:
-            by_mirror.setdefault(id(found[0]), (found[0], []))[1].append((found[1], start, end))
-    return sum(m.fill(rs) for m, rs in by_mirror.values())
+    return sum(m.fill(rs) for m, rs in _by_mirror(ranges))
 
 
 def release(ranges: Iterable[tuple[str | os.PathLike, int, int]]) -> int:
@@ -231,12 +226,18 @@ def release(ranges: Iterable[tuple[str | os.PathLike, int, int]]) -> int:
     local files are left as they are. The bytes released."""
     if not _MIRRORS:
         return 0
-    by_mirror: dict[int, tuple[Mirror, list[tuple[str, int, int]]]] = {}
+    return sum(m.release(rs) for m, rs in _by_mirror(ranges))
+
+
+def _by_mirror(ranges: Iterable[tuple[str | os.PathLike, int, int]]
+               ) -> Iterable[tuple[Mirror, list[tuple[str, int, int]]]]:
+    """The ranges of registered stand-ins, by stand-in, as ``(name in it, start, end)``."""
+    out: dict[int, tuple[Mirror, list[tuple[str, int, int]]]] = {}
     for path, start, end in ranges:
         found = _owner(path)
         if found is not None:
-            by_mirror.setdefault(id(found[0]), (found[0], []))[1].append((found[1], start, end))
-    return sum(m.release(rs) for m, rs in by_mirror.values())
+            out.setdefault(id(found[0]), (found[0], []))[1].append((found[1], start, end))
+    return out.values()
 
 
 _FALLOC_PUNCH = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE (Linux)
