@@ -110,6 +110,45 @@ def _report(report: dict, progress: bool) -> None:
                    + (f", {n} tensors, {human_bytes(size)}" if n is not None else "") + ")", err=True)
 
 
+def _plan_lines(report: dict) -> None:
+    """A dry run's plan on stdout: where, what, and each file the plan names."""
+    from ckpt_tools.commands.inspect import human_bytes
+
+    n, size = report.get("num_tensors"), report.get("total_bytes")
+    click.echo(f"would write {report['dst']} ({report['format']}"
+               + (f", {report['world_size']} ranks" if report.get("world_size") else "")
+               + (f", {n} tensors, {human_bytes(size)}" if n is not None else "")
+               + (f", {report['dtype']}" if report.get("dtype") else "") + "); nothing written")
+    for f in report.get("files", []):
+        what = (f"  {f['tensors']} tensors" if f.get("tensors") is not None else "")
+        what += f", {human_bytes(f['tensor_bytes'])}" if f.get("tensor_bytes") is not None else ""
+        click.echo(f"  {f['path']}{what}")
+
+
+def writes(fn: Callable) -> Callable:
+    """``--json`` and ``--dry-run`` for a command that writes DST: the command returns its report
+    (the dict the Python API returns), printed here as JSON, a plan, or one ``wrote`` line."""
+
+    @click.option("--dry-run", is_flag=True, help="Plan only: say what would be written (files, tensors, bytes); "
+                  "nothing is written, DST is not created.")
+    @click.option("--json", "as_json", is_flag=True, help="Print what was written (with --dry-run: would be) as "
+                  "one JSON object, for scripts.")
+    @functools.wraps(fn)
+    def wrapper(*args: Any, as_json: bool, dry_run: bool, progress: bool, **kwargs: Any) -> None:
+        report = fn(*args, dry_run=dry_run, progress=progress and not dry_run, **kwargs)
+        if as_json:
+            from ckpt_tools.runtime import env
+
+            if env.rank() == 0:
+                emit_json(report)
+        elif dry_run:
+            _plan_lines(report)
+        else:
+            _report(report, progress)
+
+    return wrapper
+
+
 _SIZE = click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard (e.g. 2GB, 500MB).")
 _DTYPE = click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), help="Cast floating-point tensors (others keep theirs).")
 _OVERWRITE = click.option("--overwrite", is_flag=True, help="Replace DST (the old one stays until the new one is complete).")
@@ -133,11 +172,13 @@ _RANK_LOCAL = click.option("--rank-local", type=click.Choice(["drop", "keep-firs
 @_RANK_LOCAL
 @_OVERWRITE
 @command
-def convert_cmd(src, dst, to, world_size, dtype, max_shard_size, model_only, base, layout, rank_local, overwrite, progress):
+@writes
+def convert_cmd(src, dst, to, world_size, dtype, max_shard_size, model_only, base, layout, rank_local, overwrite,
+                progress, dry_run):
     """Convert SRC (any format) to DST in format --to."""
-    _report(ckpt_tools.convert(src, dst, to=to, world_size=world_size, dtype=dtype, max_shard_size=max_shard_size,
-                               model_only=model_only, base=base, overwrite=overwrite, progress=progress,
-                               rank_local=rank_local, layout=layout), progress)
+    return ckpt_tools.convert(src, dst, to=to, world_size=world_size, dtype=dtype, max_shard_size=max_shard_size,
+                              model_only=model_only, base=base, overwrite=overwrite, progress=progress,
+                              rank_local=rank_local, layout=layout, dry_run=dry_run)
 
 
 @main.command("export", short_help="Write a Hugging Face directory that from_pretrained loads.")
@@ -153,10 +194,11 @@ def convert_cmd(src, dst, to, world_size, dtype, max_shard_size, model_only, bas
               "lora_train_meta.json.")
 @_OVERWRITE
 @command
-def export_cmd(src, dst, base, dtype, max_shard_size, lora, lora_alpha, overwrite, progress):
+@writes
+def export_cmd(src, dst, base, dtype, max_shard_size, lora, lora_alpha, overwrite, progress, dry_run):
     """Export SRC as a Hugging Face directory (safetensors, config, tokenizer) at DST."""
-    _report(ckpt_tools.export(src, dst, base=base, dtype=dtype, max_shard_size=max_shard_size,
-                              overwrite=overwrite, progress=progress, lora=lora, lora_alpha=lora_alpha), progress)
+    return ckpt_tools.export(src, dst, base=base, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
+                             progress=progress, lora=lora, lora_alpha=lora_alpha, dry_run=dry_run)
 
 
 @main.command("reshard", short_help="Reshard a training checkpoint to another number of ranks.")
@@ -169,10 +211,11 @@ def export_cmd(src, dst, base, dtype, max_shard_size, lora, lora_alpha, overwrit
 @_RANK_LOCAL
 @_OVERWRITE
 @command
-def reshard_cmd(src, dst, to, from_, workers, rank_local, overwrite, progress):
+@writes
+def reshard_cmd(src, dst, to, from_, workers, rank_local, overwrite, progress, dry_run):
     """Reshard a sharded, DCP or DeepSpeed ZeRO checkpoint (model, optimizer, extra state) to --to ranks."""
-    _report(ckpt_tools.reshard(src, dst, to=to, from_=from_, overwrite=overwrite, progress=progress,
-                               rank_local=rank_local, workers=workers), progress)
+    return ckpt_tools.reshard(src, dst, to=to, from_=from_, overwrite=overwrite, progress=progress,
+                              rank_local=rank_local, workers=workers, dry_run=dry_run)
 
 
 @main.command("shard", short_help="Lay a Hugging Face model out as an N-rank FSDP2 checkpoint.")
@@ -190,16 +233,18 @@ def reshard_cmd(src, dst, to, from_, workers, rank_local, overwrite, progress):
 @click.option("--check", is_flag=True, help="Compare a forward pass with the unsharded model; report the largest difference.")
 @_OVERWRITE
 @command
-def shard_cmd(model, dst, ranks, fmt, device, mixed_precision, cpu_offload, with_optimizer, check, overwrite, progress):
+@writes
+def shard_cmd(model, dst, ranks, fmt, device, mixed_precision, cpu_offload, with_optimizer, check, overwrite,
+              progress, dry_run):
     """Load Hugging Face MODEL, shard it with FSDP2 over --ranks ranks, save a checkpoint at DST."""
     from ckpt_tools.commands.shard import shard
 
     report = shard(model, dst, ranks=ranks, format=fmt, device=device, mixed_precision=mixed_precision,
                    cpu_offload=cpu_offload, with_optimizer=with_optimizer, overwrite=overwrite, check=check,
-                   progress=progress)
-    _report({"dst": dst, **report, "format": fmt, "world_size": ranks}, progress)
+                   progress=progress, dry_run=dry_run)
     if check and report.get("max_abs_diff") is not None:
-        click.echo(f"check: largest difference from the unsharded model {report['max_abs_diff']:.3g}")
+        click.echo(f"check: largest difference from the unsharded model {report['max_abs_diff']:.3g}", err=True)
+    return report
 
 
 @main.command("verify", short_help="Check a checkpoint, or compare two bit for bit.")

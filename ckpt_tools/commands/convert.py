@@ -27,14 +27,16 @@ from ..runtime import env
 from ..storage.atomic import check_destination
 from .export import write_hf
 from .options import Options, note
+from .report import finish, recording_notes, summary
 from .urls import accepts_urls
+
 
 @accepts_urls(dest="dst")
 def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None = None,
             dtype: str | None = None, max_shard_size: str | int = "5GB", model_only: bool = False,
             base: str | None = None, overwrite: bool = False, progress: bool = True,
             rank_local: str = "drop", workers: int = 1, layout: str | None = None, lora: str | None = None,
-            lora_alpha: float | None = None, _ckpt: Checkpoint | None = None) -> dict[str, Any]:
+            lora_alpha: float | None = None, dry_run: bool = False, _ckpt: Checkpoint | None = None) -> dict[str, Any]:
     """Convert the checkpoint at ``src`` to format ``to`` at ``dst``.
 
     Carries model, optimizer and extra state into every format that can hold them (``hf``
@@ -47,20 +49,34 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
     unnamed, as ``fully_shard``'s default). ``lora``/``lora_alpha``: see :func:`export`.
     ``to="deepspeed"`` writes a DeepSpeed ZeRO save, from one, at ``world_size`` ranks (what
     :func:`reshard` does; any other source is exit 3: its stage and ds_config would be invented).
+    ``dry_run``: plan only; nothing is written and DST is not created.
+
+    Returns what was written (or would be): ``dst``, ``format``, ``world_size``, ``num_tensors``,
+    ``total_bytes``, ``dtype``, ``dtypes``, ``files``, ``written_bytes``, ``notes``, ``dry_run``
+    (:mod:`ckpt_tools.commands.report`), the same object ``ckpt convert --json`` prints.
 
     Example: ``ckpt_tools.convert("ckpt/actor", "out.pt", to="torch", model_only=True)``
     """
     opts = Options(to=to, world_size=world_size, dtype=dtype, max_shard_size=max_shard_size,
                    model_only=model_only, base=base, overwrite=overwrite, progress=progress,
-                   rank_local=rank_local, workers=workers, layout=layout, lora=lora, lora_alpha=lora_alpha)
+                   rank_local=rank_local, workers=workers, layout=layout, lora=lora, lora_alpha=lora_alpha,
+                   dry_run=dry_run)
     return run(Path(src), Path(dst), opts, _ckpt)
 
 
 def run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) -> dict[str, Any]:
-    """:func:`convert` with its options built (``ckpt``: the source, when already described)."""
+    """:func:`convert` with its options built (``ckpt``: the source, when already described);
+    the report says what was written, or with ``opts.dry_run`` what would be."""
+    with recording_notes() as notes:
+        report = _run(src, dst, opts, ckpt)
+    return finish(report, notes, dry_run=opts.dry_run)
+
+
+def _run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) -> dict[str, Any]:
     if env.rank() != 0:
         opts = replace(opts, progress=False)  # one voice per torchrun launch
-    check_destination(src, dst, overwrite=opts.overwrite)  # before any work, or any warning about it
+    # before any work, or any warning about it (a dry run removes no leftover staging)
+    check_destination(src, dst, overwrite=opts.overwrite, dry_run=opts.dry_run)
     ckpt = ckpt or describe(src, base=opts.base)
     if opts.to == deepspeedwrite.NAME:
         return _write_deepspeed(ckpt, src, dst, opts)
@@ -113,12 +129,16 @@ def run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) -> 
         writer, jobs = writers.rank_files(ckpt, targets, objects, ws, mesh_names=tuple(names) if names else None,
                                           keep=carry is not None, **common)
 
+    extra: list[str] = []  # what a dry run says it would copy beside the plan's files
     if carry is not None:
+        extra = [str(f) for f in carry.files]
+
         def after(tmp: Path) -> None:
             layouts.copy_side_files(ckpt.base_dir(), carry.files, tmp)
     elif opts.to == "sharded":
         # rank files from another format: config and tokenizer into huggingface/, as verl keeps them
         assets = hfassets.find_assets(src, opts.base)
+        extra = [f"huggingface/{n}" for n in hfassets.asset_names(assets)]
 
         def after(tmp: Path) -> None:
             if assets is not None:
@@ -127,8 +147,9 @@ def run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) -> 
     else:
         after = None
 
-    execute(ckpt, writer, jobs, dst, overwrite=opts.overwrite, progress=opts.progress,
-            desc=f"{ckpt.format} → {opts.to}", fmt=opts.to, workers=opts.workers, after=after)
+    if not opts.dry_run:
+        execute(ckpt, writer, jobs, dst, overwrite=opts.overwrite, progress=opts.progress,
+                desc=f"{ckpt.format} → {opts.to}", fmt=opts.to, workers=opts.workers, after=after)
     if left_out:
         note(f"note: left out {', '.join(left_out)} state (model only)")
     if opts.to == "sharded" and carry is None and writers.fsdp1_files(ckpt):
@@ -137,6 +158,7 @@ def run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) -> 
     if opts.to == "sharded" and ckpt.format != "sharded" and not (out_layout and out_layout.mesh_names):
         note(f"note: {layouts.unnamed_mesh_note()}")
     report.update(num_tensors=len(targets), total_bytes=sum(t.nbytes for t in targets), left_out=left_out)
+    report.update(summary(dst, jobs, targets, dry_run=opts.dry_run, cast=opts.cast, extra_files=extra))
     return report
 
 
@@ -157,18 +179,23 @@ def _write_deepspeed(ckpt: Checkpoint, src: Path, dst: Path, opts: Options) -> d
 
     # one process: the writer holds the source's parsed pickles (the files are few and small beside
     # their records, which the kernel copies or the engine streams a parameter piece at a time)
-    execute(ckpt, writer, jobs, dst, overwrite=opts.overwrite, progress=opts.progress,
-            desc=f"{ckpt.format} → {opts.to}", fmt=opts.to, workers=1, after=after)
-    return {"src": str(src), "dst": str(dst), "format": opts.to, "world_size": ws,
-            "zero_stage": source.stage, "tag": writer.tag,
-            "num_tensors": len(ckpt.tensors),
-            "total_bytes": sum(j.nbytes for j in jobs), "left_out": []}
+    if not opts.dry_run:
+        execute(ckpt, writer, jobs, dst, overwrite=opts.overwrite, progress=opts.progress,
+                desc=f"{ckpt.format} → {opts.to}", fmt=opts.to, workers=1, after=after)
+    report = {"src": str(src), "dst": str(dst), "format": opts.to, "world_size": ws,
+              "zero_stage": source.stage, "tag": writer.tag,
+              "num_tensors": len(ckpt.tensors),
+              "total_bytes": sum(j.nbytes for j in jobs), "left_out": []}
+    targets = [p.target for j in jobs for p in j.pieces]
+    report.update(summary(dst, jobs, list({t.name: t for t in targets}.values()), dry_run=opts.dry_run,
+                          extra_files=[s.name for s in scripts]))
+    return report
 
 
 @accepts_urls(dest="dst")
 def export(src: str | Path, dst: str | Path, *, base: str | None = None, dtype: str | None = None,
            max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = True,
-           lora: str = "merge", lora_alpha: float | None = None) -> dict[str, Any]:
+           lora: str = "merge", lora_alpha: float | None = None, dry_run: bool = False) -> dict[str, Any]:
     """Export ``src`` as an HF directory ready for ``from_pretrained`` and serving: weights
     under the names of the architecture in config.json (wrapper prefixes removed, torchtitan
     names mapped, tied weights once; checked against that architecture before anything is
@@ -181,23 +208,28 @@ def export(src: str | Path, dst: str | Path, *, base: str | None = None, dtype: 
     checkpoint's ``adapter_config.json`` / ``lora_train_meta.json`` or ``lora_alpha``. An
     adapter-only checkpoint merges only into ``base``'s full weights.
 
+    ``dry_run``: plan (and check the names against the architecture) only; nothing is written.
+    Returns the report :func:`convert` returns (``ckpt export --json``).
+
     Example: ``ckpt_tools.export("ckpt/global_step_500/actor", "hf_out", dtype="bf16")``
     """
     opts = Options(to="hf", dtype=dtype, max_shard_size=max_shard_size, model_only=True, base=base,
-                   overwrite=overwrite, progress=progress, lora=lora, lora_alpha=lora_alpha, loadable=True)
+                   overwrite=overwrite, progress=progress, lora=lora, lora_alpha=lora_alpha, loadable=True,
+                   dry_run=dry_run)
     return run(Path(src), Path(dst), opts)
 
 
 @accepts_urls(dest="dst")
 def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = None,
             overwrite: bool = False, progress: bool = True, rank_local: str = "drop",
-            workers: int = 1) -> dict[str, Any]:
+            workers: int = 1, dry_run: bool = False) -> dict[str, Any]:
     """Reshard a ``sharded``, ``dcp`` or DeepSpeed ZeRO checkpoint to ``to`` ranks, keeping its
     format and the whole training state (model, optimizer, extra state; a ZeRO save keeps its
     stage and precision, and DeepSpeed's ``engine.load_checkpoint`` takes it at ``to`` ranks).
 
     ``workers`` processes write the output files in parallel (each file by one process, so the
-    result is byte-identical to a single process's).
+    result is byte-identical to a single process's). ``dry_run``: plan only, nothing written.
+    Returns the report :func:`convert` returns (``ckpt reshard --json``).
 
     Example: ``ckpt_tools.reshard("ckpt/actor", "ckpt4/actor", to=4, from_=8)``
     """
@@ -205,7 +237,7 @@ def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = No
         raise UsageError(f"--to must be at least 1, not {to}")
     # checked before the source is read; its format, which the copy keeps, is known after
     opts = Options(to="sharded", world_size=to, overwrite=overwrite, progress=progress, rank_local=rank_local,
-                   workers=workers)
+                   workers=workers, dry_run=dry_run)
     ckpt = describe(Path(src))
     if ckpt.format not in ("sharded", "dcp", deepspeedwrite.NAME):
         why = "which has no ranks" if not ckpt.world_size else "which ckpt reads but does not write"

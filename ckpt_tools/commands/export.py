@@ -16,6 +16,7 @@ from ..formats import hf
 from ..hf import assets as hfassets
 from ..naming import hfnames
 from .options import Options, note
+from .report import summary
 
 
 def write_hf(ckpt: Checkpoint, src: Path, dst: Path, keep: list[TensorInfo], opts: Options,
@@ -55,8 +56,11 @@ def write_hf(ckpt: Checkpoint, src: Path, dst: Path, keep: list[TensorInfo], opt
             report["assets"] = hfassets.copy_assets(assets, tmp, dtype=written)
 
     with hfnames.checked_in_background(plan) as wait_for_check:
-        execute(plan.ckpt, writer, jobs, dst, overwrite=opts.overwrite, progress=opts.progress,
-                desc=f"{plan.ckpt.format} → hf", fmt="hf", after=after)
+        if opts.dry_run:  # the plan and the names' check, nothing written
+            notes.extend(wait_for_check())
+        else:
+            execute(plan.ckpt, writer, jobs, dst, overwrite=opts.overwrite, progress=opts.progress,
+                    desc=f"{plan.ckpt.format} → hf", fmt="hf", after=after)
     hfnames.say(notes, opts.progress)
     if left_out:
         note(f"note: the export holds the model only; left out {', '.join(left_out)} state")
@@ -65,6 +69,8 @@ def write_hf(ckpt: Checkpoint, src: Path, dst: Path, keep: list[TensorInfo], opt
     report.update(num_tensors=len(targets), total_bytes=sum(t.nbytes for t in targets), left_out=left_out,
                   dtype=str(written) if written else None,
                   lora="adapter" if adapter else ("merge" if any(p.add for p in pieces) else None))
+    extra = ([hfnames.peft_lora.ADAPTER_CONFIG] if adapter else [] if single else hfassets.asset_names(assets))
+    report.update(summary(dst, jobs, targets, dry_run=opts.dry_run, cast=written, extra_files=extra))
     return report
 
 

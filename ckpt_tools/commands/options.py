@@ -37,6 +37,7 @@ class Options:
     # ``export``: the output must be a directory ``from_pretrained`` loads (config included),
     # or nothing is written; ``convert --to hf`` writes the weights alone when there is no config
     loadable: bool = False
+    dry_run: bool = False  # plan only: nothing written, DST not created
 
     def __post_init__(self) -> None:
         if self.to not in FORMATS:

@@ -14,18 +14,21 @@ order, is :mod:`.shard_job`.
 from __future__ import annotations
 
 import shutil
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput, DestinationError, UsageError
 from ..formats import hf
 from ..hf import archcheck
-from ..hf.assets import ASSET_PATTERNS
+from ..formats.sharded import CONFIG_NAME, file_name
+from ..hf.assets import ASSET_PATTERNS, asset_names
 from ..hf.hub import resolve_model_dir
 from ..hf.models import model_class
 from ..runtime import env, launch
-from ..storage import atomic
+from ..storage import atomic, manifest
 from .options import note
+from .report import files_report, finish, recording_notes
 from .urls import accepts_urls
 from .shard_job import MIXED_PRECISION, ShardJob, SourceTensor, build_meta_model, load_config, plan_reads, rank_main, stage
 
@@ -37,7 +40,7 @@ OPTIMIZERS = ("adamw",)
 def shard(model: str, dst: str | Path, *, ranks: int, format: str = "sharded", device: str = "cpu",
           mixed_precision: str | None = None, cpu_offload: bool = False,
           with_optimizer: str | None = None, overwrite: bool = False, check: bool = False,
-          progress: bool = True) -> dict[str, Any]:
+          progress: bool = True, dry_run: bool = False) -> dict[str, Any]:
     """Write ``model`` (a local HF directory or a hub id) as an FSDP2 checkpoint of ``ranks`` ranks.
 
     Spawns the ranks (gloo on CPU, NCCL on CUDA), or, inside ``torchrun`` or an initialised
@@ -50,7 +53,11 @@ def shard(model: str, dst: str | Path, *, ranks: int, format: str = "sharded", d
 
     Returns ``{"dst", "ranks", "format", "device", "params", "bytes", "peak_rss_bytes": [per
     rank]}``, plus ``"peak_device_bytes"`` on CUDA and ``"max_abs_diff"`` (sharded forward vs
-    ``from_pretrained`` on rank 0) with ``check``.
+    ``from_pretrained`` on rank 0) with ``check``, and the keys every writing command reports
+    (``world_size``, ``num_tensors``, ``total_bytes``, ``dtype``, ``dtypes``, ``files``,
+    ``written_bytes``, ``notes``, ``dry_run``: :mod:`ckpt_tools.commands.report`), as ``ckpt shard
+    --json`` prints it. ``dry_run``: the model's files are read and the model built on the meta
+    device, no rank starts and nothing is written.
 
     Example: ``shard("Qwen/Qwen2.5-0.5B", "ckpt/actor", ranks=8, with_optimizer="adamw")``
 
@@ -62,12 +69,25 @@ def shard(model: str, dst: str | Path, *, ranks: int, format: str = "sharded", d
     step 0, AdamW's default hyper-parameters, which ``load_state_dict`` hands to the loading
     optimizer); under torchrun on several hosts DST must be on a file system all ranks see.
     """
+    with recording_notes() as notes:
+        report = _shard(model, dst, ranks=ranks, format=format, device=device, mixed_precision=mixed_precision,
+                        cpu_offload=cpu_offload, with_optimizer=with_optimizer, overwrite=overwrite, check=check,
+                        progress=progress, dry_run=dry_run)
+    return finish(report, notes, dry_run=dry_run)
+
+
+def _shard(model: str, dst: str | Path, *, ranks: int, format: str, device: str, mixed_precision: str | None,
+           cpu_offload: bool, with_optimizer: str | None, overwrite: bool, check: bool, progress: bool,
+           dry_run: bool) -> dict[str, Any]:
     _check_options(ranks, format, mixed_precision, with_optimizer)
-    talk = progress and env.rank() == 0
+    talk = progress and env.rank() == 0 and not dry_run
     stage(talk, f"loading {model}: torch, its config and the safetensors headers")
     launch.check_device(device)
     dst = Path(dst).expanduser().absolute()
-    check_destination(dst, overwrite)
+    if dry_run:
+        atomic.check_destination(None, dst, overwrite=overwrite, dry_run=True)
+    else:
+        check_destination(dst, overwrite)
     model_dir = fetch_model(model)
     atomic.check_destination(model_dir, dst, overwrite=overwrite)
     sources = read_sources(model_dir)
@@ -77,7 +97,11 @@ def shard(model: str, dst: str | Path, *, ranks: int, format: str = "sharded", d
         note(f"note: leaving out {', '.join(ignored)}, which from_pretrained ignores too")
         sources = {k: v for k, v in sources.items() if k not in ignored}
     # On meta, cheap: a config that does not fit the weights fails here, before any rank starts.
-    build_meta_model(config, sources)
+    planned = _plan(build_meta_model(config, sources), model_dir, dst, ranks, format, with_optimizer)
+    files, extra = planned.pop("_files"), planned.pop("_extra")
+    if dry_run:
+        return {"dst": str(dst), "ranks": ranks, "format": format, "device": device, **planned,
+                **files_report(dst, files, dry_run=True, extra_files=extra)}
     spawn = launch.will_spawn()
     tmp = atomic.make_staging(dst) if spawn else None
     job = ShardJob(str(model_dir), str(dst), str(tmp) if tmp else None, ranks, format, device,
@@ -87,10 +111,47 @@ def shard(model: str, dst: str | Path, *, ranks: int, format: str = "sharded", d
         stage(talk, f"starting {ranks} ranks ({launch.backend_for(device)}): each loads torch and builds "
                     f"the model on the meta device")
     try:
-        return launch.run(rank_main, job, ranks=ranks, device=device)
+        report = launch.run(rank_main, job, ranks=ranks, device=device)
+        return {**planned, **report, **files_report(dst, files, dry_run=False)}
     finally:
         if tmp is not None and tmp.exists():  # a rank failed or was interrupted
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _plan(meta_model, model_dir: Path, dst: Path, ranks: int, format: str, with_optimizer: str | None) -> dict[str, Any]:
+    """What the job will save, from the model on the meta device: its state dict and, with an
+    optimizer, AdamW's ``step``, ``exp_avg`` and ``exp_avg_sq`` per parameter (counted as
+    ``inspect`` counts them), and the files it writes (``_files``, ``_extra``: for the report)."""
+    state = meta_model.state_dict()
+    dtypes = [(str(t.dtype).removeprefix("torch."), t.numel(), t.numel() * t.element_size()) for t in state.values()]
+    per_param = 0
+    if with_optimizer:
+        params = list(dict.fromkeys(meta_model.parameters()))  # tied weights once, as the optimizer holds them
+        per_param = 3
+        for p in params:
+            kind = str(p.dtype).removeprefix("torch.")
+            dtypes += [("float32", 1, 4), (kind, p.numel(), p.numel() * p.element_size()),
+                       (kind, p.numel(), p.numel() * p.element_size())]
+    counts = Counter(d for d, _, _ in dtypes)
+    numel: Counter = Counter()
+    for d, n, _ in dtypes[:len(state)]:
+        if d.startswith(("float", "bfloat")):
+            numel[d] += n
+    files: dict[str, tuple[int | None, int | None]] = {}
+    n_opt = per_param * len(list(dict.fromkeys(meta_model.parameters()))) if with_optimizer else 0
+    if format == "dcp":
+        files.update({f"__{r}_0.distcp": (None, None) for r in range(ranks)})
+        extra = [".metadata"]
+    else:
+        for r in range(ranks):
+            files[file_name("model", ranks, r)] = (len(state), None)
+            if with_optimizer:
+                files[file_name("optim", ranks, r)] = (n_opt, None)
+        extra = [CONFIG_NAME]
+    extra += [f"huggingface/{n}" for n in asset_names(model_dir)] + [manifest.NAME]
+    return {"world_size": ranks, "num_tensors": len(dtypes), "total_bytes": sum(b for _, _, b in dtypes),
+            "dtypes": dict(sorted(counts.items())), "dtype": numel.most_common(1)[0][0] if numel else None,
+            "_files": files, "_extra": extra}
 
 
 def _check_options(ranks: int, format: str, mixed_precision: str | None, with_optimizer: str | None) -> None:

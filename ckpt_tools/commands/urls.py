@@ -92,6 +92,7 @@ def _run_remote(fn: Callable, bound: pyinspect.BoundArguments, remote_names: lis
     shown: dict[str, str] = {}  # local stand-in -> URL, for messages and results
     overwrite = bool(bound.arguments.get("overwrite", False))
     spread = env.world() > 1  # under torchrun: every process stages privately, the engine publishes
+    dry_run = bool(bound.arguments.get("dry_run", False))  # the plan only: nothing uploaded
     with ExitStack() as stack:
         work = remote.staging_dir("ckpt-remote-")
         stack.callback(shutil.rmtree, work, True)
@@ -103,13 +104,13 @@ def _run_remote(fn: Callable, bound: pyinspect.BoundArguments, remote_names: lis
                 if n != dest and _overlap(bound.arguments[n], url):
                     raise DestinationError(f"{url}: the destination must not be the source, lie inside it, or "
                                            "contain it; choose another DST")
-            if not spread:  # under torchrun rank 0 checks it, before any process writes
+            if not spread or dry_run:  # under torchrun rank 0 checks it, before any process writes
                 remote.check_destination(out_store, overwrite=overwrite)  # before any work
             out_local = work / "out" / (PurePosixPath(out_store.root).name or "checkpoint")
             out_local.parent.mkdir()
             bound.arguments[dest] = str(out_local)
             shown[str(out_local)] = url
-            if spread:
+            if spread and not dry_run:
                 out_dest = stack.enter_context(remote.Destination(
                     out_store, out_local, overwrite=overwrite,
                     prepare=lambda out: _manifests_name_urls(out, shown)))
@@ -132,7 +133,7 @@ def _run_remote(fn: Callable, bound: pyinspect.BoundArguments, remote_names: lis
                 raise UsageError(f"{out_store.url}: this command's output is not split over the processes "
                                  "of a torchrun launch, so it cannot be written there; run it as one process "
                                  "(plain `ckpt ...`)")
-            if out_store is not None and out_dest is None:
+            if out_store is not None and out_dest is None and not dry_run:
                 _manifests_name_urls(out_local, shown)
                 remote.publish(out_local, out_store, overwrite=overwrite)
         except CkptError as e:

@@ -54,6 +54,11 @@ def read_config(assets: Path | None) -> dict:
         raise BadInput(f"{assets / 'config.json'}: not valid JSON ({e})") from e
 
 
+def asset_names(assets: Path | None) -> list[str]:
+    """The asset files :func:`copy_assets` would copy from ``assets``."""
+    return [] if assets is None else [n for n in ASSET_PATTERNS if (assets / n).is_file()]
+
+
 def copy_assets(assets: Path | None, out: Path, *, dtype: str | None) -> list[str]:
     """Copy the asset files into ``out``; set config's dtype field. Returns the names copied."""
     copied = []

@@ -28,8 +28,9 @@ from ..runtime import env
 TMP_MARK = ".ckpt-tmp-"
 
 
-def check_destination(src: Path | None, dst: Path, *, overwrite: bool) -> None:
-    """Refuse a DST that exists (without overwrite), equals SRC or lies inside it."""
+def check_destination(src: Path | None, dst: Path, *, overwrite: bool, dry_run: bool = False) -> None:
+    """Refuse a DST that exists (without overwrite), equals SRC or lies inside it. Leftover
+    staging beside DST is reported (removed with ``overwrite``, unless ``dry_run``)."""
     d = dst.resolve()
     s = src.resolve() if src is not None else None
     if s is not None and (d == s or d.is_relative_to(s) or s.is_relative_to(d)):
@@ -40,7 +41,7 @@ def check_destination(src: Path | None, dst: Path, *, overwrite: bool) -> None:
     parent = d.parent
     if parent.exists() and not os.access(parent, os.W_OK):
         raise DestinationError(f"{parent}: not writable")
-    report_stale(dst, remove=overwrite)
+    report_stale(dst, remove=overwrite and not dry_run)
 
 
 def stale_staging(dst: Path) -> list[Path]:
