@@ -186,9 +186,8 @@ def _write_deepspeed(ckpt: Checkpoint, src: Path, dst: Path, opts: Options) -> d
               "zero_stage": source.stage, "tag": writer.tag,
               "num_tensors": len(ckpt.tensors),
               "total_bytes": sum(j.nbytes for j in jobs), "left_out": []}
-    targets = [p.target for j in jobs for p in j.pieces]
-    report.update(summary(dst, jobs, list({t.name: t for t in targets}.values()), dry_run=opts.dry_run,
-                          extra_files=[s.name for s in scripts]))
+    # the save's tensors, as inspect counts them (the plan's pieces cover the optimizer files only)
+    report.update(summary(dst, jobs, ckpt.tensors, dry_run=opts.dry_run, extra_files=[s.name for s in scripts]))
     return report
 
 
