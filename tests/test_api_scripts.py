@@ -63,3 +63,4 @@ def test_readme_api_block_as_written(tmp_path):
                        + "print('MARK-END')\n", tmp_path)
     _assert_ran_once(proc, "MARK-BEGIN", "MARK-END")
     assert proc.stdout.splitlines()[-2].startswith("sharded True "), proc.stdout
+    assert (tmp_path / "api" / "hf").is_dir() and not (tmp_path / "api" / "hf2").exists()  # the dry run wrote nothing
