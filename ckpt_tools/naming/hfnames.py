@@ -30,7 +30,7 @@ from ..formats import describe
 from ..hf import archcheck, assets as hfassets
 from ..hf.hub import resolve_model_dir
 from ..runtime import env
-from . import lora as peft_lora, megatron, torchtitan
+from . import experts, lora as peft_lora, megatron, torchtitan
 from .wrappers import normalize_name
 
 
@@ -96,6 +96,7 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
             p = whole(target(t, n, cast))
             pieces.append(replace(p, add=LowRank(tgt.a, tgt.b, found.scale(tgt), tgt.embedding)) if tgt else p)
     else:
+        names = experts.hub_tensors(ckpt, names, config, src)  # MoE: the layout save_pretrained writes
         pieces = [whole(target(t, n, cast)) for n, t in names.items()]
     if torchtitan.detect(p.target.name for p in pieces):
         pieces = torchtitan.to_hf_pieces(pieces, config, src)
