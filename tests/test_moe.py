@@ -163,3 +163,25 @@ def test_without_transformers_an_moe_export_names_the_extra(saves, tmp_path):
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.returncode == 3 and "[hf]" in p.stderr, p.stderr
     assert not out.exists()
+
+
+# -- inspect and estimate ---------------------------------------------------------------------
+
+def test_inspect_and_estimate_count_experts(saves, refs):
+    model = build("qwen3_moe")
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    for path, layout in ((saves / "qwen3_moe" / "dcp", "fused"), (saves / "qwen3_moe" / "verl", "fused"),
+                         (refs["qwen3_moe"], "per_expert")):
+        r = _cli("inspect", path, "--json")
+        info = json.loads(r.output)
+        assert info["params"] == total and info["moe"] == {"num_experts": 4, "layout": layout}, path
+    r = _cli("estimate", refs["qwen3_moe"], "--ranks", 2, "--json")
+    est = json.loads(r.output)
+    assert est["params"] == total and est["active_params"] == total - routed // 2  # top 2 of 4 experts
+    assert est["moe"] == {"num_experts": 4, "layout": "per_expert"}
+
+
+def test_a_dense_model_has_no_experts(fixtures_dir):
+    info = json.loads(_cli("inspect", fixtures_dir / "llama_dcp", "--json").output)
+    assert info["moe"] is None and info["params"] > 0

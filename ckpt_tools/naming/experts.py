@@ -435,3 +435,46 @@ def model_tensors(ckpt, tensors: list[TensorInfo], config: dict | None, src: Pat
     with Reader(ckpt) as reader:
         mapped = views(reader, model, plan)
     return [*mapped.values(), *(t for t in tensors if t.group != "model")]
+
+
+# -- what a checkpoint's names say about its experts (no transformers, no config) ----------------
+
+_PER_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+_GROUPED = re.compile(r"(?:^|\.)experts\.[^.\d][^.]*(?:\.weight)?$")
+_STACKED = "decoder.layers."  # one tensor for all layers: the experts are its second axis
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "experts_per_token", "num_experts_per_token")
+
+
+def summary(shapes: dict[str, tuple[int, ...]]) -> dict[str, Any] | None:
+    """``{"num_experts", "layout"}`` from names and shapes: ``per_expert`` (the hub's
+    ``experts.{e}.``), ``fused`` (``[E, ...]`` tensors: transformers 5 in memory, gpt-oss's hub,
+    torchtitan's grouped experts) or ``stacked`` (``[layers, E, ...]``, Megatron-Core); None
+    for a dense model."""
+    per = [int(m.group(1)) for n in shapes if (m := _PER_EXPERT.search(n))]
+    if per:
+        return {"num_experts": max(per) + 1, "layout": "per_expert"}
+    for name, shape in shapes.items():
+        if _GROUPED.search(name) and len(shape) >= 2:
+            stacked = name.startswith(_STACKED) and len(shape) >= 3
+            return {"num_experts": shape[1] if stacked else shape[0], "layout": "stacked" if stacked else "fused"}
+    return None
+
+
+def routed_params(shapes: dict[str, tuple[int, ...]]) -> int:
+    """How many of the parameters belong to routed experts (shared experts and routers not)."""
+    return sum(math.prod(s) for n, s in shapes.items() if _PER_EXPERT.search(n) or _GROUPED.search(n))
+
+
+def active_params(shapes: dict[str, tuple[int, ...]], config: dict) -> int | None:
+    """Parameters one token uses: all, less the routed experts it is not sent to
+    (``num_experts_per_tok`` of ``num_experts``); None when config.json does not say."""
+    total = sum(math.prod(s) for s in shapes.values())
+    found = summary(shapes)
+    if found is None:
+        return total
+    cfgs = (config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {})
+    k = next((c[key] for c in cfgs for key in TOP_K_KEYS if isinstance(c.get(key), int) and c[key] > 0), None)
+    if k is None:
+        return None
+    e = found["num_experts"]
+    return total - routed_params(shapes) * (e - min(k, e)) // e
