@@ -185,3 +185,30 @@ def test_inspect_and_estimate_count_experts(saves, refs):
 def test_a_dense_model_has_no_experts(fixtures_dir):
     info = json.loads(_cli("inspect", fixtures_dir / "llama_dcp", "--json").output)
     assert info["moe"] is None and info["params"] > 0
+
+
+# -- the plan alone, from names and shapes -----------------------------------------------------
+
+def test_a_transposing_layout_is_refused_by_name():
+    from ckpt_tools.core.dtypes import DType
+    from ckpt_tools.errors import BadInput
+    from ckpt_tools.naming import experts
+
+    shapes = {"model.language_model.layers.0.mlp.experts.gate_up_proj": ((4, 64, 64), DType("float32"))}
+    with pytest.raises(BadInput, match="Transpose"):
+        experts.to_hub({"model_type": "qwen3_vl_moe", "num_experts": 4}, shapes, Path("src"))
+
+
+def test_the_plan_is_row_ranges():
+    """Mixtral's fused [E, 2I, H] -> per-expert w1 (gate rows) and w3 (up rows), from the registry."""
+    from ckpt_tools.core.dtypes import DType
+    from ckpt_tools.naming import experts
+
+    f32 = DType("float32")
+    shapes = {"model.layers.0.mlp.experts.gate_up_proj": ((3, 8, 5), f32),
+              "model.layers.0.mlp.experts.down_proj": ((3, 5, 4), f32), "model.norm.weight": ((5,), f32)}
+    plan = experts.to_hub({"model_type": "mixtral", "num_local_experts": 3}, shapes, Path("src"))
+    w3 = plan["model.layers.0.block_sparse_moe.experts.2.w3.weight"]
+    assert w3.shape == (4, 5) and w3.runs == (experts.Run("model.layers.0.mlp.experts.gate_up_proj", 2 * 8 + 4, 0, 4),)
+    assert plan["model.norm.weight"].same == "model.norm.weight" and len(plan) == 3 * 3 + 1
+    assert list(experts._boxes((3, 4), 2, 7)) == [((0, 2), (1, 2), 2), ((1, 0), (1, 4), 4), ((2, 0), (1, 1), 8)]

@@ -44,7 +44,8 @@ from ..errors import BadInput
 COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 # the registry's operations that move whole rows only (any other is refused by the probe check)
 ROW_OPS = frozenset({"MergeModulelist", "SplitModulelist", "Concatenate", "Chunk", "Interleave"})
-_INDEX = re.compile(r"\.(\d+)\.")
+_PER_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")  # the hub's one module per expert
+_GROUPED = re.compile(r"(?:^|\.)experts\.[^.\d][^.]*(?:\.weight)?$")  # one tensor for all experts
 
 
 @dataclass(frozen=True)
@@ -226,11 +227,11 @@ def _check_complete(matched: dict, count: int | None, src: Path) -> None:
     """Per-expert names: every expert 0..count-1 of every kind is there, and no other."""
     groups: dict[str, set[int]] = {}
     for name in matched:
-        found = list(_INDEX.finditer(name))
-        if not found:
+        m = _PER_EXPERT.search(name)  # ``experts.{e}.``: fused names (one per layer) have no index
+        if m is None:
             continue
-        m = found[-1]  # the expert index is the last number of a per-expert name (the layer's comes first)
-        groups.setdefault(name[:m.start()] + ".{}." + name[m.end():], set()).add(int(m.group(1)))
+        at, end = m.span(1)
+        groups.setdefault(name[:at] + "{}" + name[end:], set()).add(int(m.group(1)))
     for template, have in sorted(groups.items()):
         want = count if count is not None else max(have) + 1
         missing = sorted(set(range(want)) - have)
@@ -439,8 +440,6 @@ def model_tensors(ckpt, tensors: list[TensorInfo], config: dict | None, src: Pat
 
 # -- what a checkpoint's names say about its experts (no transformers, no config) ----------------
 
-_PER_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
-_GROUPED = re.compile(r"(?:^|\.)experts\.[^.\d][^.]*(?:\.weight)?$")
 _STACKED = "decoder.layers."  # one tensor for all layers: the experts are its second axis
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "experts_per_token", "num_experts_per_token")
 
