@@ -27,6 +27,7 @@ Names already in the wanted layout pass through unchanged (a transformers-4 save
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import re
@@ -179,7 +180,9 @@ def _plan(transforms: list, config: dict, shapes: dict[str, tuple[tuple[int, ...
         bases.append(total)
         total += rows
     try:
-        out = revert_weight_conversion(_Probe(transforms, _config_object(config)), probes)
+        # the config only for an operation that asks it how many pieces to make (AutoConfig costs seconds)
+        asks = any(getattr(op, "num_shards_attribute", None) for c in matched.values() for op in c.operations)
+        out = revert_weight_conversion(_Probe(transforms, _config_object(config) if asks else None), probes)
     except Exception as e:  # noqa: BLE001 - transformers' own refusal: the layout cannot be vouched for
         raise BadInput(f"{src}: transformers' conversion registry for {config.get('model_type')!r} does not apply to "
                        f"these names ({type(e).__name__}: {str(e)[:200]}); is an expert tensor missing, or does "
@@ -250,7 +253,7 @@ def _read_probes(out: dict, names: list[str], shapes: dict, bases: list[int], to
     import torch
 
     ordered = sorted((b, i) for i, b in enumerate(bases) if b >= 0)
-    starts = torch.tensor([b for b, _ in ordered] or [0], dtype=torch.int64)
+    starts = [b for b, _ in ordered]
     plan: dict[str, Planned] = {}
     used: dict[str, list[tuple[int, int]]] = {}
     whole_used: set[str] = set()
@@ -266,22 +269,26 @@ def _read_probes(out: dict, names: list[str], shapes: dict, bases: list[int], to
         if probe.dim() < 2 or probe.shape[-1] != 1 or bool((flat < 0).any()):
             raise BadInput(f"{src}: {out_name!r}: transformers' conversion moves more than whole rows of it; "
                            "ckpt does not plan that layout yet")
-        which = torch.searchsorted(starts, flat, right=True) - 1
-        cut = torch.nonzero((flat[1:] != flat[:-1] + 1) | (which[1:] != which[:-1])).reshape(-1) + 1
+        cut = torch.nonzero(flat[1:] != flat[:-1] + 1).reshape(-1) + 1
         edges = [0, *cut.tolist(), flat.numel()]
+        firsts = flat[edges[:-1]].tolist()
         runs, width, dtype, one_d = [], None, None, None
-        for a, b in zip(edges, edges[1:]):
-            base, i = ordered[int(which[a])]
-            name = names[i]
-            shape, dt = shapes[name]
-            lead, w = _lead(shape)
-            if (width, dtype, one_d) != (None, None, None) and (width, dtype, one_d) != (w, dt, len(shape) == 1):
-                raise BadInput(f"{src}: {out_name!r} would join rows of {name!r} ({list(shape)} {dt}) to rows of "
-                               "another shape or dtype")
-            width, dtype, one_d = w, dt, len(shape) == 1
-            run = Run(name, int(flat[a]) - base, a, b - a)
-            runs.append(run)
-            used.setdefault(name, []).append((run.src_start, run.rows))
+        for a, b, first in zip(edges, edges[1:], firsts):
+            while a < b:  # consecutive numbers may run on into the next source tensor: split there
+                k = bisect.bisect_right(starts, first) - 1
+                base, i = ordered[k]
+                name = names[i]
+                shape, dt = shapes[name]
+                lead, w = _lead(shape)
+                if (width, dtype, one_d) != (None, None, None) and (width, dtype, one_d) != (w, dt, len(shape) == 1):
+                    raise BadInput(f"{src}: {out_name!r} would join rows of {name!r} ({list(shape)} {dt}) to rows "
+                                   "of another shape or dtype")
+                width, dtype, one_d = w, dt, len(shape) == 1
+                n = min(b - a, base + math.prod(lead) - first)
+                run = Run(name, first - base, a, n)
+                runs.append(run)
+                used.setdefault(name, []).append((run.src_start, run.rows))
+                a, first = a + n, first + n
         shape = tuple(probe.shape[:-1]) + (() if one_d else (width,))
         plan[out_name] = Planned(out_name, shape, None, tuple(runs))
     for name, b in zip(names, bases):
