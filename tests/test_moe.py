@@ -212,3 +212,28 @@ def test_the_plan_is_row_ranges():
     assert w3.shape == (4, 5) and w3.runs == (experts.Run("model.layers.0.mlp.experts.gate_up_proj", 2 * 8 + 4, 0, 4),)
     assert plan["model.norm.weight"].same == "model.norm.weight" and len(plan) == 3 * 3 + 1
     assert list(experts._boxes((3, 4), 2, 7)) == [((0, 2), (1, 2), 2), ((1, 0), (1, 4), 4), ((2, 0), (1, 1), 8)]
+
+
+def test_torchtitan_grouped_experts_export_as_its_own_to_hf(refs, tmp_path):
+    """A torchtitan qwen3 MoE save (``moe.routed_experts.inner_experts.w1_EFD`` [E, F, D], made by
+    torchtitan's own ``from_hf``) exports to the per-expert hub tensors its ``to_hf`` gives."""
+    import torch.distributed.checkpoint as dcp
+
+    pytest.importorskip("torchtitan")
+    from torchtitan.models.qwen3 import model_registry
+    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+    spec = model_registry("debugmodel_moe")
+    for layer in spec.model.layers:
+        if layer.moe is not None:
+            layer.moe.num_experts = 4
+    adapter = Qwen3StateDictAdapter(spec.model, None)
+    titan = adapter.from_hf(load_file(refs["qwen3_moe"] / "model.safetensors"))
+    dcp.save(titan, checkpoint_id=str(tmp_path / "step-10"))
+    out = tmp_path / "out"
+    r = _cli("export", tmp_path / "step-10", out, "--base", refs["qwen3_moe"])
+    assert r.exit_code == 0, r.output
+    _same_files(out, refs["qwen3_moe"])
+    theirs = adapter.to_hf(titan)
+    got = load_file(out / "model.safetensors")
+    assert sorted(got) == sorted(theirs) and all(torch.equal(got[k], theirs[k]) for k in theirs)

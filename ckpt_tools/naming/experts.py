@@ -319,7 +319,8 @@ def views(reader: Reader, tensors: dict[str, TensorInfo], plan: dict[str, Planne
     out = {}
     for name, p in plan.items():
         if p.same is not None:
-            out[name] = replace(tensors[p.same], name=name, path=())
+            t = tensors[p.same]
+            out[name] = t if t.name == name else replace(t, name=name, path=())
             continue
         chunks: list[Chunk] = []
         first = tensors[p.runs[0].source]

@@ -97,6 +97,8 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
             pieces.append(replace(p, add=LowRank(tgt.a, tgt.b, found.scale(tgt), tgt.embedding)) if tgt else p)
     else:
         names = experts.hub_tensors(ckpt, names, config, src)  # MoE: the layout save_pretrained writes
+        if torchtitan.detect(names):
+            names = torchtitan.split_experts(ckpt, names, config, src)
         pieces = [whole(target(t, n, cast)) for n, t in names.items()]
     if torchtitan.detect(p.target.name for p in pieces):
         pieces = torchtitan.to_hf_pieces(pieces, config, src)
