@@ -95,6 +95,10 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
         for n, t, tgt in peft_lora.merge_plan(found, names, src, base_tensors):
             p = whole(target(t, n, cast))
             pieces.append(replace(p, add=LowRank(tgt.a, tgt.b, found.scale(tgt), tgt.embedding)) if tgt else p)
+        merged = {p.target.name: p.target.source for p in pieces}
+        if experts.hub_tensors(ckpt, merged, config, src) is not merged:
+            raise BadInput(f"{src}: LoRA merged into a Mixture-of-Experts model whose experts save_pretrained "
+                           "writes in another layout: not planned yet; export with --lora adapter")
     else:
         names = experts.hub_tensors(ckpt, names, config, src)  # MoE: the layout save_pretrained writes
         if torchtitan.detect(names):

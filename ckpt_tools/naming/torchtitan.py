@@ -1,4 +1,5 @@
-"""torchtitan's model names, both ways, for the llama3 and (dense) qwen3 families.
+"""torchtitan's model names, both ways, for the llama3 and qwen3 families (qwen3's MoE experts
+to Hugging Face only: each grouped ``[E, F, D]`` tensor split into one tensor per expert).
 
 A name table written as data, as torchtitan's own ``state_dict_adapter.py`` files do (the layer
 index a ``{}`` placeholder), and the one real transformation beside it: torchtitan's llama3
