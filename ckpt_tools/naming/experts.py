@@ -46,7 +46,8 @@ COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_e
 # the registry's operations that move whole rows only (any other is refused by the probe check)
 ROW_OPS = frozenset({"MergeModulelist", "SplitModulelist", "Concatenate", "Chunk", "Interleave"})
 _PER_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")  # the hub's one module per expert
-_GROUPED = re.compile(r"(?:^|\.)experts\.[^.\d][^.]*(?:\.weight)?$")  # one tensor for all experts
+# one tensor for all experts (torchtitan 0.3: ``moe.routed_experts.inner_experts.w1_EFD``)
+_GROUPED = re.compile(r"(?:^|\.)(?:inner_)?experts\.[^.\d][^.]*(?:\.weight)?$")
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,7 @@ def _plan(transforms: list, config: dict, shapes: dict[str, tuple[tuple[int, ...
             continue
         if not shape:
             raise BadInput(f"{src}: {name!r} is a scalar; an expert tensor has rows")
-        if direction == "to_hub" and count is not None and shape[0] != count:
+        if direction == "to_hub" and count is not None and _GROUPED.search(name) and shape[0] != count:
             raise BadInput(f"{src}: {name!r} holds {shape[0]} experts but config.json says {count} "
                            f"({_count_key(config)}); the config does not describe these weights")
         lead, _ = _lead(shape)
@@ -190,7 +191,7 @@ def _plan(transforms: list, config: dict, shapes: dict[str, tuple[tuple[int, ...
     plan = _read_probes(out, names, shapes, bases, total, src)
     if direction == "to_model" and count is not None:
         for p in plan.values():
-            if p.same is None and p.shape[0] != count:
+            if p.same is None and _GROUPED.search(p.name) and p.shape[0] != count:
                 raise BadInput(f"{src}: {p.name!r} would hold {p.shape[0]} experts but config.json says {count} "
                                f"({_count_key(config)})")
     if all(p.same == n for n, p in plan.items()):
