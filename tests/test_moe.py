@@ -237,3 +237,32 @@ def test_torchtitan_grouped_experts_export_as_its_own_to_hf(refs, tmp_path):
     theirs = adapter.to_hf(titan)
     got = load_file(out / "model.safetensors")
     assert sorted(got) == sorted(theirs) and all(torch.equal(got[k], theirs[k]) for k in theirs)
+
+
+def test_lora_merge_into_fused_experts_is_refused(tmp_path):
+    """PEFT LoRA on a transformers-5 MoE: merging would need the experts split as well; refused
+    (exit 3 naming --lora adapter) rather than written under the fused names."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build("qwen3_moe"), LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
+    src = tmp_path / "src"
+    src.mkdir()
+    torch.save(model.state_dict(), src / "model.pt")
+    model.base_model.model.config.save_pretrained(src)
+    model.peft_config["default"].save_pretrained(src)
+    out = tmp_path / "out"
+    r = _cli("export", src / "model.pt", out, "--base", src)
+    assert r.exit_code == 3 and "--lora adapter" in r.output, r.output
+    assert not out.exists()
+
+
+def test_a_torch_saved_fused_state_dict_exports(refs, tmp_path):
+    """``torch.save(model.state_dict())`` of a transformers-5 model: expert rows read from the
+    file's storage records."""
+    src = tmp_path / "src"
+    src.mkdir()
+    torch.save(build("mixtral").state_dict(), src / "model.pt")
+    out = tmp_path / "out"
+    r = _cli("export", src / "model.pt", out, "--base", refs["mixtral"])
+    assert r.exit_code == 0, r.output
+    _same_files(out, refs["mixtral"])

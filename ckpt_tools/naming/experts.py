@@ -357,7 +357,7 @@ def _run_chunks(reader: Reader, t: TensorInfo, run: Run, out_shape: tuple[int, .
             if a >= b:
                 continue
             if found is None:
-                found = reader.span(t, c)
+                found = reader.span(t, c, pickled=True)
                 if found is None:
                     raise BadInput(f"{t.name}: its piece in {c.location.file} is not stored as one contiguous range "
                                    "of bytes; ckpt cannot take expert rows of it")
