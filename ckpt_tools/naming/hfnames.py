@@ -4,7 +4,8 @@ Order of work (pure planning, no tensor data except the tied-embedding compariso
   1. names as the model's state dict spells them (wrapper prefixes removed, no two alike);
   2. a naming scheme maps them (:mod:`.lora`: merge the update, or split out a PEFT
      adapter; :mod:`.torchtitan`: torchtitan's names and rotary row order; :mod:`.megatron`:
-     Megatron-Core's stacked layers, fused QKV and [gate; up] split into HF's weights);
+     Megatron-Core's stacked layers, fused QKV and [gate; up] split into HF's weights;
+     :mod:`.experts`: a Mixture-of-Experts model's experts as ``save_pretrained`` writes them);
   3. tied embeddings written once;
   4. :mod:`ckpt_tools.hf.archcheck`: ``from_pretrained`` of the config's architecture must find every name
      and shape it needs and nothing it does not. A mismatch is exit 3, before a byte is written.
