@@ -22,6 +22,7 @@ from ..engine.reader import Reader
 from ..errors import BadInput, UsageError
 from ..formats import deepspeedwrite, writers
 from ..layouts import describe
+from ..naming import experts
 from ..hf import assets as hfassets
 from ..runtime import env
 from ..storage.atomic import check_destination
@@ -99,6 +100,8 @@ def _run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) ->
     ranked = opts.to in ("sharded", "dcp")
     ws = opts.world_size or (ckpt.world_size if ckpt.world_size and ranked else 1)
     report: dict[str, Any] = {"src": str(src), "dst": str(dst), "format": opts.to, "world_size": ws if ranked else None}
+    if ckpt.format == "hf" and ranked and out_layout is None:  # hub layout -> the training model's names
+        keep = experts.model_tensors(ckpt, keep, hfassets.read_config(hfassets.find_assets(src, opts.base)), src)
     targets = targets_from(keep, dtype=opts.cast)
 
     carry = None

@@ -34,13 +34,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import BadInput, CkptError, UsageError
 from ..formats import hf
 from ..hf.hub import resolve_model_dir
 from ..hf.models import build_from_config
+from ..naming import experts
 
 FP32 = 4
 LOW_PRECISION_BYTES = {"bf16": 2, "fp16": 2}
@@ -91,10 +92,13 @@ class Estimate:
     largest_unit_params: int
     ddp: StrategyMemory
     fsdp: StrategyMemory
+    active_params: int | None = None  # what one token uses (MoE: its top-k routed experts only)
+    moe: dict | None = None  # {"num_experts", "layout"}, None for a dense model
 
     def to_json(self) -> dict:
         return {
             "model": self.model, "source": self.source, "params": self.params, "ranks": self.ranks,
+            "active_params": self.active_params, "moe": self.moe,
             "options": {"optimizer": "adamw", "master_dtype": "fp32",
                         "mixed_precision": self.mixed_precision, "cpu_offload": self.cpu_offload},
             "largest_unit": {"name": self.largest_unit, "params": self.largest_unit_params},
@@ -105,7 +109,9 @@ class Estimate:
         src = "safetensors headers" if self.source == "safetensors" else "config.json on the meta device"
         mp = f", {self.mixed_precision} mixed precision" if self.mixed_precision else ""
         lines = [
-            f"{self.model}: {self.params:,} parameters ({_count(self.params)}, from {src}), {self.ranks} ranks",
+            f"{self.model}: {self.params:,} parameters ({_count(self.params)}, from {src}), {self.ranks} ranks"
+            + (f"; {self.moe['num_experts']} experts, {_count(self.active_params)} active per token"
+               if self.moe and self.active_params is not None else ""),
             f"fp32 master weights and grads, AdamW fp32 moments (16 B/param){mp}"
             f"{', FSDP CPU offload' if self.cpu_offload else ''}; activations not counted; GB = 10^9 B",
             "",
@@ -156,9 +162,16 @@ def estimate(model: str, *, ranks: int, mixed_precision: str | None = None,
     Example: ``estimate("meta-llama/Llama-2-7b-hf", ranks=4).fsdp.gpu.total  # ~27e9``
     """
     _check_options(ranks, mixed_precision)
-    shapes, source = read_param_shapes(resolve_model_dir(model, allow_patterns=CONFIG_PATTERNS))
-    return plan_memory(shapes, ranks=ranks, mixed_precision=mixed_precision,
-                       cpu_offload=cpu_offload, model=model, source=source)
+    model_dir = resolve_model_dir(model, allow_patterns=CONFIG_PATTERNS)
+    shapes, source = read_param_shapes(model_dir)
+    found = plan_memory(shapes, ranks=ranks, mixed_precision=mixed_precision,
+                        cpu_offload=cpu_offload, model=model, source=source)
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    return replace(found, active_params=experts.active_params(shapes, config if isinstance(config, dict) else {}),
+                   moe=experts.summary(shapes))
 
 
 def _check_options(ranks: int, mixed_precision: str | None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 from pathlib import Path
@@ -9,7 +10,8 @@ from typing import Any
 
 from ..core.describe import GROUPS, Checkpoint, dtype_name
 from ..layouts import describe, layout_of
-from ..naming import lora
+from ..naming import experts, lora
+from ..naming.wrappers import normalize_name
 from ..engine.reader import Reader
 from .latest import holds_checkpoints, run_listing
 from .urls import accepts_urls
@@ -52,6 +54,9 @@ def summarize(ckpt: Checkpoint, *, tensors: bool = False) -> dict[str, Any]:
     if ckpt.mesh_shape:
         out["mesh_shape"] = list(ckpt.mesh_shape)
     out["lora"] = lora.summary(ckpt)
+    model = {t.name: t.shape for t in ckpt.group("model")}
+    out["params"] = sum(math.prod(s) for s in model.values())
+    out["moe"] = experts.summary({normalize_name(n): s for n, s in model.items()})
     if ckpt.details.get("fsdp"):
         out["fsdp"] = ckpt.details["fsdp"]
     out.update(layout_of(ckpt).to_json())
@@ -126,6 +131,8 @@ def format_summary(info: dict[str, Any]) -> str:
         lines.append(f"  LoRA        rank {lo['rank']}, alpha {lo['alpha'] if lo['alpha'] is not None else 'unknown'}, "
                      f"targets {', '.join(lo['target_modules'])}"
                      + ("; adapter weights only (no base model)" if lo["adapter_only"] else ""))
+    if info.get("moe"):
+        lines.append(f"  experts     {info['moe']['num_experts']} routed, {info['moe']['layout'].replace('_', '-')} layout")
     if info.get("bytes_per_rank"):
         b = info["bytes_per_rank"]
         lines.append(f"  per rank    {human_bytes(min(b))} .. {human_bytes(max(b))} of tensors")

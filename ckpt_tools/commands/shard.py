@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shutil
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,11 @@ from ..errors import BadInput, DestinationError, UsageError
 from ..formats import hf
 from ..hf import archcheck
 from ..formats.sharded import CONFIG_NAME, file_name
+from ..hf import assets as hfassets
 from ..hf.assets import ASSET_PATTERNS, asset_names
 from ..hf.hub import resolve_model_dir
 from ..hf.models import model_class
+from ..naming import experts
 from ..runtime import env, launch
 from ..storage import atomic, manifest
 from .options import note
@@ -90,7 +93,7 @@ def _shard(model: str, dst: str | Path, *, ranks: int, format: str, device: str,
         check_destination(dst, overwrite)
     model_dir = fetch_model(model)
     atomic.check_destination(model_dir, dst, overwrite=overwrite)
-    sources = read_sources(model_dir)
+    sources = training_names(model_dir, read_sources(model_dir))
     config = load_config(model_dir)
     ignored = ignored_on_load(model_dir, config, sources)
     if ignored:
@@ -197,6 +200,30 @@ def read_sources(model_dir: Path) -> dict[str, SourceTensor]:
             sources[key] = SourceTensor(key, name, tuple(entry["shape"]), hf.DTYPES[entry["dtype"]],
                                         data_start + entry["data_offsets"][0])
     return sources
+
+
+def training_names(model_dir: Path, sources: dict[str, SourceTensor]) -> dict[str, SourceTensor]:
+    """The sources under the names the model holds in memory, where its hub layout differs
+    (Mixture-of-Experts: per-expert tensors fused, :mod:`ckpt_tools.naming.experts`); a tensor
+    made of rows of several is read as their byte ranges, in order."""
+    config = hfassets.read_config(model_dir)
+    plan = experts.to_model(config, {k: (s.shape, s.dtype) for k, s in sources.items()}, model_dir) \
+        if experts.is_moe(config) else None
+    if plan is None:
+        return sources
+    out = {}
+    for name, p in plan.items():
+        if p.same is not None:
+            out[name] = replace(sources[p.same], name=name)
+            continue
+        parts = []
+        for run in p.runs:
+            s = sources[run.source]
+            row = (s.shape[-1] if len(s.shape) > 1 else 1) * s.dtype.itemsize
+            parts.append((s.file, s.offset + run.src_start * row, run.rows * row))
+        first = sources[p.runs[0].source]
+        out[name] = SourceTensor(name, parts[0][0], p.shape, first.dtype, parts[0][1], tuple(parts))
+    return out
 
 
 def check_destination(dst: Path, overwrite: bool) -> None:

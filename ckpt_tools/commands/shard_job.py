@@ -57,6 +57,8 @@ class SourceTensor:
     shape: tuple[int, ...]
     dtype: torch.dtype
     offset: int  # of its first byte in ``file`` (safetensors data is row-major, little-endian)
+    # when its bytes are several ranges, in order: ``(file, offset, length)`` each (rows of other tensors)
+    parts: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def row_bytes(self) -> int:
@@ -258,9 +260,13 @@ def fill(model: nn.Module, model_dir: Path, reads: list[Read], *, progress: bool
                                                 disable=not progress or not on_terminal(),
                                                 file=sys.stderr) as bar:
         files: dict[str, Any] = {}
+
+        def opened(file: str):
+            if file not in files:
+                files[file] = stack.enter_context(open(model_dir / file, "rb", buffering=0))
+            return files[file]
+
         for r in sorted(reads, key=lambda r: (r.source.file, r.source.offset)):
-            if r.source.file not in files:
-                files[r.source.file] = stack.enter_context(open(model_dir / r.source.file, "rb", buffering=0))
             tensor = targets[r.target]
             if isinstance(tensor, DTensor):
                 if tuple(tensor.placements) != (Shard(0),):
@@ -271,27 +277,42 @@ def fill(model: nn.Module, model_dir: Path, reads: list[Read], *, progress: bool
                                     f"{r.start}..{r.stop}; fully_shard's split changed")
             elif r.start is not None:
                 raise CkptError(f"{r.target}: fully_shard left this parameter unsharded")
-            _read_into(files[r.source.file], r, tensor, model_dir)
+            _read_into(opened, r, tensor, model_dir)
             bar.update(_rows_bytes(r))
     return total
 
 
-def _read_into(f, r: Read, out: torch.Tensor, model_dir: Path) -> None:
+def _read_into(opened, r: Read, out: torch.Tensor, model_dir: Path) -> None:
     import torch
 
-    start = r.source.offset + (r.start or 0) * r.source.row_bytes
+    start = (r.start or 0) * r.source.row_bytes
     n = _rows_bytes(r)
     direct = out.device.type == "cpu" and out.is_contiguous()
     buf = out if direct else torch.empty(out.shape, dtype=out.dtype)
     if n:
-        view = buf.reshape(-1).view(torch.uint8).numpy()  # shares buf's memory
-        f.seek(start)
-        got = f.readinto(view)
-        if got != n:
-            raise BadInput(f"{model_dir / r.source.file}: tensor {r.source.name!r}: file ends after "
-                           f"{got} of {n} bytes; truncated?")
+        view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())  # shares buf's memory
+        done = 0
+        for file, offset, length in _byte_ranges(r.source, start, n):
+            f = opened(file)
+            f.seek(offset)
+            got = f.readinto(view[done:done + length])
+            if got != length:
+                raise BadInput(f"{model_dir / file}: tensor {r.source.name!r}: file ends after "
+                               f"{got} of {length} bytes; truncated?")
+            done += length
     if not direct:  # a CUDA shard: through one host buffer of this tensor's rows
         out.copy_(buf)
+
+
+def _byte_ranges(source: SourceTensor, start: int, n: int):
+    """``(file, offset, length)`` of bytes ``[start, start + n)`` of ``source``'s values."""
+    parts = source.parts or ((source.file, source.offset, math.prod(source.shape) * source.dtype.itemsize),)
+    at = 0
+    for file, offset, length in parts:
+        lo, hi = max(start, at), min(start + n, at + length)
+        if lo < hi:
+            yield file, offset + lo - at, hi - lo
+        at += length
 
 
 def _rows_bytes(r: Read) -> int:

@@ -160,15 +160,24 @@ class Reader:
                            f"{value.dtype}, its metadata says {chunk.sizes} {tensor.dtype}")
         return value
 
-    def span(self, tensor: TensorInfo, chunk: Chunk) -> tuple[Path, int, int] | None:
+    def span(self, tensor: TensorInfo, chunk: Chunk, *, pickled: bool = False) -> tuple[Path, int, int] | None:
         """``(file, offset, length)`` when the chunk's values are exactly one contiguous,
-        row-major byte range of a file (safetensors, simple DCP items); else None."""
+        row-major byte range of a file (safetensors, simple DCP items; with ``pickled``, a plain
+        tensor of a ``torch.save`` file too); else None."""
         loc = chunk.location
         nbytes = chunk.numel * tensor.dtype.itemsize
         path = self.ckpt.base_dir() / loc.file
         self._need(loc)
         if loc.kind == "raw" and loc.length == nbytes:
             return path, loc.offset, loc.length
+        if loc.kind == "pickled" and pickled:
+            with self._lock:
+                if self._torch is None:
+                    self._torch = TorchRanges(self.ckpt.base_dir())
+            found = self._torch.local(loc.file, loc.key)
+            if found is not None and found[1].size == tuple(chunk.sizes) and found[1].dtype == tensor.dtype:
+                return path, found[0], nbytes
+            return None
         if loc.kind == "torch_item":
             m = self._map(loc.file)
             local = _item_tensor(m, loc.offset, loc.length)

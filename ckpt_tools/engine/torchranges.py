@@ -20,6 +20,36 @@ class TorchRanges:
         self._zips: dict[str, Any] = {}
         self._lock = threading.Lock()
 
+    def local(self, file: str, key: tuple[Any, ...]):
+        """``(absolute offset, plain tensor node)`` of the contiguous tensor stored at ``key`` of
+        ``file`` (its storage record's bytes from the tensor's offset); None when it is stored
+        any other way (a legacy file, a non-contiguous or wrapped tensor)."""
+        from ..codecs.tensornodes import NotSimple, local_of
+        from ..security.torchfile import TorchZip
+
+        with self._lock:
+            z = self._zips.get(file, False)
+            if z is False:
+                try:
+                    z = TorchZip(self.base / file)
+                except Exception:  # noqa: BLE001 - not a file this path walks
+                    z = None
+                self._zips[file] = z
+        node = z.tree if z is not None else None
+        for k in key:
+            try:
+                node = node[k]
+            except (KeyError, IndexError, TypeError):
+                return None
+        try:
+            local = local_of(node)
+        except NotSimple:
+            return None
+        rec = z.records.get(f"data/{local.storage.key}") if local is not None else None
+        if rec is None:
+            return None
+        return rec.offset + local.offset * local.dtype.itemsize, local
+
     def of(self, file: str, key: tuple[Any, ...]) -> tuple[list[Range], bool]:
         """The records the value at ``key`` of ``file`` uses, and True; or the whole file and
         False when its pickle cannot be walked here (a legacy file, a global ckpt does not parse,

@@ -4,7 +4,8 @@ Order of work (pure planning, no tensor data except the tied-embedding compariso
   1. names as the model's state dict spells them (wrapper prefixes removed, no two alike);
   2. a naming scheme maps them (:mod:`.lora`: merge the update, or split out a PEFT
      adapter; :mod:`.torchtitan`: torchtitan's names and rotary row order; :mod:`.megatron`:
-     Megatron-Core's stacked layers, fused QKV and [gate; up] split into HF's weights);
+     Megatron-Core's stacked layers, fused QKV and [gate; up] split into HF's weights;
+     :mod:`.experts`: a Mixture-of-Experts model's experts as ``save_pretrained`` writes them);
   3. tied embeddings written once;
   4. :mod:`ckpt_tools.hf.archcheck`: ``from_pretrained`` of the config's architecture must find every name
      and shape it needs and nothing it does not. A mismatch is exit 3, before a byte is written.
@@ -30,7 +31,7 @@ from ..formats import describe
 from ..hf import archcheck, assets as hfassets
 from ..hf.hub import resolve_model_dir
 from ..runtime import env
-from . import lora as peft_lora, megatron, torchtitan
+from . import experts, lora as peft_lora, megatron, torchtitan
 from .wrappers import normalize_name
 
 
@@ -95,7 +96,14 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
         for n, t, tgt in peft_lora.merge_plan(found, names, src, base_tensors):
             p = whole(target(t, n, cast))
             pieces.append(replace(p, add=LowRank(tgt.a, tgt.b, found.scale(tgt), tgt.embedding)) if tgt else p)
+        merged = {p.target.name: p.target.source for p in pieces}
+        if experts.hub_tensors(ckpt, merged, config, src) is not merged:
+            raise BadInput(f"{src}: LoRA merged into a Mixture-of-Experts model whose experts save_pretrained "
+                           "writes in another layout: not planned yet; export with --lora adapter")
     else:
+        names = experts.hub_tensors(ckpt, names, config, src)  # MoE: the layout save_pretrained writes
+        if torchtitan.detect(names):
+            names = torchtitan.split_experts(ckpt, names, config, src)
         pieces = [whole(target(t, n, cast)) for n, t in names.items()]
     if torchtitan.detect(p.target.name for p in pieces):
         pieces = torchtitan.to_hf_pieces(pieces, config, src)

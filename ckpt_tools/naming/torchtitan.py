@@ -1,4 +1,5 @@
-"""torchtitan's model names, both ways, for the llama3 and (dense) qwen3 families.
+"""torchtitan's model names, both ways, for the llama3 and qwen3 families (qwen3's MoE experts
+to Hugging Face only: each grouped ``[E, F, D]`` tensor split into one tensor per expert).
 
 A name table written as data, as torchtitan's own ``state_dict_adapter.py`` files do (the layer
 index a ``{}`` placeholder), and the one real transformation beside it: torchtitan's llama3
@@ -19,6 +20,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..engine.reader import Reader
 from ..errors import BadInput
 from ..core.plan import Piece, Target, permuted_rows, rename_piece, rows_of
 
@@ -41,8 +43,21 @@ FROM_HF = {
     "llama": {**_COMMON, "model.layers.{}.self_attn.rotary_emb.inv_freq": None},
     "qwen3": {**_COMMON, "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attention.q_norm.weight",
               "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attention.k_norm.weight",
-              "model.layers.{}.self_attn.rotary_emb.inv_freq": None},
+              "model.layers.{}.self_attn.rotary_emb.inv_freq": None,
+              "model.layers.{}.mlp.gate.weight": "layers.{}.moe.router.gate.weight"},
 }
+FROM_HF["qwen3_moe"] = FROM_HF["qwen3"]  # torchtitan's qwen3 holds both; HF names the MoE its own type
+# torchtitan's grouped experts ([E, F, D] / [E, D, F], one tensor per layer) -> HF's tensor of
+# expert e (its rows e*F .. e*F+F), per family, every spelling torchtitan has used
+_GROUPED = {"qwen3": {
+    **{f"moe.{where}.{w}": hf for where in ("routed_experts.inner_experts", "experts")
+       for w, hf in (("w1_EFD", "gate_proj"), ("w3_EFD", "up_proj"), ("w2_EDF", "down_proj"),
+                     ("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))},
+}}
+_GROUPED["qwen3_moe"] = _GROUPED["qwen3"]
+# load-balancing buffers torchtitan's MoE saves and its own to_hf leaves out (qwen3's HF model has none)
+_MOE_BUFFERS = re.compile(r"^layers\.\d+\.moe\.(expert_bias(_E)?|tokens_per_expert)$")
+_HF_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.")
 # which families rotate interleaved pairs (torchtitan's ComplexRoPE): their wq/wk rows are permuted
 PERMUTED = {"llama": ("model.layers.{}.self_attn.q_proj.weight", "model.layers.{}.self_attn.k_proj.weight")}
 # earlier torchtitan spellings, read as 0.3's
@@ -78,8 +93,6 @@ def _family(config: dict, src: Path, direction: str) -> str:
     if family not in FROM_HF:
         raise BadInput(f"{src}: torchtitan names for model_type {family!r} are not mapped "
                        f"(ckpt maps {', '.join(sorted(FROM_HF))}); convert with torchtitan's own state_dict_adapter")
-    if family == "qwen3" and config.get("num_experts"):
-        raise BadInput(f"{src}: qwen3 MoE experts are grouped differently in torchtitan; not mapped yet")
     return family
 
 
@@ -119,7 +132,10 @@ def to_hf_pieces(pieces: list[Piece], config: dict, src: Path) -> list[Piece]:
     out = []
     for p in pieces:
         name = p.target.name
-        if _BUFFERS.match(name):
+        if _BUFFERS.match(name) or _MOE_BUFFERS.match(name):
+            continue
+        if _HF_EXPERT.match(name):  # split from a grouped tensor already (:func:`split_experts`)
+            out.append(p)
             continue
         abstract, layer = _abstract(name, _LAYER, "layers.")
         abstract = _OLDER.get(abstract, abstract)
@@ -176,3 +192,32 @@ def rank_piece(row_maps: dict[str, list[int]]):
         return permuted_rows(target, rows, rank=rank, world_size=world_size)
 
     return piece_of
+
+
+def split_experts(ckpt, names: dict, config: dict, src: Path) -> dict:
+    """torchtitan's grouped expert tensors (``layers.N.moe.routed_experts.inner_experts.w1_EFD``
+    ``[E, F, D]``, ...) as one Hugging Face tensor per expert (``model.layers.N.mlp.experts.{e}.
+    gate_proj.weight``: rows ``e*F .. e*F+F``, byte ranges of the save), as torchtitan's own
+    ``to_hf`` splits them; every other name as it is."""
+    from . import experts
+
+    grouped = {n: t for n, t in names.items() if (m := _LAYER.match(n)) and n[m.end():] in _GROUPED.get(
+        config.get("model_type"), {})}
+    if not grouped:
+        return names
+    family = _family(config, src, "to")
+    plan = {}
+    for name, t in grouped.items():
+        m = _LAYER.match(name)
+        hf = _GROUPED[family][name[m.end():]]
+        count = experts.num_experts(config)
+        if len(t.shape) != 3 or (count is not None and t.shape[0] != count):
+            raise BadInput(f"{src}: {name!r} is {list(t.shape)}; torchtitan's grouped experts are [experts, rows, "
+                           f"columns] with config.json's {count} experts")
+        rows = t.shape[1]
+        for e in range(t.shape[0]):
+            out = f"model.layers.{m.group(1)}.mlp.experts.{e}.{hf}.weight"
+            plan[out] = experts.Planned(out, t.shape[1:], None, (experts.Run(name, e * rows, 0, rows),))
+    plan.update({n: experts.Planned(n, t.shape, n) for n, t in names.items() if n not in grouped})
+    with Reader(ckpt) as reader:
+        return experts.views(reader, names, plan)
