@@ -90,9 +90,9 @@ def lowp_plan(keep: list[TensorInfo], config: dict, src: Path,
     if opts.cast is None and not opts.quantize:
         return (quant.find(keep, config, src) if quant.config_of(config) else None), None
     found = quant.find(keep, config, src)
-    if opts.quantize and found is not None and opts.cast is None:
-        raise UsageError(f"--quantize {opts.quantize}: {src} is already quantized ({found.method}); "
-                         "add --dtype bf16 to dequantize it first, in the same run")
+    if opts.quantize and found is not None:
+        raise UsageError(f"--quantize {opts.quantize}: {src} is already quantized ({found.method}); dequantize it "
+                         "first (ckpt export SRC TMP --dtype bf16), then quantize that")
     return found, (quant.without_quantization(config) if found is not None else None)
 
 

@@ -9,7 +9,8 @@ from typing import Any
 
 from ..core.describe import GROUPS, Checkpoint, dtype_name
 from ..layouts import describe, layout_of
-from ..naming import lora
+from ..hf import assets as hfassets
+from ..naming import lora, quant
 from ..engine.reader import Reader
 from .latest import holds_checkpoints, run_listing
 from .urls import accepts_urls
@@ -52,6 +53,7 @@ def summarize(ckpt: Checkpoint, *, tensors: bool = False) -> dict[str, Any]:
     if ckpt.mesh_shape:
         out["mesh_shape"] = list(ckpt.mesh_shape)
     out["lora"] = lora.summary(ckpt)
+    out["quantization"] = quant.summary(list(ckpt.tensors), _config(ckpt), ckpt.root)
     if ckpt.details.get("fsdp"):
         out["fsdp"] = ckpt.details["fsdp"]
     out.update(layout_of(ckpt).to_json())
@@ -72,6 +74,14 @@ def summarize(ckpt: Checkpoint, *, tensors: bool = False) -> dict[str, Any]:
         out["tensors"] = [{"name": t.name, "group": t.group, "shape": list(t.shape), "dtype": dtype_name(t.dtype)}
                           for t in ckpt.tensors]
     return out
+
+
+def _config(ckpt: Checkpoint) -> dict:
+    """The config.json beside the checkpoint (or in its huggingface/ folder), {} without one."""
+    try:
+        return hfassets.read_config(hfassets.find_assets(ckpt.root, None))
+    except Exception:  # an unreadable config is not this report's to refuse
+        return {}
 
 
 def _optimizer(ckpt: Checkpoint) -> dict[str, Any]:
@@ -126,6 +136,12 @@ def format_summary(info: dict[str, Any]) -> str:
         lines.append(f"  LoRA        rank {lo['rank']}, alpha {lo['alpha'] if lo['alpha'] is not None else 'unknown'}, "
                      f"targets {', '.join(lo['target_modules'])}"
                      + ("; adapter weights only (no base model)" if lo["adapter_only"] else ""))
+    if info.get("quantization"):
+        q = info["quantization"]
+        how = q.get("block_size") or q.get("scheme")
+        lines.append(f"  quantized   {q['method']}" + (f" {how}" if how else "")
+                     + (f", {q['quantized_tensors']} weights" if q.get("quantized_tensors") is not None else "")
+                     + (f" (cannot be dequantized: {q['error']})" if q.get("error") else ""))
     if info.get("bytes_per_rank"):
         b = info["bytes_per_rank"]
         lines.append(f"  per rank    {human_bytes(min(b))} .. {human_bytes(max(b))} of tensors")

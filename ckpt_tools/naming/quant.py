@@ -291,3 +291,16 @@ def quantization_config(scheme: str, kept: list[str]) -> dict:
         "format": "float-quantized", "global_compression_ratio": None, "ignore": kept, "kv_cache_scheme": None,
         "quant_method": "compressed-tensors", "quantization_status": "compressed", "sparsity_config": {},
         "transform_config": {}, "version": "0.19.0"}
+
+
+def summary(tensors: list[TensorInfo], config: dict, where: Any) -> dict[str, Any] | None:
+    """``inspect --json``'s ``"quantization"``: ``{"method", "block_size" or "scheme",
+    "quantized_tensors"}``, None for a checkpoint that is not quantized; a quantized one that
+    cannot be dequantized says why under ``"error"``."""
+    if config_of(config) is None and not any(t.dtype in FP8 for t in tensors):
+        return None
+    try:
+        found = find(tensors, config, where)
+    except BadInput as e:
+        return {"method": (config_of(config) or {}).get("quant_method"), "quantized_tensors": None, "error": str(e)}
+    return found.summary() if found is not None else None
