@@ -149,6 +149,8 @@ def test_block_fp8_export_bf16_equals_transformers_dequantization_and_loads(fp8_
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_block_fp8_to_rank_files_dequantizes_each_ranks_rows(fp8_block, tmp_path, world_size):
     """Shard(0) rows that do not start on a block boundary (3 ranks of 128 rows: 43, 43, 42)."""
+    import torch.distributed.tensor  # noqa: F401  (rank files hold DTensors)
+
     run("export", fp8_block, tmp_path / "deq", "--dtype", "bf16")
     full = load_file(tmp_path / "deq" / "model.safetensors")
     run("convert", fp8_block, tmp_path / "sh", "--to", "sharded", "--world-size", world_size, "--dtype", "bf16")
@@ -156,8 +158,7 @@ def test_block_fp8_to_rank_files_dequantizes_each_ranks_rows(fp8_block, tmp_path
              for r in range(world_size)]
     assert set(parts[0]) == set(full)
     for name, value in full.items():
-        assert torch.equal(torch.cat([p[name].to_local() if hasattr(p[name], "to_local") else p[name]
-                                      for p in parts]), value), name
+        assert torch.equal(torch.cat([p[name].to_local() for p in parts]), value), name
     config = json.loads((tmp_path / "sh" / "huggingface" / "config.json").read_text())
     assert "quantization_config" not in config
 
@@ -361,3 +362,17 @@ def test_quantize_of_a_quantized_source_is_a_usage_error(fp8_block, tmp_path):
         out = run("export", fp8_block, tmp_path / "o", "--quantize", "fp8-dynamic", *extra, code=2)
         assert "already quantized" in out and "--dtype bf16" in out
         assert not (tmp_path / "o").exists()
+
+
+def test_shard_of_a_quantized_model_dequantizes_to_the_configs_dtype(fp8_block, tmp_path):
+    import torch.distributed.tensor  # noqa: F401  (rank files hold DTensors)
+
+    run("export", fp8_block, tmp_path / "deq", "--dtype", "bf16")
+    full = load_file(tmp_path / "deq" / "model.safetensors")
+    ckpt_tools.shard(str(fp8_block), tmp_path / "sh", ranks=2, progress=False)
+    parts = [torch.load(tmp_path / "sh" / f"model_world_size_2_rank_{r}.pt", weights_only=True) for r in range(2)]
+    assert set(parts[0]) == set(full)
+    for name, value in full.items():
+        assert torch.equal(torch.cat([p[name].to_local() for p in parts]), value), name
+    assert "quantization_config" not in json.loads((tmp_path / "sh" / "huggingface" / "config.json").read_text())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["deq", "sh"]  # the dequantized copy is gone
