@@ -320,6 +320,20 @@ def test_inspect_reports_quantization(fp8_block, tiny):
     assert ckpt_tools.inspect(tiny)["quantization"] is None
 
 
+def test_verify_compares_a_quantized_checkpoint_with_its_dequantized_export(fp8_block, tiny, tmp_path):
+    run("export", fp8_block, tmp_path / "deq", "--dtype", "bf16")
+    report = ckpt_tools.verify(fp8_block, tmp_path / "deq", atol=1e-3)  # bf16's rounding of the exact values
+    assert report["ok"] and report["checked"] == 21 and not report["only_in_a"]
+    assert not ckpt_tools.verify(fp8_block, tmp_path / "deq")["ok"]  # float32 vs bfloat16: a tolerance is needed
+    assert ckpt_tools.verify(fp8_block, tiny, atol=0.01)["ok"]  # the bf16 model it was quantized from
+    other = llama(tmp_path / "other", layers=2)
+    w = load_file(other / "model.safetensors")
+    w["model.layers.1.mlp.up_proj.weight"] = w["model.layers.1.mlp.up_proj.weight"] * 2
+    save_file(w, other / "model.safetensors", metadata={"format": "pt"})
+    out = run("verify", fp8_block, other, "--atol", "0.01", "--json", code=1)
+    assert json.loads(out)["mismatches"] == ["model.layers.1.mlp.up_proj.weight"]
+
+
 # -- bad input ------------------------------------------------------------------------------
 
 def _bad(tmp_path: Path, tensors: dict, config: dict, *args: str) -> str:
