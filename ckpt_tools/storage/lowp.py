@@ -149,16 +149,18 @@ class DequantSpan(CastSpan):
     def nbytes(self) -> int:
         return self.numel * self.dst.itemsize
 
-    def blocks(self, *, elements: int = BLOCK_ELEMENTS) -> Iterator[memoryview]:
-        """The dequantized bytes in order, a few block-rows (or, transposed, one slab) at a time."""
-        import torch
+    def blocks(self, *, elements: int = 1 << 20) -> Iterator[memoryview]:
+        """The dequantized bytes in order, a few block-rows (or, transposed, one slab) at a
+        time, computed with numpy: codes looked up in a table of their 256 byte values, times
+        their scales, rounded once (bits as torch rounds, see :mod:`.castio`)."""
+        import numpy as np
 
         g = self.grid
         path, offset, _ = self.parts[0]
         spath, soffset, _ = self.scale_part
         step = g.rows if g.transposed else max(g.block[0], elements // max(g.cols, 1) // g.block[0] * g.block[0])
         ssize = self.scale_dtype.itemsize
-        code_dtype = torch.uint8 if g.e2m1 else as_torch(self.src)
+        lut = _byte_values("e2m1" if g.e2m1 else str(self.src))
         fds = {p: os.open(p, os.O_RDONLY) for p in {path, spath}}
         try:
             for r0 in range(self.rows[0], self.rows[1], step):
@@ -168,18 +170,67 @@ class DequantSpan(CastSpan):
                 a, b = g.scale_rows(r0, r1)
                 sraw = bytearray((b - a) * g.grid[1] * ssize)
                 _read(fds[spath], memoryview(sraw), soffset + a * g.grid[1] * ssize)
-                codes = torch.frombuffer(raw, dtype=code_dtype).view(r1 - r0, -1) if raw else torch.empty(0, g.row_bytes, dtype=code_dtype)
-                scales = scales_f32(torch.frombuffer(sraw, dtype=as_torch(self.scale_dtype)).view(b - a, g.grid[1]))
-                v = dequant_rows(codes, scales, g, r0)
+                scales = _scales_np(sraw, self.scale_dtype).reshape(b - a, g.grid[1])
+                v = np.take(lut, np.frombuffer(raw, np.uint8), axis=0).reshape(r1 - r0, g.cols)
+                _times_scales(np, v, scales, g, r0)
                 if g.transposed:
-                    v = v.T
-                out = v.to(as_torch(self.dst)).contiguous().reshape(-1).view(torch.uint8).numpy()
-                data = memoryview(out)
+                    v = np.ascontiguousarray(v.T)
+                data = memoryview(_rounded(np, v.reshape(-1), self.dst)).cast("B")
                 for at in range(0, len(data), WRITE_BYTES):
                     yield data[at:at + WRITE_BYTES]
         finally:
             for fd in fds.values():
                 os.close(fd)
+
+
+def _byte_values(codes: str) -> Any:
+    """float32 value of each byte (a float8 code), or the two E2M1 values of each byte, [256, 2]."""
+    import torch
+
+    every = torch.arange(256, dtype=torch.uint8)
+    if codes == "e2m1":
+        return unpack_e2m1(every.view(256, 1)).numpy()
+    return every.view(getattr(torch, codes)).to(torch.float32).numpy()
+
+
+def _scales_np(raw: bytearray, dtype: DType) -> Any:
+    import torch
+
+    if not raw:
+        import numpy as np
+
+        return np.empty(0, np.float32)
+    return scales_f32(torch.frombuffer(raw, dtype=as_torch(dtype))).numpy()
+
+
+def _times_scales(np: Any, v: Any, scales: Any, g: Grid, r0: int) -> None:
+    """``v`` (float32 [n, cols], code rows from ``r0``) times its scales, in place."""
+    n = v.shape[0]
+    r = np.arange(r0, r0 + n)
+    srow = (r // g.rows) * g.grid[0] + (r % g.rows) // g.block[0]
+    s = scales[srow - srow[0]] if n else scales[:0]
+    if g.block[1] * g.grid[1] == g.cols:
+        v.reshape(n, g.grid[1], g.block[1])[...] *= s[:, :, None]
+    else:
+        v *= np.repeat(s, g.block[1], axis=1)[:, :g.cols]
+
+
+def _rounded(np: Any, v: Any, dst: DType) -> Any:
+    """float32 values rounded once to ``dst``, as torch rounds them."""
+    from .castio import _to_bf16_bits
+
+    if dst == "float32":
+        return v
+    if dst == "float16":
+        with np.errstate(over="ignore", invalid="ignore"):
+            return v.astype(np.float16)
+    if dst == "bfloat16":
+        out = np.empty(len(v), np.uint16)
+        _to_bf16_bits(np, v.view(np.uint32), out, (np.empty(len(v), np.uint32), np.empty(len(v), bool)))
+        return out
+    import torch
+
+    return torch.from_numpy(v).to(as_torch(dst)).view(torch.uint8).numpy()
 
 
 # -- quantizing ---------------------------------------------------------------------------
