@@ -179,6 +179,17 @@ def test_quantized_kept_quantized_without_dtype_and_dequantized_later(fp8_block,
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
 
 
+def test_export_without_dtype_keeps_codes_scales_and_config(fp8_block, tmp_path):
+    run("export", fp8_block, tmp_path / "same")
+    src, got = load_file(fp8_block / "model.safetensors"), load_file(tmp_path / "same" / "model.safetensors")
+    assert set(got) == set(src)
+    assert all(got[n].dtype == src[n].dtype and torch.equal(got[n].view(torch.uint8), src[n].view(torch.uint8))
+               for n in src)
+    config = json.loads((tmp_path / "same" / "config.json").read_text())
+    assert config["quantization_config"] == json.loads((fp8_block / "config.json").read_text())["quantization_config"]
+    assert config["dtype"] == "bfloat16"
+
+
 def test_moe_per_expert_fp8_weights_dequantize_per_expert(tmp_path):
     """A DeepSeek-V3-shaped layer: per-expert FP8 weights, each with its scale; the router and
     shared experts' norms unquantized."""

@@ -11,6 +11,7 @@ from typing import Any
 from ..core.describe import Checkpoint, TensorInfo
 from dataclasses import replace
 
+from ..core.dtypes import DType
 from ..core.plan import FileJob, Piece, whole
 from ..engine.execute import execute
 from ..errors import BadInput, UsageError
@@ -36,6 +37,11 @@ def write_hf(ckpt: Checkpoint, src: Path, dst: Path, keep: list[TensorInfo], opt
                                lora_alpha=opts.lora_alpha, base=opts.base,
                                quantized=quantized if cast is not None else None)
     pieces, adapter = plan.pieces, plan.adapter_config is not None
+    if quantized is not None and cast is None and not adapter:
+        # kept quantized: the architecture is asked about the weights the codes stand for
+        view = [whole(quant.target(p.target.source, p.target.name, DType("bfloat16"), quantized))
+                for p in pieces if p.target.source.name not in quantized.dropped]
+        plan.check = lambda: hfnames.check(view, quant.without_quantization(config), src)
     if opts.quantize:
         pieces, config_out = quantize_pieces(pieces, config_out or config, opts.quantize, src)
     if opts.loadable and not single and not adapter:
@@ -49,7 +55,8 @@ def write_hf(ckpt: Checkpoint, src: Path, dst: Path, keep: list[TensorInfo], opt
     else:
         jobs = writer.plan(pieces) if not single else [FileJob(dst.name, tuple(pieces))]
     targets = [p.target for p in pieces]
-    dtypes = {t.dtype for t in targets if t.dtype.is_floating_point and t.computed is None}
+    # a quantized export's dtype is its unquantized tensors' (float8 codes are not what it computes in)
+    dtypes = {t.dtype for t in targets if t.dtype.is_floating_point and not t.dtype.startswith("float8")}
     written = cast or (max(dtypes, key=lambda d: sum(t.numel for t in targets if t.dtype == d)) if dtypes else None)
 
     notes: list[str] = []

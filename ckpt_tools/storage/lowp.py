@@ -22,14 +22,17 @@ this module knows blocks, codes and scales only.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
+from collections import deque
 from collections.abc import Iterator
+from functools import cache
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .castio import BLOCK_ELEMENTS, CastSpan, _read
+from .castio import AHEAD, CastSpan, _read
 from .diskio import WRITE_BYTES
 from ..core.dtypes import DType, as_torch
 
@@ -151,38 +154,57 @@ class DequantSpan(CastSpan):
 
     def blocks(self, *, elements: int = 1 << 20) -> Iterator[memoryview]:
         """The dequantized bytes in order, a few block-rows (or, transposed, one slab) at a
-        time, computed with numpy: codes looked up in a table of their 256 byte values, times
-        their scales, rounded once (bits as torch rounds, see :mod:`.castio`)."""
+        time, computed with numpy (codes looked up in a table of their 256 byte values, times
+        their scales, rounded once, bits as torch rounds them, see :mod:`.castio`) by a small
+        pool that works ``AHEAD`` chunks ahead of the writer (numpy releases the GIL)."""
+        g = self.grid
+        step = g.rows if g.transposed else max(g.block[0], elements // max(g.cols, 1) // g.block[0] * g.block[0])
+        fds = {p: os.open(p, os.O_RDONLY) for p in {self.parts[0][0], self.scale_part[0]}}
+        workers = max(1, min(2, os.cpu_count() or 1))
+        try:
+            with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ckpt-dequant") as pool:
+                starts = iter(range(self.rows[0], self.rows[1], step))
+                pending: deque = deque()
+
+                def submit() -> None:
+                    r0 = next(starts, None)
+                    if r0 is not None:
+                        pending.append(pool.submit(self._rows, fds, r0, min(r0 + step, self.rows[1])))
+
+                for _ in range(AHEAD):
+                    submit()
+                while pending:
+                    data = pending.popleft().result()
+                    submit()
+                    for at in range(0, len(data), WRITE_BYTES):
+                        yield data[at:at + WRITE_BYTES]
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _rows(self, fds: dict, r0: int, r1: int) -> memoryview:
+        """Code rows ``[r0, r1)`` dequantized, as bytes of ``dst``."""
         import numpy as np
 
         g = self.grid
         path, offset, _ = self.parts[0]
         spath, soffset, _ = self.scale_part
-        step = g.rows if g.transposed else max(g.block[0], elements // max(g.cols, 1) // g.block[0] * g.block[0])
         ssize = self.scale_dtype.itemsize
+        raw = bytearray((r1 - r0) * g.row_bytes)
+        _read(fds[path], memoryview(raw), offset + r0 * g.row_bytes)
+        a, b = g.scale_rows(r0, r1)
+        sraw = bytearray((b - a) * g.grid[1] * ssize)
+        _read(fds[spath], memoryview(sraw), soffset + a * g.grid[1] * ssize)
+        scales = _scales_np(sraw, self.scale_dtype).reshape(b - a, g.grid[1])
         lut = _byte_values("e2m1" if g.e2m1 else str(self.src))
-        fds = {p: os.open(p, os.O_RDONLY) for p in {path, spath}}
-        try:
-            for r0 in range(self.rows[0], self.rows[1], step):
-                r1 = min(r0 + step, self.rows[1])
-                raw = bytearray((r1 - r0) * g.row_bytes)
-                _read(fds[path], memoryview(raw), offset + r0 * g.row_bytes)
-                a, b = g.scale_rows(r0, r1)
-                sraw = bytearray((b - a) * g.grid[1] * ssize)
-                _read(fds[spath], memoryview(sraw), soffset + a * g.grid[1] * ssize)
-                scales = _scales_np(sraw, self.scale_dtype).reshape(b - a, g.grid[1])
-                v = np.take(lut, np.frombuffer(raw, np.uint8), axis=0).reshape(r1 - r0, g.cols)
-                _times_scales(np, v, scales, g, r0)
-                if g.transposed:
-                    v = np.ascontiguousarray(v.T)
-                data = memoryview(_rounded(np, v.reshape(-1), self.dst)).cast("B")
-                for at in range(0, len(data), WRITE_BYTES):
-                    yield data[at:at + WRITE_BYTES]
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+        v = np.take(lut, np.frombuffer(raw, np.uint8), axis=0).reshape(r1 - r0, g.cols)
+        _times_scales(np, v, scales, g, r0)
+        if g.transposed:
+            v = np.ascontiguousarray(v.T)
+        return memoryview(_rounded(np, v.reshape(-1), self.dst)).cast("B")
 
 
+@cache
 def _byte_values(codes: str) -> Any:
     """float32 value of each byte (a float8 code), or the two E2M1 values of each byte, [256, 2]."""
     import torch
