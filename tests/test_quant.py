@@ -282,6 +282,43 @@ def test_compressed_tensors_dequantize_with_per_channel_scales(tmp_path, dtype):
     assert (logits(tmp_path / "deq") - source).abs().max() < 0.05 * source.abs().max()
 
 
+@pytest.mark.parametrize("scheme", ["tensor", "block"])
+def test_compressed_tensors_per_tensor_and_block_scales(tmp_path, scheme):
+    torch.manual_seed(4)
+    w = torch.randn(200, 300) * 3
+    if scheme == "tensor":  # FP8: one scale, stored [1]
+        s = (w.abs().max() / 448).reshape(1)
+        q, want = (w / s).clamp(-448, 448).to(FP8), None
+        want = (q.float() * s).to(torch.bfloat16)
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor"}
+    else:  # FP8_BLOCK: a 128x128 grid named by block_structure
+        q, s = block_quantize(w)
+        want = block_dequant(q, s).to(torch.bfloat16)
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block", "block_structure": [128, 128]}
+    config = {"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                      "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}}
+    src = write_hf(tmp_path / "src", {"l.weight": q, "l.weight_scale": s, "l.input_scale": torch.ones(1)}, config)
+    info = ckpt_tools.inspect(src)["quantization"]
+    assert info["scheme"] == {"tensor": "FP8", "block": "FP8_BLOCK"}[scheme] and info["quantized_tensors"] == 1
+    run("convert", src, tmp_path / "out", "--to", "hf", "--dtype", "bf16")
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(got) == {"l.weight"} and torch.equal(got["l.weight"], want)
+
+
+def test_rank_files_of_a_quantized_checkpoint_reshard_and_dequantize(fp8_block, tmp_path):
+    """Codes and scales split across ranks (Shard(0)), resharded, then dequantized from the
+    rank files (values computed from the assembled tensors): the same bits as from the hub files."""
+    run("convert", fp8_block, tmp_path / "w2", "--to", "sharded", "--world-size", "2")
+    run("reshard", tmp_path / "w2", tmp_path / "w3", "--to", "3")
+    run("convert", tmp_path / "w3", tmp_path / "q", "--to", "hf")
+    src, back = load_file(fp8_block / "model.safetensors"), load_file(tmp_path / "q" / "model.safetensors")
+    assert set(back) == set(src) and all(torch.equal(back[n].view(torch.uint8), src[n].view(torch.uint8)) for n in src)
+    run("export", fp8_block, tmp_path / "a", "--dtype", "bf16")
+    run("export", tmp_path / "w3", tmp_path / "b", "--dtype", "bf16", "--base", fp8_block)
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+
 # -- fp8-block out --------------------------------------------------------------------------
 
 def test_fp8_block_export_scales_codes_and_transformers_load(fp8_block, tiny):

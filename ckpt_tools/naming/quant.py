@@ -119,7 +119,7 @@ def _pairs(by_name: dict[str, TensorInfo], suffix: str, where: Any, codes: tuple
     (dtype in ``codes``) must have one."""
     pairs = {}
     for n, t in by_name.items():
-        if n.endswith(suffix):
+        if n.endswith("weight" + suffix):  # activation scales (input_scale, ...) are not weights' scales
             w = n[:-len(suffix)]
             if w not in by_name:
                 raise BadInput(f"{where}: scale {n!r} has no weight {w!r}; the checkpoint is incomplete")
