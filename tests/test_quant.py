@@ -438,3 +438,24 @@ def test_shard_of_a_quantized_model_dequantizes_to_the_configs_dtype(fp8_block, 
         assert torch.equal(torch.cat([p[name].to_local() for p in parts]), value), name
     assert "quantization_config" not in json.loads((tmp_path / "sh" / "huggingface" / "config.json").read_text())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["deq", "sh"]  # the dequantized copy is gone
+
+
+def test_dequantization_memory_stays_flat(tmp_path):
+    """Peak RSS of `convert --dtype bf16` barely moves from a 4 MiB weight to a 48 MiB one (96
+    MiB written): the weight is never materialised whole."""
+    import subprocess
+    import sys
+
+    peaks = []
+    for rows in (512, 6144):
+        src = tmp_path / f"src{rows}"
+        q = torch.randint(0, 0x7F, (rows, 8192), dtype=torch.uint8).view(FP8)
+        write_hf(src, {"l.weight": q, "l.weight_scale_inv": torch.rand(rows // 128, 64)}, FP8_CONFIG)
+        del q
+        code = ("import resource, ckpt_tools; ckpt_tools.convert(%r, %r, to='hf', dtype='bf16', progress=False); "
+                "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)") % (str(src), str(tmp_path / f"out{rows}"))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        peaks.append(int(out.stdout.split()[-1]) * 1024)
+        assert (tmp_path / f"out{rows}" / "model.safetensors").stat().st_size > rows * 8192 * 2
+        shutil.rmtree(src)
+    assert peaks[1] - peaks[0] < 32 << 20, peaks
