@@ -458,4 +458,4 @@ def test_dequantization_memory_stays_flat(tmp_path):
         peaks.append(int(out.stdout.split()[-1]) * 1024)
         assert (tmp_path / f"out{rows}" / "model.safetensors").stat().st_size > rows * 8192 * 2
         shutil.rmtree(src)
-    assert peaks[1] - peaks[0] < 32 << 20, peaks
+    assert peaks[1] - peaks[0] < 64 << 20, peaks  # whole, the float32 values alone would be 192 MiB
