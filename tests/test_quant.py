@@ -131,6 +131,19 @@ def test_block_fp8_partial_blocks_dequantize_bit_equal_to_the_formula(tmp_path, 
     assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["layer.weight"], got["layer.weight"])
 
 
+def test_block_fp8_with_e8m0_scales(tmp_path):
+    """DeepSeek-V3.1-style ue8m0 scales stored as float8_e8m0fnu (F8_E8M0): 2 ** (e - 127)."""
+    torch.manual_seed(5)
+    q, s = block_quantize(torch.randn(256, 384), ue8m0=True)
+    e8 = s.to(torch.float8_e8m0fnu)
+    assert torch.equal(e8.float(), s)  # powers of two: exact
+    cfg = {"quantization_config": {**FP8_CONFIG["quantization_config"], "scale_fmt": "ue8m0"}}
+    src = write_hf(tmp_path / "src", {"l.weight": q, "l.weight_scale_inv": e8}, cfg)
+    run("convert", src, tmp_path / "out", "--to", "hf", "--dtype", "bf16")
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert torch.equal(got["l.weight"], block_dequant(q, s).to(torch.bfloat16))
+
+
 def test_block_fp8_export_bf16_equals_transformers_dequantization_and_loads(fp8_block, tiny, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -106,8 +106,9 @@ def _grid(weight: TensorInfo, scale: TensorInfo, block: tuple[int, int], where: 
     return g
 
 
-def _scaled(weight: TensorInfo, scale: TensorInfo, g: Grid, name: str, shape: tuple[int, ...]) -> tuple[str, Computed]:
-    return name, Computed("dequant", shape, (scale,), (("grid", g),))
+def _dequant(shape: tuple[int, ...], scale: TensorInfo, g: Grid) -> Computed:
+    """The computation of a weight of ``shape`` from its codes and ``scale`` laid out by ``g``."""
+    return Computed("dequant", shape, (scale,), (("grid", g),))
 
 
 def _dropped(by_name: dict[str, TensorInfo]) -> set[str]:
@@ -141,7 +142,7 @@ def _block_fp8(by_name: dict[str, TensorInfo], q: dict, where: Any) -> Quantized
         if t.dtype not in FP8 or len(t.shape) < 2:
             raise BadInput(f"{where}: tensor {w!r} has a scale but is {t.dtype} {list(t.shape)}, not float8 codes")
         block = tuple(size) if size else tuple(t.shape[-2:])  # no block size: one scale per tensor
-        weights[w] = _scaled(t, s, _grid(t, s, block, where), w, t.shape)
+        weights[w] = (w, _dequant(t.shape, s, _grid(t, s, block, where)))
     detail = {"block_size": list(size) if size else None}
     if q.get("scale_fmt"):
         detail["scale_fmt"] = q["scale_fmt"]
@@ -187,9 +188,8 @@ def _compressed_tensors(by_name: dict[str, TensorInfo], q: dict, where: Any) -> 
             raise BadInput(f"{where}: scale {s.name!r} of shape {list(s.shape)} is neither per tensor, per channel nor "
                            f"a block grid named by quantization_config (weight {w!r} is {list(t.shape)})")
         schemes.add(scheme)
-        weights[w] = _scaled(t, s, _grid(t, s_view, block, where), w, t.shape)
-        if s_view is not s:  # the scale's bytes are the same, seen as [1, 1]
-            weights[w] = (w, Computed("dequant", t.shape, (s_view,), weights[w][1].params))
+        # a per-tensor scale is read as a [1, 1] grid (the same bytes)
+        weights[w] = (w, _dequant(t.shape, s_view, _grid(t, s_view, block, where)))
     detail = {"scheme": {"tensor": "FP8", "channel": "FP8_DYNAMIC", "block": "FP8_BLOCK"}[schemes.pop()]
               if len(schemes) == 1 else sorted(schemes) or None}
     if blocks:
@@ -219,7 +219,7 @@ def _mxfp4(by_name: dict[str, TensorInfo], where: Any) -> Quantized:
                            f"{list(s.shape)}; MXFP4 experts are uint8 [experts, rows, groups, 16] + uint8 scales")
         g = _grid(t, s, (1, 32), where, e2m1=True, transposed=True)
         e, rows = t.shape[0], t.shape[1]
-        weights[n] = (w, Computed("dequant", (e, g.cols, rows), (s,), (("grid", g),)))
+        weights[n] = (w, _dequant((e, g.cols, rows), s, g))
         dropped.add(w + "_scales")
     orphans = [n for n in by_name if n.endswith("_scales") and n not in dropped]
     if orphans:
