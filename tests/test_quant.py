@@ -258,6 +258,12 @@ def test_mxfp4_experts_dequantize_as_transformers_does_and_load(tmp_path):
     assert not [n for n in got if n.endswith(("_blocks", "_scales"))]
     reference = logits(src, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16)
     assert torch.equal(logits(tmp_path / "deq"), reference)
+    # rank files: 4 experts over 3 ranks (2, 2, 0), each rank's experts dequantized and transposed
+    import torch.distributed.tensor  # noqa: F401  (rank files hold DTensors)
+
+    run("convert", src, tmp_path / "sh", "--to", "sharded", "--world-size", "3", "--dtype", "bf16")
+    parts = [torch.load(tmp_path / "sh" / f"model_world_size_3_rank_{r}.pt", weights_only=True) for r in range(3)]
+    assert all(torch.equal(torch.cat([p[n].to_local() for p in parts]), v) for n, v in got.items())
 
 
 # -- compressed-tensors FP8 in / fp8-dynamic out --------------------------------------------
