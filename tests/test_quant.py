@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.tensor  # noqa: F401  (rank files hold DTensors: torch.load needs the class)
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
@@ -162,8 +163,6 @@ def test_block_fp8_export_bf16_equals_transformers_dequantization_and_loads(fp8_
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_block_fp8_to_rank_files_dequantizes_each_ranks_rows(fp8_block, tmp_path, world_size):
     """Shard(0) rows that do not start on a block boundary (3 ranks of 128 rows: 43, 43, 42)."""
-    import torch.distributed.tensor  # noqa: F401  (rank files hold DTensors)
-
     run("export", fp8_block, tmp_path / "deq", "--dtype", "bf16")
     full = load_file(tmp_path / "deq" / "model.safetensors")
     run("convert", fp8_block, tmp_path / "sh", "--to", "sharded", "--world-size", world_size, "--dtype", "bf16")
@@ -259,8 +258,6 @@ def test_mxfp4_experts_dequantize_as_transformers_does_and_load(tmp_path):
     reference = logits(src, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16)
     assert torch.equal(logits(tmp_path / "deq"), reference)
     # rank files: 4 experts over 3 ranks (2, 2, 0), each rank's experts dequantized and transposed
-    import torch.distributed.tensor  # noqa: F401  (rank files hold DTensors)
-
     run("convert", src, tmp_path / "sh", "--to", "sharded", "--world-size", "3", "--dtype", "bf16")
     parts = [torch.load(tmp_path / "sh" / f"model_world_size_3_rank_{r}.pt", weights_only=True) for r in range(3)]
     assert all(torch.equal(torch.cat([p[n].to_local() for p in parts]), v) for n, v in got.items())
@@ -446,8 +443,6 @@ def test_quantize_of_a_quantized_source_is_a_usage_error(fp8_block, tmp_path):
 
 
 def test_shard_of_a_quantized_model_dequantizes_to_the_configs_dtype(fp8_block, tmp_path):
-    import torch.distributed.tensor  # noqa: F401  (rank files hold DTensors)
-
     run("export", fp8_block, tmp_path / "deq", "--dtype", "bf16")
     full = load_file(tmp_path / "deq" / "model.safetensors")
     ckpt_tools.shard(str(fp8_block), tmp_path / "sh", ranks=2, progress=False)
