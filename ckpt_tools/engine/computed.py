@@ -44,7 +44,7 @@ def values(reader: Reader, piece: Piece, *, spans: bool = False) -> torch.Tensor
     c = piece.target.computed
     if c.op == "dequant":
         return _dequant(reader, piece, c, spans)
-    src = reader.full(piece.target.source)
+    src = _whole(reader, piece.target.source)
     fp8 = c.param("fp8", "float8_e4m3fn")
     if c.op in ("quant_block_codes", "quant_block_scale"):
         codes, scale = lowp.quantize_block(src, tuple(c.param("block")), fp8, scales_only=c.op.endswith("scale"))
@@ -59,6 +59,13 @@ def values(reader: Reader, piece: Piece, *, spans: bool = False) -> torch.Tensor
     return out.contiguous()
 
 
+def _whole(reader: Reader, t) -> torch.Tensor:
+    """A whole tensor: a view of the mapped file when one stored chunk is all of it (no copy)."""
+    if len(t.chunks) == 1 and tuple(t.chunks[0].sizes) == tuple(t.shape):
+        return reader.chunk(t, t.chunks[0])
+    return reader.full(t)
+
+
 def _dequant(reader: Reader, piece: Piece, c: Computed, spans: bool) -> torch.Tensor | lowp.DequantSpan:
     g = grid_of(c)
     codes_t, scale_t = piece.target.source, c.inputs[0]
@@ -70,9 +77,9 @@ def _dequant(reader: Reader, piece: Piece, c: Computed, spans: bool) -> torch.Te
             return lowp.DequantSpan((code_span,), codes_t.dtype, piece.target.dtype, scale_span, scale_t.dtype,
                                     g, (r0, r1))
     if g.transposed:
-        out = lowp.dequantize(reader.full(codes_t), reader.full(scale_t), g, piece.target.dtype,
+        out = lowp.dequantize(_whole(reader, codes_t), _whole(reader, scale_t), g, piece.target.dtype,
                               (r0 // g.rows, r1 // g.rows))
     else:
-        full = lowp.dequantize(reader.full(codes_t), reader.full(scale_t), g, piece.target.dtype)
+        full = lowp.dequantize(_whole(reader, codes_t), _whole(reader, scale_t), g, piece.target.dtype)
         out = full.reshape(g.lead * g.rows, g.cols)[r0:r1]
     return out.reshape(piece.sizes)
