@@ -192,13 +192,16 @@ def convert_cmd(src, dst, to, world_size, dtype, max_shard_size, model_only, bas
               help="PEFT LoRA: fold it into the base weights, or write a PEFT adapter directory.")
 @click.option("--lora-alpha", type=float, help="LoRA alpha, when the checkpoint has no adapter_config.json / "
               "lora_train_meta.json.")
+@click.option("--quantize", type=click.Choice(["fp8-block", "fp8-dynamic"]),
+              help="Write the linear weights as FP8 for serving: fp8-block (DeepSeek/Qwen 128x128 blocks, "
+              "*_scale_inv) or fp8-dynamic (compressed-tensors FP8_DYNAMIC, per-channel weight_scale).")
 @_OVERWRITE
 @command
 @writes
-def export_cmd(src, dst, base, dtype, max_shard_size, lora, lora_alpha, overwrite, progress, dry_run):
+def export_cmd(src, dst, base, dtype, max_shard_size, lora, lora_alpha, quantize, overwrite, progress, dry_run):
     """Export SRC as a Hugging Face directory (safetensors, config, tokenizer) at DST."""
     return ckpt_tools.export(src, dst, base=base, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
-                             progress=progress, lora=lora, lora_alpha=lora_alpha, dry_run=dry_run)
+                             progress=progress, lora=lora, lora_alpha=lora_alpha, quantize=quantize, dry_run=dry_run)
 
 
 @main.command("reshard", short_help="Reshard a training checkpoint to another number of ranks.")

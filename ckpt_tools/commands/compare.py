@@ -13,16 +13,19 @@ it too: the comparison then needs nothing from the command that calls it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..core.describe import Checkpoint, Chunk, Location, TensorInfo, dtype_name
-from ..core.dtypes import as_torch
+from ..core.dtypes import DType, as_torch
+from ..core.plan import Target, whole
+from ..engine import computed
 from ..engine.stream import progress_bar
 from ..engine.reader import Reader
 from ..errors import BadInput, UnsafeInput
 from ..hf import archcheck, assets as hfassets
+from ..naming import quant
 from ..naming.wrappers import normalize_name
 
 if TYPE_CHECKING:
@@ -81,11 +84,16 @@ def compare(ca: Checkpoint, cb: Checkpoint, found: Findings, *, atol: float, rto
     """Compare every tensor ``ca`` and ``cb`` share into ``found``; the names only ``ca`` and
     only ``cb`` hold. Bit for bit unless ``atol``/``rtol`` is given; an unreadable tensor is a
     difference (see :meth:`Findings.tolerate`), never an exception."""
+    views_a, views_b = _dequantized_views(ca, found), _dequantized_views(cb, found)
+    if views_a and views_b:  # both quantized: their codes and scales are compared as stored
+        views_a, views_b = {}, {}
+    ra_ckpt, rb_ckpt = ca, cb
+    ca, cb = _with_views(ca, views_a), _with_views(cb, views_b)
     pairs, only_a, only_b = _pairs(ca, cb, found)
     tolerant = atol > 0 or rtol > 0
     total = sum(ta.nbytes for _, ta, _ in pairs)
-    with Reader(ca) as ra, Reader(cb) as rb, progress_bar(total, "comparing", progress) as bar:
-        sa, sb = _Side(ra), _Side(rb)
+    with Reader(ra_ckpt) as ra, Reader(rb_ckpt) as rb, progress_bar(total, "comparing", progress) as bar:
+        sa, sb = _Side(ra, views_a), _Side(rb, views_b)
         for name, ta, tb in pairs:
             found.checked += 1
             try:
@@ -102,8 +110,9 @@ class _Side:
     """Reads rows of a logical tensor from one checkpoint, keeping the last chunk read (a DCP
     item is unpickled once, not once per block)."""
 
-    def __init__(self, reader: Reader) -> None:
+    def __init__(self, reader: Reader, views: dict | None = None) -> None:
         self.reader = reader
+        self.views = views or {}  # name -> (view, quantized weight, its dequantization): values computed
         self._last: tuple[tuple[str, str], Chunk, torch.Tensor] | None = None
         self._spans: dict[int, tuple[Chunk, tuple | None]] = {}  # chunk (kept alive) -> its byte range
 
@@ -117,6 +126,8 @@ class _Side:
     def raw_rows(self, t: TensorInfo, start: int, stop: int) -> memoryview | None:
         """The stored bytes of rows ``[start, stop)`` when one chunk holds them as a plain byte
         range (a view of the mapped file, no torch); else None."""
+        if t.name in self.views:
+            return None
         for c in t.chunks:
             if t.shape and not (c.offsets[0] <= start and stop <= c.offsets[0] + c.sizes[0]
                                 and c.sizes[1:] == t.shape[1:]):
@@ -135,6 +146,10 @@ class _Side:
         """Rows ``[start, stop)`` of ``t`` (the whole of a 0-d tensor)."""
         import torch
 
+        if t.name in self.views:  # a quantized weight, dequantized to float32 (whole, kept for its next rows)
+            if self._last is None or self._last[0] != t.key or self._last[1] is not None:
+                self._last = (t.key, None, dequantized_values(self.reader, *self.views[t.name][1:]))
+            return self._last[2].narrow(0, start, stop - start)
         if not t.shape:
             return self.chunk(t, t.chunks[0])
         for c in t.chunks:  # one chunk holds them all: a view, no copy
@@ -180,6 +195,49 @@ def _equal_bytes(a: memoryview, b: memoryview, step: int = 1 << 20) -> bool:
         return all(np.array_equal(xa[i:i + n], xb[i:i + n]) for i in range(0, len(xa), n))
     finally:
         del xa, xb  # the views must go before the caller releases the mapped buffers
+
+
+def _dequantized_views(ckpt: Checkpoint, found: Findings) -> dict:
+    """A quantized HF checkpoint's weights as their dequantized values (float32 views, by the
+    name a dequantized export writes), so that it compares with its dequantized export within a
+    tolerance; {} for any other checkpoint (or one ckpt cannot dequantize: compared as stored)."""
+    if ckpt.format != "hf":
+        return {}
+    try:
+        config = hfassets.read_config(hfassets.find_assets(ckpt.root, None))
+    except BadInput:  # an unreadable config: the tensors are compared as stored
+        return {}
+    if quant.config_of(config) is None:
+        return {}
+    try:
+        q = quant.find(list(ckpt.tensors), config, ckpt.root)
+    except BadInput as e:
+        found.notes.append(f"compared as stored, not dequantized: {e}")
+        return {}
+    views = {}
+    for t in ckpt.tensors:
+        if t.name in q.weights:
+            name, comp = q.weights[t.name]
+            view = replace(t, name=name, shape=comp.shape, dtype=DType("float32"),
+                           chunks=(Chunk((0,) * len(comp.shape), comp.shape, t.chunks[0].location),))
+            views[name] = (view, t, comp)
+    views[None] = q.dropped  # type: ignore[index]
+    found.notes.append(f"{ckpt.root} is quantized ({q.method}): its weights compared dequantized, in float32")
+    return views
+
+
+def _with_views(ckpt: Checkpoint, views: dict) -> Checkpoint:
+    if not views:
+        return ckpt
+    originals = {v[1].name for k, v in views.items() if k is not None}
+    tensors = [t for t in ckpt.tensors if t.name not in views[None] and t.name not in originals]
+    return replace(ckpt, tensors=tuple(tensors) + tuple(v[0] for k, v in views.items() if k is not None))
+
+
+def dequantized_values(reader: Reader, weight: TensorInfo, comp) -> torch.Tensor:
+    """The float32 values of a quantized weight (its dequantization computed whole)."""
+    target = Target(weight, weight.group, weight.name, DType("float32"), computed=comp)
+    return computed.values(reader, whole(target))
 
 
 def _keyed(ckpt: Checkpoint, hf_mode: bool, found: Findings) -> dict[tuple[str, str], TensorInfo]:

@@ -22,7 +22,7 @@ from ..engine.reader import Reader
 from ..errors import BadInput, UsageError
 from ..formats import deepspeedwrite, writers
 from ..layouts import describe
-from ..naming import experts
+from ..naming import experts, quant
 from ..hf import assets as hfassets
 from ..runtime import env
 from ..storage.atomic import check_destination
@@ -102,7 +102,12 @@ def _run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) ->
     report: dict[str, Any] = {"src": str(src), "dst": str(dst), "format": opts.to, "world_size": ws if ranked else None}
     if ckpt.format == "hf" and ranked and out_layout is None:  # hub layout -> the training model's names
         keep = experts.model_tensors(ckpt, keep, hfassets.read_config(hfassets.find_assets(src, opts.base)), src)
-    targets = targets_from(keep, dtype=opts.cast)
+    quantized = quant.find(keep, hfassets.read_config(hfassets.find_assets(src, opts.base)), src) if opts.cast else None
+    if quantized is not None:  # --dtype dequantizes: weights computed from codes and scales, scales left out
+        keep = [t for t in keep if t.name not in quantized.dropped]
+        targets = [quant.target(t, t.name, opts.cast, quantized) for t in keep]
+    else:
+        targets = targets_from(keep, dtype=opts.cast)
 
     carry = None
     if opts.to == ckpt.format and ranked and not opts.model_only and opts.layout is None:
@@ -147,6 +152,9 @@ def _run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) ->
             if assets is not None:
                 (tmp / "huggingface").mkdir()
                 hfassets.copy_assets(assets, tmp / "huggingface", dtype=None)
+                if quantized is not None and (tmp / "huggingface" / "config.json").is_file():
+                    hfassets.rewrite_config(tmp / "huggingface" / "config.json",
+                                            quant.without_quantization(hfassets.read_config(assets)))
     else:
         after = None
 
@@ -197,7 +205,8 @@ def _write_deepspeed(ckpt: Checkpoint, src: Path, dst: Path, opts: Options) -> d
 @accepts_urls(dest="dst")
 def export(src: str | Path, dst: str | Path, *, base: str | None = None, dtype: str | None = None,
            max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = True,
-           lora: str = "merge", lora_alpha: float | None = None, dry_run: bool = False) -> dict[str, Any]:
+           lora: str = "merge", lora_alpha: float | None = None, quantize: str | None = None,
+           dry_run: bool = False) -> dict[str, Any]:
     """Export ``src`` as an HF directory ready for ``from_pretrained`` and serving: weights
     under the names of the architecture in config.json (wrapper prefixes removed, torchtitan
     names mapped, tied weights once; checked against that architecture before anything is
@@ -212,12 +221,15 @@ def export(src: str | Path, dst: str | Path, *, base: str | None = None, dtype: 
 
     ``dry_run``: plan (and check the names against the architecture) only; nothing is written.
     Returns the report :func:`convert` returns (``ckpt export --json``).
+    Quantized sources (block FP8, MXFP4, compressed-tensors FP8): ``dtype`` dequantizes (see
+    docs/quantization.md); without it they stay quantized. ``quantize`` ("fp8-block",
+    "fp8-dynamic") writes the linear weights as FP8 codes + scales for serving.
 
     Example: ``ckpt_tools.export("ckpt/global_step_500/actor", "hf_out", dtype="bf16")``
     """
     opts = Options(to="hf", dtype=dtype, max_shard_size=max_shard_size, model_only=True, base=base,
                    overwrite=overwrite, progress=progress, lora=lora, lora_alpha=lora_alpha, loadable=True,
-                   dry_run=dry_run)
+                   quantize=quantize, dry_run=dry_run)
     return run(Path(src), Path(dst), opts)
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from ..core.describe import GROUPS, Checkpoint, dtype_name
 from ..layouts import describe, layout_of
-from ..naming import experts, lora
+from ..hf import assets as hfassets
+from ..naming import experts, lora, quant
 from ..naming.wrappers import normalize_name
 from ..engine.reader import Reader
 from .latest import holds_checkpoints, run_listing
@@ -57,6 +58,7 @@ def summarize(ckpt: Checkpoint, *, tensors: bool = False) -> dict[str, Any]:
     model = {t.name: t.shape for t in ckpt.group("model")}
     out["params"] = sum(math.prod(s) for s in model.values())
     out["moe"] = experts.summary({normalize_name(n): s for n, s in model.items()})
+    out["quantization"] = quant.summary(list(ckpt.tensors), _config(ckpt), ckpt.root)
     if ckpt.details.get("fsdp"):
         out["fsdp"] = ckpt.details["fsdp"]
     out.update(layout_of(ckpt).to_json())
@@ -77,6 +79,14 @@ def summarize(ckpt: Checkpoint, *, tensors: bool = False) -> dict[str, Any]:
         out["tensors"] = [{"name": t.name, "group": t.group, "shape": list(t.shape), "dtype": dtype_name(t.dtype)}
                           for t in ckpt.tensors]
     return out
+
+
+def _config(ckpt: Checkpoint) -> dict:
+    """The config.json beside the checkpoint (or in its huggingface/ folder), {} without one."""
+    try:
+        return hfassets.read_config(hfassets.find_assets(ckpt.root, None))
+    except Exception:  # an unreadable config is not this report's to refuse
+        return {}
 
 
 def _optimizer(ckpt: Checkpoint) -> dict[str, Any]:
@@ -133,6 +143,12 @@ def format_summary(info: dict[str, Any]) -> str:
                      + ("; adapter weights only (no base model)" if lo["adapter_only"] else ""))
     if info.get("moe"):
         lines.append(f"  experts     {info['moe']['num_experts']} routed, {info['moe']['layout'].replace('_', '-')} layout")
+    if info.get("quantization"):
+        q = info["quantization"]
+        how = q.get("block_size") or q.get("scheme")
+        lines.append(f"  quantized   {q['method']}" + (f" {how}" if how else "")
+                     + (f", {q['quantized_tensors']} weights" if q.get("quantized_tensors") is not None else "")
+                     + (f" (cannot be dequantized: {q['error']})" if q.get("error") else ""))
     if info.get("bytes_per_rank"):
         b = info["bytes_per_rank"]
         lines.append(f"  per rank    {human_bytes(min(b))} .. {human_bytes(max(b))} of tensors")

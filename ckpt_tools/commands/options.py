@@ -11,6 +11,7 @@ from ..core.state import RANK_LOCAL_POLICIES
 from ..errors import UsageError
 from ..formats import FORMATS
 from ..naming.lora import MODES as LORA_MODES
+from ..naming.quant import QUANTIZE
 from ..runtime import env
 
 DTYPES = {"bf16": DType("bfloat16"), "fp16": DType("float16"), "fp32": DType("float32")}
@@ -38,6 +39,8 @@ class Options:
     # or nothing is written; ``convert --to hf`` writes the weights alone when there is no config
     loadable: bool = False
     dry_run: bool = False  # plan only: nothing written, DST not created
+    # ``export --quantize``: fp8-block or fp8-dynamic codes + scales for the linear weights
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         if self.to not in FORMATS:
@@ -51,6 +54,8 @@ class Options:
             raise UsageError(f"--workers must be at least 1, not {self.workers}")
         if self.rank_local not in RANK_LOCAL_POLICIES:
             raise UsageError(f"--rank-local must be one of {', '.join(RANK_LOCAL_POLICIES)}, not {self.rank_local!r}")
+        if self.quantize is not None and (self.quantize not in QUANTIZE or self.to != "hf"):
+            raise UsageError(f"--quantize must be one of {', '.join(QUANTIZE)} (export only), not {self.quantize!r}")
         if self.lora is not None and self.lora not in LORA_MODES:
             raise UsageError(f"--lora must be one of {', '.join(LORA_MODES)}, not {self.lora!r}")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import shutil
 from collections import Counter
 from dataclasses import replace
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,13 @@ from ..hf import archcheck
 from ..formats.sharded import CONFIG_NAME, file_name
 from ..hf import assets as hfassets
 from ..hf.assets import ASSET_PATTERNS, asset_names
+from ..naming import quant
 from ..hf.hub import resolve_model_dir
 from ..hf.models import model_class
 from ..naming import experts
 from ..runtime import env, launch
 from ..storage import atomic, manifest
+from .convert import export
 from .options import note
 from .report import files_report, finish, recording_notes
 from .urls import accepts_urls
@@ -93,6 +96,19 @@ def _shard(model: str, dst: str | Path, *, ranks: int, format: str, device: str,
         check_destination(dst, overwrite)
     model_dir = fetch_model(model)
     atomic.check_destination(model_dir, dst, overwrite=overwrite)
+    plain = None if dry_run else dequantized(model_dir, dst, talk)  # a quantized model: its dequantized copy
+    try:
+        return _shard_dir(plain / "model" if plain else model_dir, dst, ranks=ranks, format=format, device=device,
+                          mixed_precision=mixed_precision, cpu_offload=cpu_offload, with_optimizer=with_optimizer,
+                          overwrite=overwrite, check=check, progress=progress, talk=talk, dry_run=dry_run)
+    finally:
+        if plain is not None:
+            shutil.rmtree(plain, ignore_errors=True)
+
+
+def _shard_dir(model_dir: Path, dst: Path, *, ranks: int, format: str, device: str, mixed_precision: str | None,
+               cpu_offload: bool, with_optimizer: str | None, overwrite: bool, check: bool, progress: bool,
+               talk: bool, dry_run: bool) -> dict[str, Any]:
     sources = training_names(model_dir, read_sources(model_dir))
     config = load_config(model_dir)
     ignored = ignored_on_load(model_dir, config, sources)
@@ -155,6 +171,27 @@ def _plan(meta_model, model_dir: Path, dst: Path, ranks: int, format: str, with_
     return {"world_size": ranks, "num_tensors": len(dtypes), "total_bytes": sum(b for _, _, b in dtypes),
             "dtypes": dict(sorted(counts.items())), "dtype": numel.most_common(1)[0][0] if numel else None,
             "_files": files, "_extra": extra}
+def dequantized(model_dir: Path, dst: Path, talk: bool) -> Path | None:
+    """A quantized model (block FP8, MXFP4, compressed-tensors FP8) dequantized to its config's
+    dtype (bfloat16 when it names none) into ``model/`` of a temporary folder beside ``dst``
+    (returned; removed once the ranks are done), which the ranks then read as any model; None
+    for a model that is not quantized."""
+    config = hfassets.read_config(model_dir)
+    if quant.config_of(config) is None:
+        return None
+    if not launch.will_spawn():
+        raise BadInput(f"{model_dir}: is quantized ({quant.config_of(config).get('quant_method')}); under torchrun "
+                       "dequantize it first (ckpt export MODEL DIR --dtype bf16) and shard DIR")
+    name = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").removeprefix("torch.")
+    dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(name, "bf16")
+    stage(talk, f"dequantizing {model_dir} to {name} (beside {dst.name})")
+    out = Path(tempfile.mkdtemp(prefix=f".{dst.name}.dequantized-", dir=dst.parent)) / "model"
+    try:
+        export(model_dir, out, dtype=dtype, progress=talk)
+    except BaseException:
+        shutil.rmtree(out.parent, ignore_errors=True)
+        raise
+    return out.parent
 
 
 def _check_options(ranks: int, format: str, mixed_precision: str | None, with_optimizer: str | None) -> None:

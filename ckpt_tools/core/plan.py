@@ -21,8 +21,26 @@ from ..errors import BadInput
 
 
 @dataclass(frozen=True)
+class Computed:
+    """A target whose values are computed from its source and ``inputs`` rather than copied:
+    ``op`` names the computation (:data:`ckpt_tools.engine.computed.OPS`: a quantized weight
+    dequantized with its scales, a weight quantized), ``params`` its settings as ``(key, value)``
+    pairs, ``shape`` the result's shape. The plan stays data; the arithmetic lives with the
+    engine's storage."""
+
+    op: str
+    shape: tuple[int, ...]
+    inputs: tuple[TensorInfo, ...] = ()
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def param(self, key: str, default: Any = None) -> Any:
+        return dict(self.params).get(key, default)
+
+
+@dataclass(frozen=True)
 class Target:
-    """A destination tensor: read from ``source``, written as ``group``/``name`` in ``dtype``."""
+    """A destination tensor: read from ``source`` (or computed from it, ``computed``), written
+    as ``group``/``name`` in ``dtype``."""
 
     source: TensorInfo
     group: str
@@ -30,10 +48,18 @@ class Target:
     dtype: DType
     param: str | None = None
     state: str | None = None
+    computed: Computed | None = None
+
+    def __post_init__(self) -> None:
+        # float8 values are codes of a scaled weight: cast alone they are wrong weights
+        if (self.computed is None and self.dtype != self.source.dtype and self.source.dtype.startswith("float8")):
+            raise BadInput(f"tensor {self.source.name!r} is {self.source.dtype}: its values are scaled codes, and "
+                           f"casting them to {self.dtype} without their scales would write wrong weights; "
+                           "a quantized Hugging Face checkpoint needs its config.json (quantization_config)")
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.source.shape
+        return self.computed.shape if self.computed is not None else self.source.shape
 
     @property
     def numel(self) -> int:
@@ -121,8 +147,14 @@ def targets_from(tensors: Iterable[TensorInfo], *, dtype: DType | None = None,
 def piece(target: Target, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Piece:
     """Plan the copies that fill ``offsets``/``sizes`` of ``target`` from its source chunks.
 
-    Identical chunks (replicas on several ranks) are read once, from the first.
+    Identical chunks (replicas on several ranks) are read once, from the first. A computed
+    target reads its inputs whole (its copies name every chunk, for a reader that fetches them).
     """
+    if target.computed is not None:
+        reads = [(target.source, c) for c in target.source.chunks]
+        reads += [(t, c) for t in target.computed.inputs for c in t.chunks]
+        return Piece(target, tuple(offsets), tuple(sizes),
+                     tuple(Copy(c, (0,) * len(c.sizes), (0,) * len(c.sizes), c.sizes) for _, c in reads))
     copies = []
     remaining = math.prod(sizes)
     seen = set()

@@ -23,6 +23,7 @@ from ..core.plan import FileJob, Piece, Span
 from ..errors import BadInput
 from ..storage import manifest
 from ..storage.castio import CastSpan
+from . import computed
 from .fetch import Ahead
 from .reader import Reader
 
@@ -61,7 +62,7 @@ def spans_of(reader: Reader, piece: Piece, *, casts: bool = False) -> Span | Cas
     ``casts``, else None."""
     target = piece.target
     cast = target.dtype != target.source.dtype
-    if piece.add is not None or (cast and not casts):
+    if piece.add is not None or target.computed is not None or (cast and not casts):
         return None
     row = math.prod(piece.sizes[1:]) * target.source.dtype.itemsize
     parts = []
@@ -88,6 +89,8 @@ def materialize(reader: Reader, piece: Piece, *, spans: bool = False,
     when they can be copied straight from the source files; with ``casts`` too, where they lie
     when they are to be cast block by block as they are written)."""
     target = piece.target
+    if target.computed is not None:
+        return computed.values(reader, piece, spans=spans and casts)
     if piece.add is not None:
         return _plus_low_rank(reader, piece)
     if spans:

@@ -29,7 +29,7 @@ DTYPES: dict[str, DType] = {code: DType(name) for code, name in {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
     "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64",
-    "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
     "C64": "complex64",
 }.items()}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}

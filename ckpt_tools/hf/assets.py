@@ -78,6 +78,17 @@ def copy_assets(assets: Path | None, out: Path, *, dtype: str | None) -> list[st
     return copied
 
 
+def rewrite_config(path: Path, config: dict) -> None:
+    """Write ``config`` at ``path`` (copied there by :func:`copy_assets`), keeping the dtype
+    fields that copy set."""
+    written = json.loads(path.read_text())
+    new = dict(config)
+    for key in ("dtype", "torch_dtype"):
+        if key in written:
+            new[key] = written[key]
+    path.write_text(json.dumps(new, indent=2, sort_keys=True) + "\n")
+
+
 def tied(config: dict) -> bool:
     """Whether the config ties the output projection to the input embedding."""
     value = config.get("tie_word_embeddings")

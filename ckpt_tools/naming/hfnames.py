@@ -31,7 +31,7 @@ from ..formats import describe
 from ..hf import archcheck, assets as hfassets
 from ..hf.hub import resolve_model_dir
 from ..runtime import env
-from . import experts, lora as peft_lora, megatron, torchtitan
+from . import experts, lora as peft_lora, megatron, quant, torchtitan
 from .wrappers import normalize_name
 
 
@@ -51,16 +51,20 @@ class ExportPlan:
     asks_transformers: bool = False  # whether ``check`` builds the architecture (imports torch)
 
 
-def target(t: TensorInfo, name: str, cast: DType | None) -> Target:
+def target(t: TensorInfo, name: str, cast: DType | None, q: quant.Quantized | None = None) -> Target:
+    if q is not None and cast is not None:
+        return quant.target(t, name, cast, q)
     dtype = cast if cast is not None and t.dtype.is_floating_point and t.state != "step" else t.dtype
     return Target(t, t.group, name, dtype, t.param, t.state)
 
 
 def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DType | None, config: dict,
-                lora: str | None = None, lora_alpha: float | None = None, base: str | None = None) -> ExportPlan:
+                lora: str | None = None, lora_alpha: float | None = None, base: str | None = None,
+                quantized: quant.Quantized | None = None) -> ExportPlan:
     """Plan an HF export of ``keep`` (the model tensors of ``ckpt``); see the module docstring.
 
-    ``lora``: ``"merge"`` (default) or ``"adapter"``. Raises BadInput (exit 3) for names the
+    ``lora``: ``"merge"`` (default) or ``"adapter"``. ``quantized``: the source's quantization,
+    whose weights are dequantized to ``cast``. Raises BadInput (exit 3) for names the
     architecture would not load, LoRA without a known alpha, adapter-only weights without ``base``.
     """
 
@@ -94,7 +98,7 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
             ckpt, base_tensors = _with_base_weights(ckpt, base)
         pieces = []
         for n, t, tgt in peft_lora.merge_plan(found, names, src, base_tensors):
-            p = whole(target(t, n, cast))
+            p = whole(target(t, n, cast, quantized))
             pieces.append(replace(p, add=LowRank(tgt.a, tgt.b, found.scale(tgt), tgt.embedding)) if tgt else p)
         merged = {p.target.name: p.target.source for p in pieces}
         if experts.hub_tensors(ckpt, merged, config, src) is not merged:
@@ -104,7 +108,7 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
         names = experts.hub_tensors(ckpt, names, config, src)  # MoE: the layout save_pretrained writes
         if torchtitan.detect(names):
             names = torchtitan.split_experts(ckpt, names, config, src)
-        pieces = [whole(target(t, n, cast)) for n, t in names.items()]
+        pieces = [whole(target(t, n, cast, quantized)) for n, t in names.items()]
     if torchtitan.detect(p.target.name for p in pieces):
         pieces = torchtitan.to_hf_pieces(pieces, config, src)
     pieces = untie(ckpt, pieces, config, src)

@@ -198,7 +198,12 @@ _SPARE_LOCK = threading.Lock()
 def blocks(cast: CastSpan, *, block: int = BLOCK_ELEMENTS, use_numpy: bool = True) -> Iterator[memoryview]:
     """The bytes of ``cast`` in ``dst``, in order, as views of at most ``WRITE_BYTES`` (what
     one write takes, see :mod:`ckpt_tools.storage.diskio`) into reused block buffers, each valid until
-    the next one is asked for. ``use_numpy=False`` converts with torch even where numpy could."""
+    the next one is asked for. ``use_numpy=False`` converts with torch even where numpy could.
+    A span that computes its own values (:class:`~.lowp.DequantSpan`) gives them itself."""
+    own = getattr(cast, "blocks", None)
+    if own is not None:
+        yield from own()
+        return
     ranges = _ranges(cast, block)
     if not ranges:
         return

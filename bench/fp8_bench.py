@@ -1,0 +1,105 @@
+"""Block FP8 → bf16 (``ckpt convert --to hf --dtype bf16``) beside ``cp -r`` of the same source.
+
+    python bench/fp8_bench.py [--gb 1.0] [--repeat 3] [--out DIR]
+
+Makes a DeepSeek/Qwen-style block-FP8 checkpoint of Llama-7B layer shapes (vocab 8000) (float8_e4m3fn codes,
+float32 ``weight_scale_inv`` per 128x128 block, bf16 embeddings and norms) of about ``--gb``
+GB, then times, ``--repeat`` times each, ``cp -r`` of it and ckpt's dequantization, and reports
+medians, their ratio and ckpt's peak RSS. The output holds twice the source's bytes (bf16 is
+two bytes an element), so the ratio is against a copy of half what ckpt writes.
+Page cache is not dropped between runs (no root assumed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+def make_source(root: Path, gb: float) -> Path:
+    h, i, v = 4096, 11008, 8000  # vocab cut: the FP8 weights dominate, as in a large model
+    src = root / "fp8"
+    src.mkdir()
+    layer = [("self_attn.q_proj", (h, h)), ("self_attn.k_proj", (h, h)), ("self_attn.v_proj", (h, h)),
+             ("self_attn.o_proj", (h, h)), ("mlp.gate_proj", (i, h)), ("mlp.up_proj", (i, h)),
+             ("mlp.down_proj", (h, i))]
+    per_layer = sum(a * b for _, (a, b) in layer)
+    layers = max(1, int((gb * 1e9 - 2 * v * h * 2) // per_layer))
+    g = torch.Generator().manual_seed(0)
+    weight_map = {}
+
+    def codes(shape):  # e4m3 codes without the NaN ones (0x7F, 0xFF)
+        u = torch.randint(0, 0x7F, shape, dtype=torch.uint8, generator=g)
+        return (u | (torch.randint(0, 2, shape, dtype=torch.uint8, generator=g) << 7)).view(torch.float8_e4m3fn)
+
+    for n in range(layers):
+        shard = {}
+        for name, (a, b) in layer:
+            key = f"model.layers.{n}.{name}.weight"
+            shard[key] = codes((a, b))
+            shard[key + "_scale_inv"] = torch.rand(-(-a // 128), -(-b // 128), generator=g) * 1e-3
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            shard[f"model.layers.{n}.{norm}.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        file = f"model-{n + 1:05d}-of-{layers + 1:05d}.safetensors"
+        save_file(shard, src / file, metadata={"format": "pt"})
+        weight_map.update({k: file for k in shard})
+    last = {"model.embed_tokens.weight": torch.randn(v, h, generator=g).bfloat16(),
+            "lm_head.weight": torch.randn(v, h, generator=g).bfloat16(), "model.norm.weight": torch.ones(h).bfloat16()}
+    file = f"model-{layers + 1:05d}-of-{layers + 1:05d}.safetensors"
+    save_file(last, src / file, metadata={"format": "pt"})
+    weight_map.update({k: file for k in last})
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (src / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h, "intermediate_size": i,
+        "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": v,
+        "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3",
+                                "activation_scheme": "dynamic"}}))
+    return src
+
+
+def timed(cmd: list[str]) -> float:
+    t = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gb", type=float, default=1.0)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="fp8bench-", dir=args.out))
+    try:
+        src = make_source(root, args.gb)
+        size = sum(f.stat().st_size for f in src.iterdir())
+        cp, ckpt = [], []
+        for r in range(args.repeat):
+            cp.append(timed(["cp", "-r", str(src), str(root / f"cp{r}")]))
+            shutil.rmtree(root / f"cp{r}")
+            ckpt.append(timed([sys.executable, "-m", "ckpt_tools", "convert", str(src), str(root / f"bf16_{r}"),
+                               "--to", "hf", "--dtype", "bf16", "--quiet"]))
+            out = sum(f.stat().st_size for f in (root / f"bf16_{r}").iterdir())
+            shutil.rmtree(root / f"bf16_{r}")
+        rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+        print(json.dumps({"source_bytes": size, "output_bytes": out, "cp_s": statistics.median(cp),
+                          "ckpt_s": statistics.median(ckpt), "ratio": statistics.median(ckpt) / statistics.median(cp),
+                          "peak_rss_bytes": rss, "runs": {"cp": cp, "ckpt": ckpt}}, indent=2))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The values of computed targets (:class:`~ckpt_tools.core.plan.Computed`): a quantized weight
+dequantized with its scales, or a weight quantized into codes and scales. The op names are the
+plan's data; the arithmetic is :mod:`ckpt_tools.storage.lowp`'s.
+
+A dequantized piece whose codes and scales are each one contiguous byte range of a source file
+is handed to the writer as a :class:`~ckpt_tools.storage.lowp.DequantSpan` (computed a few
+block-rows at a time as it is written); anything else is computed here with torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..core.plan import Computed, Piece
+from ..errors import BadInput
+from ..storage import lowp
+from .reader import Reader
+
+if TYPE_CHECKING:
+    import torch
+
+OPS = ("dequant", "quant_block_codes", "quant_block_scale", "quant_channel_codes", "quant_channel_scale")
+
+
+def grid_of(c: Computed) -> lowp.Grid:
+    return c.param("grid")
+
+
+def code_rows(c: Computed, piece: Piece) -> tuple[int, int]:
+    """The code rows (flattened over slabs) that a piece of dim-0 rows of the result needs."""
+    g = grid_of(c)
+    if any(piece.offsets[1:]) or tuple(piece.sizes[1:]) != tuple(c.shape[1:]):
+        raise BadInput(f"tensor {piece.target.source.name!r}: a dequantized weight is cut by rows only")
+    a, b = piece.offsets[0] if piece.offsets else 0, (piece.offsets[0] + piece.sizes[0]) if piece.sizes else 1
+    if len(c.shape) == 2 and not g.transposed and g.lead == 1:
+        return a, b
+    per = g.lead * g.rows // c.shape[0]  # code rows per index of the result's first dimension
+    if per * c.shape[0] != g.lead * g.rows or (g.transposed and per % g.rows):
+        raise BadInput(f"tensor {piece.target.source.name!r}: cannot cut its dequantized rows {a}:{b}")
+    return a * per, b * per
+
+
+def values(reader: Reader, piece: Piece, *, spans: bool = False) -> torch.Tensor | lowp.DequantSpan:
+    c = piece.target.computed
+    if c.op == "dequant":
+        return _dequant(reader, piece, c, spans)
+    src = _whole(reader, piece.target.source)
+    fp8 = c.param("fp8", "float8_e4m3fn")
+    if c.op in ("quant_block_codes", "quant_block_scale"):
+        codes, scale = lowp.quantize_block(src, tuple(c.param("block")), fp8, scales_only=c.op.endswith("scale"))
+        out = scale if c.op.endswith("scale") else codes
+    elif c.op in ("quant_channel_codes", "quant_channel_scale"):
+        codes, scale = lowp.quantize_channel(src, src.dtype, fp8)
+        out = scale if c.op.endswith("scale") else codes
+    else:
+        raise BadInput(f"tensor {piece.target.source.name!r}: unknown computation {c.op!r}")
+    for d, (o, s) in enumerate(zip(piece.offsets, piece.sizes)):
+        out = out.narrow(d, o, s)
+    return out.contiguous()
+
+
+def _whole(reader: Reader, t) -> torch.Tensor:
+    """A whole tensor: a view of the mapped file when one stored chunk is all of it (no copy)."""
+    if len(t.chunks) == 1 and tuple(t.chunks[0].sizes) == tuple(t.shape):
+        return reader.chunk(t, t.chunks[0])
+    return reader.full(t)
+
+
+def _dequant(reader: Reader, piece: Piece, c: Computed, spans: bool) -> torch.Tensor | lowp.DequantSpan:
+    g = grid_of(c)
+    codes_t, scale_t = piece.target.source, c.inputs[0]
+    r0, r1 = code_rows(c, piece)
+    if spans and len(codes_t.chunks) == 1 and len(scale_t.chunks) == 1:
+        code_span = reader.span(codes_t, codes_t.chunks[0])
+        scale_span = reader.span(scale_t, scale_t.chunks[0])
+        if code_span is not None and scale_span is not None:
+            return lowp.DequantSpan((code_span,), codes_t.dtype, piece.target.dtype, scale_span, scale_t.dtype,
+                                    g, (r0, r1))
+    if g.transposed:
+        out = lowp.dequantize(_whole(reader, codes_t), _whole(reader, scale_t), g, piece.target.dtype,
+                              (r0 // g.rows, r1 // g.rows))
+    else:
+        full = lowp.dequantize(_whole(reader, codes_t), _whole(reader, scale_t), g, piece.target.dtype)
+        out = full.reshape(g.lead * g.rows, g.cols)[r0:r1]
+    return out.reshape(piece.sizes)
