@@ -113,6 +113,9 @@ def _report(report: dict, progress: bool) -> None:
 _SIZE = click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard (e.g. 2GB, 500MB).")
 _DTYPE = click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), help="Cast floating-point tensors (others keep theirs).")
 _OVERWRITE = click.option("--overwrite", is_flag=True, help="Replace DST (the old one stays until the new one is complete).")
+_NO_ARCH_CHECK = click.option("--no-arch-check", is_flag=True,
+                              help="Write the HF names without checking them against the architecture of "
+                                   "config.json (when transformers cannot build it); a warning says so.")
 _RANK_LOCAL = click.option("--rank-local", type=click.Choice(["drop", "keep-first"]), default="drop", show_default=True,
                            help="Rank-local extra state (RNG, data-loader) when the world size changes: drop it, "
                                 "or keep source rank r's value on new rank r.")
@@ -131,13 +134,15 @@ _RANK_LOCAL = click.option("--rank-local", type=click.Choice(["drop", "keep-firs
 @click.option("--layout", help="Framework layout of the output: torchtitan (with --to dcp, from an HF source); "
               "verl (with --to sharded: the device mesh named ('fsdp',), as verl's loader and merger need).")
 @_RANK_LOCAL
+@_NO_ARCH_CHECK
 @_OVERWRITE
 @command
-def convert_cmd(src, dst, to, world_size, dtype, max_shard_size, model_only, base, layout, rank_local, overwrite, progress):
+def convert_cmd(src, dst, to, world_size, dtype, max_shard_size, model_only, base, layout, rank_local, no_arch_check,
+                overwrite, progress):
     """Convert SRC (any format) to DST in format --to."""
     _report(ckpt_tools.convert(src, dst, to=to, world_size=world_size, dtype=dtype, max_shard_size=max_shard_size,
                                model_only=model_only, base=base, overwrite=overwrite, progress=progress,
-                               rank_local=rank_local, layout=layout), progress)
+                               rank_local=rank_local, layout=layout, arch_check=not no_arch_check), progress)
 
 
 @main.command("export", short_help="Write a Hugging Face directory that from_pretrained loads.")
@@ -151,12 +156,14 @@ def convert_cmd(src, dst, to, world_size, dtype, max_shard_size, model_only, bas
               help="PEFT LoRA: fold it into the base weights, or write a PEFT adapter directory.")
 @click.option("--lora-alpha", type=float, help="LoRA alpha, when the checkpoint has no adapter_config.json / "
               "lora_train_meta.json.")
+@_NO_ARCH_CHECK
 @_OVERWRITE
 @command
-def export_cmd(src, dst, base, dtype, max_shard_size, lora, lora_alpha, overwrite, progress):
+def export_cmd(src, dst, base, dtype, max_shard_size, lora, lora_alpha, no_arch_check, overwrite, progress):
     """Export SRC as a Hugging Face directory (safetensors, config, tokenizer) at DST."""
     _report(ckpt_tools.export(src, dst, base=base, dtype=dtype, max_shard_size=max_shard_size,
-                              overwrite=overwrite, progress=progress, lora=lora, lora_alpha=lora_alpha), progress)
+                              overwrite=overwrite, progress=progress, lora=lora, lora_alpha=lora_alpha,
+                              arch_check=not no_arch_check), progress)
 
 
 @main.command("reshard", short_help="Reshard a training checkpoint to another number of ranks.")

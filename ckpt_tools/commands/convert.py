@@ -34,7 +34,7 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
             dtype: str | None = None, max_shard_size: str | int = "5GB", model_only: bool = False,
             base: str | None = None, overwrite: bool = False, progress: bool = True,
             rank_local: str = "drop", workers: int = 1, layout: str | None = None, lora: str | None = None,
-            lora_alpha: float | None = None, _ckpt: Checkpoint | None = None) -> dict[str, Any]:
+            lora_alpha: float | None = None, arch_check: bool = True, _ckpt: Checkpoint | None = None) -> dict[str, Any]:
     """Convert the checkpoint at ``src`` to format ``to`` at ``dst``.
 
     Carries model, optimizer and extra state into every format that can hold them (``hf``
@@ -44,7 +44,7 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
     writes torchtitan's names (from a Hugging Face source), so torchtitan starts from it;
     ``layout="verl"`` with ``to="sharded"`` names the rank files' device mesh ``("fsdp",)`` as
     verl's does (a job loads DTensors only onto a mesh of the same names; without it the mesh is
-    unnamed, as ``fully_shard``'s default). ``lora``/``lora_alpha``: see :func:`export`.
+    unnamed, as ``fully_shard``'s default). ``lora``/``lora_alpha``/``arch_check``: see :func:`export`.
     ``to="deepspeed"`` writes a DeepSpeed ZeRO save, from one, at ``world_size`` ranks (what
     :func:`reshard` does; any other source is exit 3: its stage and ds_config would be invented).
 
@@ -52,7 +52,8 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
     """
     opts = Options(to=to, world_size=world_size, dtype=dtype, max_shard_size=max_shard_size,
                    model_only=model_only, base=base, overwrite=overwrite, progress=progress,
-                   rank_local=rank_local, workers=workers, layout=layout, lora=lora, lora_alpha=lora_alpha)
+                   rank_local=rank_local, workers=workers, layout=layout, lora=lora, lora_alpha=lora_alpha,
+                   arch_check=arch_check)
     return run(Path(src), Path(dst), opts, _ckpt)
 
 
@@ -168,7 +169,7 @@ def _write_deepspeed(ckpt: Checkpoint, src: Path, dst: Path, opts: Options) -> d
 @accepts_urls(dest="dst")
 def export(src: str | Path, dst: str | Path, *, base: str | None = None, dtype: str | None = None,
            max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = True,
-           lora: str = "merge", lora_alpha: float | None = None) -> dict[str, Any]:
+           lora: str = "merge", lora_alpha: float | None = None, arch_check: bool = True) -> dict[str, Any]:
     """Export ``src`` as an HF directory ready for ``from_pretrained`` and serving: weights
     under the names of the architecture in config.json (wrapper prefixes removed, torchtitan
     names mapped, tied weights once; checked against that architecture before anything is
@@ -181,10 +182,15 @@ def export(src: str | Path, dst: str | Path, *, base: str | None = None, dtype: 
     checkpoint's ``adapter_config.json`` / ``lora_train_meta.json`` or ``lora_alpha``. An
     adapter-only checkpoint merges only into ``base``'s full weights.
 
+    The names are checked against the architecture of config.json, built by transformers on the
+    meta device; when that cannot be done (transformers missing, a class it lacks) the export is
+    refused (BadInput, exit 3). ``arch_check=False`` writes them unchecked, with a warning.
+
     Example: ``ckpt_tools.export("ckpt/global_step_500/actor", "hf_out", dtype="bf16")``
     """
     opts = Options(to="hf", dtype=dtype, max_shard_size=max_shard_size, model_only=True, base=base,
-                   overwrite=overwrite, progress=progress, lora=lora, lora_alpha=lora_alpha, loadable=True)
+                   overwrite=overwrite, progress=progress, lora=lora, lora_alpha=lora_alpha, loadable=True,
+                   arch_check=arch_check)
     return run(Path(src), Path(dst), opts)
 
 

@@ -28,7 +28,7 @@ def write_hf(ckpt: Checkpoint, src: Path, dst: Path, keep: list[TensorInfo], opt
     config = hfassets.read_config(assets)
     single = dst.suffix == ".safetensors"
     plan = hfnames.plan_export(ckpt, src, keep, cast=cast, config=config, lora=opts.lora,
-                               lora_alpha=opts.lora_alpha, base=opts.base)
+                               lora_alpha=opts.lora_alpha, base=opts.base, arch_check=opts.arch_check)
     pieces, adapter = plan.pieces, plan.adapter_config is not None
     if opts.loadable and not single and not adapter:
         # after planning, whose refusals (an adapter-only LoRA save...) say more than this one

@@ -37,6 +37,8 @@ class Options:
     # ``export``: the output must be a directory ``from_pretrained`` loads (config included),
     # or nothing is written; ``convert --to hf`` writes the weights alone when there is no config
     loadable: bool = False
+    # ``--no-arch-check``: HF names written without asking the architecture (a ``warning:`` says so)
+    arch_check: bool = True
 
     def __post_init__(self) -> None:
         if self.to not in FORMATS:
