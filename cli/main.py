@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 import ckpt_tools
-from ckpt_tools.errors import CkptError, one_line
+from ckpt_tools.errors import CkptError, count, one_line
 
 
 def _fail(message: str, code: int) -> None:
@@ -106,12 +106,13 @@ def _report(report: dict, progress: bool) -> None:
 
         n, size = report.get("num_tensors"), report.get("total_bytes")
         click.echo(f"wrote {report['dst']} ({report['format']}"
-                   + (f", {report['world_size']} ranks" if report.get("world_size") else "")
+                   + (f", {count(report['world_size'], 'rank')}" if report.get("world_size") else "")
                    + (f", {n} tensors, {human_bytes(size)}" if n is not None else "") + ")", err=True)
 
 
 _SIZE = click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard (e.g. 2GB, 500MB).")
-_DTYPE = click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), help="Cast floating-point tensors (others keep theirs).")
+_DTYPE = click.option("--dtype", metavar="{bf16,fp16,fp32}",
+                      help="Cast floating-point tensors (others keep theirs); bfloat16, float16, float32 too.")
 _OVERWRITE = click.option("--overwrite", is_flag=True, help="Replace DST (the old one stays until the new one is complete).")
 _NO_ARCH_CHECK = click.option("--no-arch-check", is_flag=True,
                               help="Write the HF names without checking them against the architecture of "
@@ -222,7 +223,8 @@ def shard_cmd(model, dst, ranks, fmt, device, mixed_precision, cpu_offload, with
 def verify_cmd(a, b, as_json, atol, rtol, nan_check, progress):
     """Check checkpoint A (manifest checksums, shard coverage, every tensor readable), or
     compare A with B (any formats and world sizes) bit for bit, or within --atol/--rtol.
-    Exits 1 when anything differs or is damaged."""
+    Exits 1 when anything differs or a file is damaged (truncated, corrupt, missing); 3 when
+    A or B is no checkpoint, holds unsafe content or was written by a newer torch."""
     from ckpt_tools.commands.verify import format_report, verify
 
     report = verify(a, b, atol=atol, rtol=rtol, nan_check=nan_check, progress=progress)

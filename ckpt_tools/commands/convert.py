@@ -19,7 +19,7 @@ from ..core.describe import Checkpoint
 from ..core.plan import rows_of, targets_from
 from ..engine.execute import execute
 from ..engine.reader import Reader
-from ..errors import BadInput, UsageError
+from ..errors import BadInput, UsageError, count
 from ..formats import deepspeedwrite, writers
 from ..layouts import describe
 from ..hf import assets as hfassets
@@ -218,7 +218,7 @@ def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = No
         raise BadInput(f"{src}: is {ckpt.format!r}, {why}; use `ckpt convert --to sharded --world-size {to}` "
                        f"(or --to dcp)")
     if from_ is not None and from_ != ckpt.world_size:
-        raise BadInput(f"{src}: --from {from_} but the checkpoint was saved by {ckpt.world_size} ranks")
+        raise BadInput(f"{src}: --from {from_} but the checkpoint was saved by {count(ckpt.world_size, 'rank')}")
     if ckpt.format == "sharded" and ckpt.mesh_shape and len(ckpt.mesh_shape) > 1:
         raise BadInput(f"{src}: saved on a {len(ckpt.mesh_shape)}-D device mesh {tuple(ckpt.mesh_shape)} (HSDP or "
                        "FSDP+TP); reshard writes 1-D FSDP2 rank files, which such a job does not load. Export it "

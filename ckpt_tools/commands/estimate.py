@@ -37,10 +37,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import BadInput, CkptError, UsageError
+from ..errors import BadInput, UsageError, count
 from ..formats import hf
 from ..hf.hub import resolve_model_dir
-from ..hf.models import build_from_config
+from ..hf.models import build_from_config, require_transformers
 
 FP32 = 4
 LOW_PRECISION_BYTES = {"bf16": 2, "fp16": 2}
@@ -105,7 +105,7 @@ class Estimate:
         src = "safetensors headers" if self.source == "safetensors" else "config.json on the meta device"
         mp = f", {self.mixed_precision} mixed precision" if self.mixed_precision else ""
         lines = [
-            f"{self.model}: {self.params:,} parameters ({_count(self.params)}, from {src}), {self.ranks} ranks",
+            f"{self.model}: {self.params:,} parameters ({_count(self.params)}, from {src}), {count(self.ranks, 'rank')}",
             f"fp32 master weights and grads, AdamW fp32 moments (16 B/param){mp}"
             f"{', FSDP CPU offload' if self.cpu_offload else ''}; activations not counted; GB = 10^9 B",
             "",
@@ -255,11 +255,9 @@ def _meta_model_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
                        "model directory (or hub repo id) that has its config.json")
     import torch  # deferred: torch and transformers take seconds to import
 
-    try:
-        import transformers
-    except ImportError as e:
-        raise CkptError(f"{config_path}: counting parameters from a config needs transformers; "
-                        "run `pip install 'ckpt-tools[hf]'`") from e
+    require_transformers(f"{config_path}: counting parameters from a config")
+    import transformers
+
     try:
         config = transformers.AutoConfig.from_pretrained(model_dir)
     except Exception as e:  # transformers' validators raise their own classes (not ValueError)

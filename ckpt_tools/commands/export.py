@@ -52,7 +52,8 @@ def write_hf(ckpt: Checkpoint, src: Path, dst: Path, keep: list[TensorInfo], opt
             (tmp / hfnames.peft_lora.ADAPTER_CONFIG).write_text(json.dumps(plan.adapter_config, indent=2) + "\n")
             report["assets"] = [hfnames.peft_lora.ADAPTER_CONFIG]
         elif not single:
-            report["assets"] = hfassets.copy_assets(assets, tmp, dtype=written)
+            report["assets"] = hfassets.copy_assets(assets, tmp, dtype=written,
+                                                    architecture=hfnames.architecture(plan, config, opts.arch_check))
 
     with hfnames.checked_in_background(plan) as wait_for_check:
         execute(plan.ckpt, writer, jobs, dst, overwrite=opts.overwrite, progress=opts.progress,

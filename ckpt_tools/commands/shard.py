@@ -17,12 +17,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ..errors import BadInput, DestinationError, UsageError
+from ..errors import BadInput, DestinationError, UsageError, count
 from ..formats import hf
 from ..hf import archcheck
 from ..hf.assets import ASSET_PATTERNS
 from ..hf.hub import resolve_model_dir
-from ..hf.models import model_class
+from ..hf.models import model_class, require_transformers
 from ..runtime import env, launch
 from ..storage import atomic
 from .options import note
@@ -63,6 +63,7 @@ def shard(model: str, dst: str | Path, *, ranks: int, format: str = "sharded", d
     optimizer); under torchrun on several hosts DST must be on a file system all ranks see.
     """
     _check_options(ranks, format, mixed_precision, with_optimizer)
+    require_transformers("`ckpt shard` (it builds the model to shard it)")
     talk = progress and env.rank() == 0
     stage(talk, f"loading {model}: torch, its config and the safetensors headers")
     launch.check_device(device)
@@ -84,7 +85,7 @@ def shard(model: str, dst: str | Path, *, ranks: int, format: str = "sharded", d
                    mixed_precision, cpu_offload, with_optimizer, overwrite, check, progress,
                    tuple(sources.values()))
     if spawn:
-        stage(talk, f"starting {ranks} ranks ({launch.backend_for(device)}): each loads torch and builds "
+        stage(talk, f"starting {count(ranks, 'rank')} ({launch.backend_for(device)}): each loads torch and builds "
                     f"the model on the meta device")
     try:
         return launch.run(rank_main, job, ranks=ranks, device=device)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.describe import chunk_rows
 from ..engine.stream import on_terminal
-from ..errors import BadInput, CkptError, DestinationError
+from ..errors import BadInput, CkptError, DestinationError, count
 from ..formats.sharded import CONFIG_NAME, file_name
 from ..hf.assets import ASSET_PATTERNS
 from ..hf.models import model_class
@@ -409,14 +409,14 @@ def rank_main(ctx: launch.RankContext, job: ShardJob) -> dict[str, Any]:
         model.to_empty(device="cpu" if job.cpu_offload else ctx.device)
         reads = plan_reads(model, sources, world_size=ctx.world_size, rank=ctx.rank)
         talk = job.progress and ctx.rank == 0
-        stage(talk, f"sharding: {ctx.world_size} ranks up, each reading its rows of every tensor "
+        stage(talk, f"sharding: {count(ctx.world_size, 'rank')} up, each reading its rows of every tensor "
                     f"(fully_shard, {ctx.device.type})")
         fill(model, model_dir, reads, progress=talk, label=f"shard rank 0/{ctx.world_size}")
         optimizer = fresh_adamw(model) if job.with_optimizer else None
         if job.check:
             stage(talk, "checking: a forward pass of the sharded model against from_pretrained's")
         diff = forward_check(model, cls, config, ctx, model_dir) if job.check else None
-        stage(talk, f"writing the {job.format} checkpoint: {ctx.world_size} ranks"
+        stage(talk, f"writing the {job.format} checkpoint: {count(ctx.world_size, 'rank')}"
                     + (", model and optimizer" if optimizer is not None else ""))
         with _writing(dst):
             _save(model, optimizer, ctx, job, tmp, model_dir)

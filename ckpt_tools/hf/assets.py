@@ -54,8 +54,10 @@ def read_config(assets: Path | None) -> dict:
         raise BadInput(f"{assets / 'config.json'}: not valid JSON ({e})") from e
 
 
-def copy_assets(assets: Path | None, out: Path, *, dtype: str | None) -> list[str]:
-    """Copy the asset files into ``out``; set config's dtype field. Returns the names copied."""
+def copy_assets(assets: Path | None, out: Path, *, dtype: str | None, architecture: str | None = None) -> list[str]:
+    """Copy the asset files into ``out``; set config's dtype field, and its ``architectures`` to
+    ``[architecture]`` when it names none (as ``save_pretrained`` writes the class it saved).
+    Returns the names copied."""
     copied = []
     if assets is None:
         return copied
@@ -64,11 +66,14 @@ def copy_assets(assets: Path | None, out: Path, *, dtype: str | None) -> list[st
         if f.is_file():
             shutil.copyfile(f, out / name)
             copied.append(name)
-    if "config.json" in copied and dtype is not None:
+    if "config.json" in copied and (dtype is not None or architecture is not None):
         config = json.loads((out / "config.json").read_text())
-        config["dtype"] = dtype_name(dtype)
-        if "torch_dtype" in config:
-            config["torch_dtype"] = dtype_name(dtype)
+        if dtype is not None:
+            config["dtype"] = dtype_name(dtype)
+            if "torch_dtype" in config:
+                config["torch_dtype"] = dtype_name(dtype)
+        if architecture is not None and not config.get("architectures"):
+            config["architectures"] = [architecture]
         (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return copied
 

@@ -187,6 +187,18 @@ def check(pieces: list[Piece], config: dict, src: Path, arch_check: bool = True)
     return []
 
 
+def architecture(plan: ExportPlan, config: dict, arch_check: bool) -> str | None:
+    """The class the checked names were checked against, for a config that names none (what
+    ``save_pretrained`` of that class writes in ``architectures``); None otherwise, or unchecked.
+    Called after the check, whose import of transformers it reuses."""
+    if not config or config.get("architectures") or not arch_check or plan.adapter_config is not None:
+        return None
+    try:
+        return archcheck.model_class(config, _asked(plan.pieces)).__name__
+    except archcheck.Unchecked:
+        return None
+
+
 def _asked(pieces: list[Piece]) -> dict[str, tuple[tuple[int, ...], DType]]:
     return {p.target.name: (p.target.shape, p.target.dtype) for p in pieces}
 
