@@ -308,3 +308,10 @@ def test_shard_takes_the_packaged_all_minilm_l6_v2(tmp_path):
     for name in got:
         assert torch.equal(got[name], want[name]), name
     _loads_clean(tmp_path / "hf", "BertModel")
+
+
+def test_a_long_reason_is_cut_between_words():
+    text = "transformers said " + " ".join(f"word{i}" for i in range(80))
+    cut = archcheck._clip(text)
+    assert len(cut) <= 162 and cut.endswith(" …")
+    assert cut[:-2] in text and text[len(cut) - 2] == " "  # the cut falls on a space, not mid-word
