@@ -315,3 +315,32 @@ def test_a_long_reason_is_cut_between_words():
     cut = archcheck._clip(text)
     assert len(cut) <= 162 and cut.endswith(" …")
     assert cut[:-2] in text and text[len(cut) - 2] == " "  # the cut falls on a space, not mid-word
+
+
+_WITHOUT = '''
+import importlib.util, sys
+HIDDEN = ("accelerate", "kernels")  # as after `pip install 'ckpt-tools[hf]'`, which brings neither
+_find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda name, package=None: (
+    None if name.split(".")[0] in HIDDEN else _find_spec(name, package))
+class Hide:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in HIDDEN:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Hide())
+from ckpt_tools.cli.main import main
+main(sys.argv[1:])
+'''
+
+
+def test_the_check_needs_neither_accelerate_nor_kernels(tmp_path):
+    """The README's user install (``.[hf]``) has no accelerate: the check still runs, and
+    still refuses a config that does not fit."""
+    env = {**os.environ, "CKPT_CACHE_DIR": "", "HF_HUB_OFFLINE": "1"}
+    run = [sys.executable, "-c", _WITHOUT, "export", str(FIX / "llama_sharded_ws8")]
+    ok = subprocess.run([*run, str(tmp_path / "out")], capture_output=True, text=True, env=env)
+    assert ok.returncode == 0 and "warning:" not in ok.stderr and "not checked" not in ok.stderr, ok.stderr
+    base = _config_with(tmp_path, hidden_size=64)
+    refused = subprocess.run([*run, str(tmp_path / "bad"), "--base", str(base)], capture_output=True, text=True, env=env)
+    assert refused.returncode == 3 and "misshapen" in refused.stderr, refused.stderr
+    assert not (tmp_path / "bad").exists()

@@ -63,9 +63,9 @@ def shard(model: str, dst: str | Path, *, ranks: int, format: str = "sharded", d
     optimizer); under torchrun on several hosts DST must be on a file system all ranks see.
     """
     _check_options(ranks, format, mixed_precision, with_optimizer)
-    require_transformers("`ckpt shard` (it builds the model to shard it)")
     talk = progress and env.rank() == 0
     stage(talk, f"loading {model}: torch, its config and the safetensors headers")
+    require_transformers("`ckpt shard` (it builds the model to shard it)")
     launch.check_device(device)
     dst = Path(dst).expanduser().absolute()
     check_destination(dst, overwrite)

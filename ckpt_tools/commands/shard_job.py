@@ -34,7 +34,7 @@ from ..engine.stream import on_terminal
 from ..errors import BadInput, CkptError, DestinationError, count
 from ..formats.sharded import CONFIG_NAME, file_name
 from ..hf.assets import ASSET_PATTERNS
-from ..hf.models import model_class
+from ..hf.models import dtype_argument, model_class
 from ..runtime import launch
 from ..storage import atomic, manifest
 
@@ -123,7 +123,7 @@ def build_meta_model(config, sources: dict[str, SourceTensor]) -> nn.Module:
             dtypes[s.dtype] += 1
     dtype = dtypes.most_common(1)[0][0] if dtypes else torch.float32
     with torch.device("meta"):
-        model = model_class(config)._from_config(config, dtype=dtype)
+        model = model_class(config)._from_config(config, **dtype_argument(dtype))
     reads = {r.target: r.source for r in plan_reads(model, sources, world_size=1, rank=0)}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         src = reads.get(name)
@@ -368,7 +368,7 @@ def forward_check(model: nn.Module, cls: type, config, ctx: launch.RankContext, 
     if ctx.rank != 0:
         return None
     with _no_transformers_progress():
-        ref = cls.from_pretrained(str(model_dir), dtype=dtype)
+        ref = cls.from_pretrained(str(model_dir), **dtype_argument(dtype))
     ref = ref.to(ctx.device).eval()
     expected = ref(input_ids=ids)[0]
     return (out.float() - expected.float()).abs().max().item()

@@ -38,6 +38,15 @@ def require_transformers(what: str) -> None:
         raise BadInput(f"{what} needs transformers, which is not installed; run `{INSTALL}`") from e
 
 
+def dtype_argument(dtype) -> dict:
+    """The keyword ``from_pretrained``/``_from_config`` take a dtype under: ``dtype`` since
+    transformers 4.56, ``torch_dtype`` before (which 5.x no longer takes)."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+
+
 def architecture_class(names: Iterable[Any] | None) -> type | None:
     """The first of ``names`` (a config's ``architectures``) that transformers ships as a model
     class, i.e. a ``PreTrainedModel`` subclass; ``None`` when none is (no names, a name this
