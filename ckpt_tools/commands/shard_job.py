@@ -310,8 +310,8 @@ def _init_non_persistent_buffers(model: nn.Module, loaded: set[str]) -> None:
     if not todo:
         return
     if not hasattr(model, "initialize_weights"):
-        raise CkptError(f"{type(model).__name__} has buffers {sorted(todo)[:3]} that no file holds and "
-                        "this transformers version cannot compute them; upgrade transformers to 5.x")
+        raise BadInput(f"{type(model).__name__} has buffers {sorted(todo)[:3]} that no file holds and "
+                       "this transformers version cannot compute them; upgrade transformers to 5.x")
     named = dict(model.named_parameters()) | dict(model.named_buffers())
     marked = [named[n] for n in loaded]
     # Poisoned first, to notice a buffer that _init_weights does not know.

@@ -39,12 +39,14 @@ def require_transformers(what: str) -> None:
 
 
 def dtype_argument(dtype) -> dict:
-    """The keyword ``from_pretrained``/``_from_config`` take a dtype under: ``dtype`` since
+    """The keyword ``from_pretrained``/``_from_config`` take a dtype under (as torch's dtype): ``dtype`` since
     transformers 4.56, ``torch_dtype`` before (which 5.x no longer takes)."""
     import transformers
 
+    from ..core.dtypes import as_torch
+
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+    return {"dtype": as_torch(dtype)} if (major, minor) >= (4, 56) else {"torch_dtype": as_torch(dtype)}
 
 
 def architecture_class(names: Iterable[Any] | None) -> type | None:
