@@ -344,3 +344,31 @@ def test_the_check_needs_neither_accelerate_nor_kernels(tmp_path):
     refused = subprocess.run([*run, str(tmp_path / "bad"), "--base", str(base)], capture_output=True, text=True, env=env)
     assert refused.returncode == 3 and "misshapen" in refused.stderr, refused.stderr
     assert not (tmp_path / "bad").exists()
+
+
+def test_an_adapter_whose_base_cannot_be_built_is_refused_unless_no_arch_check(tmp_path):
+    """--lora adapter checks the LoRA targets against the base architecture: fails closed too."""
+    pytest.importorskip("peft")
+    sys.path.insert(0, str(FIX))
+    from make_fixtures import tiny_llama_config
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = get_peft_model(LlamaForCausalLM(tiny_llama_config()),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    src = tmp_path / "src"
+    src.mkdir()
+    torch.save(model.state_dict(), src / "model.pt")
+    model.peft_config["default"].save_pretrained(src)
+    config = tiny_llama_config().to_dict()
+    config["architectures"] = ["NotInTransformersForCausalLM"]
+    (src / "config.json").write_text(json.dumps(config))
+    r = _cli("export", src / "model.pt", tmp_path / "out", "--base", src, "--lora", "adapter")
+    assert r.exit_code == 3, r.output
+    assert "adapter's targets cannot be checked" in r.output and "--no-arch-check" in r.output
+    assert not (tmp_path / "out").exists()
+    r = _cli("export", src / "model.pt", tmp_path / "out", "--base", src, "--lora", "adapter", "--no-arch-check")
+    assert r.exit_code == 0, r.output
+    assert "warning: the adapter's targets were not checked" in r.output
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
