@@ -38,8 +38,18 @@ class BadInput(CkptError):
     exit_code = 3
 
 
+class Damaged(BadInput):
+    """A file of a known format whose bytes are not all there or not what the format says
+    (truncated, corrupt, a data file missing): ``verify`` reports it as a finding (exit 1),
+    other commands refuse it (exit 3)."""
+
+
 class UnsafeInput(BadInput):
     """Input that would run code if loaded (a pickle with a callable, TorchScript)."""
+
+
+class NewerFormat(BadInput):
+    """Written by a newer release (of torch, say) than ckpt reads: not damage, an upgrade."""
 
 
 class DestinationError(CkptError):
@@ -80,3 +90,8 @@ def brief(value: Any) -> str:
         return _BRIEF.repr(value)[:200]
     except Exception:  # noqa: BLE001 - a stand-in whose repr fails
         return f"<{type(value).__name__}>"
+
+
+def count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless one: ``count(1, "rank") == "1 rank"``, ``count(8, "rank") == "8 ranks"``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 import ckpt_tools
-from ckpt_tools.errors import CkptError, one_line
+from ckpt_tools.errors import CkptError, count, one_line
 
 
 def _fail(message: str, code: int) -> None:
@@ -106,7 +106,7 @@ def _report(report: dict, progress: bool) -> None:
 
         n, size = report.get("num_tensors"), report.get("total_bytes")
         click.echo(f"wrote {report['dst']} ({report['format']}"
-                   + (f", {report['world_size']} ranks" if report.get("world_size") else "")
+                   + (f", {count(report['world_size'], 'rank')}" if report.get("world_size") else "")
                    + (f", {n} tensors, {human_bytes(size)}" if n is not None else "") + ")", err=True)
 
 
@@ -150,8 +150,12 @@ def writes(fn: Callable) -> Callable:
 
 
 _SIZE = click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard (e.g. 2GB, 500MB).")
-_DTYPE = click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), help="Cast floating-point tensors (others keep theirs).")
+_DTYPE = click.option("--dtype", metavar="{bf16,fp16,fp32}",
+                      help="Cast floating-point tensors (others keep theirs); bfloat16, float16, float32 too.")
 _OVERWRITE = click.option("--overwrite", is_flag=True, help="Replace DST (the old one stays until the new one is complete).")
+_NO_ARCH_CHECK = click.option("--no-arch-check", is_flag=True,
+                              help="Write the HF names without checking them against the architecture of "
+                                   "config.json (when transformers cannot build it); a warning says so.")
 _RANK_LOCAL = click.option("--rank-local", type=click.Choice(["drop", "keep-first"]), default="drop", show_default=True,
                            help="Rank-local extra state (RNG, data-loader) when the world size changes: drop it, "
                                 "or keep source rank r's value on new rank r.")
@@ -170,15 +174,16 @@ _RANK_LOCAL = click.option("--rank-local", type=click.Choice(["drop", "keep-firs
 @click.option("--layout", help="Framework layout of the output: torchtitan (with --to dcp, from an HF source); "
               "verl (with --to sharded: the device mesh named ('fsdp',), as verl's loader and merger need).")
 @_RANK_LOCAL
+@_NO_ARCH_CHECK
 @_OVERWRITE
 @command
 @writes
-def convert_cmd(src, dst, to, world_size, dtype, max_shard_size, model_only, base, layout, rank_local, overwrite,
-                progress, dry_run):
+def convert_cmd(src, dst, to, world_size, dtype, max_shard_size, model_only, base, layout, rank_local, no_arch_check,
+                overwrite, progress, dry_run):
     """Convert SRC (any format) to DST in format --to."""
     return ckpt_tools.convert(src, dst, to=to, world_size=world_size, dtype=dtype, max_shard_size=max_shard_size,
                               model_only=model_only, base=base, overwrite=overwrite, progress=progress,
-                              rank_local=rank_local, layout=layout, dry_run=dry_run)
+                              rank_local=rank_local, layout=layout, arch_check=not no_arch_check, dry_run=dry_run)
 
 
 @main.command("export", short_help="Write a Hugging Face directory that from_pretrained loads.")
@@ -195,13 +200,16 @@ def convert_cmd(src, dst, to, world_size, dtype, max_shard_size, model_only, bas
 @click.option("--quantize", type=click.Choice(["fp8-block", "fp8-dynamic"]),
               help="Write the linear weights as FP8 for serving: fp8-block (DeepSeek/Qwen 128x128 blocks, "
               "*_scale_inv) or fp8-dynamic (compressed-tensors FP8_DYNAMIC, per-channel weight_scale).")
+@_NO_ARCH_CHECK
 @_OVERWRITE
 @command
 @writes
-def export_cmd(src, dst, base, dtype, max_shard_size, lora, lora_alpha, quantize, overwrite, progress, dry_run):
+def export_cmd(src, dst, base, dtype, max_shard_size, lora, lora_alpha, quantize, no_arch_check, overwrite, progress,
+               dry_run):
     """Export SRC as a Hugging Face directory (safetensors, config, tokenizer) at DST."""
     return ckpt_tools.export(src, dst, base=base, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
-                             progress=progress, lora=lora, lora_alpha=lora_alpha, quantize=quantize, dry_run=dry_run)
+                             progress=progress, lora=lora, lora_alpha=lora_alpha, quantize=quantize,
+                             arch_check=not no_arch_check, dry_run=dry_run)
 
 
 @main.command("reshard", short_help="Reshard a training checkpoint to another number of ranks.")
@@ -263,7 +271,8 @@ def shard_cmd(model, dst, ranks, fmt, device, mixed_precision, cpu_offload, with
 def verify_cmd(a, b, as_json, atol, rtol, nan_check, progress):
     """Check checkpoint A (manifest checksums, shard coverage, every tensor readable), or
     compare A with B (any formats and world sizes) bit for bit, or within --atol/--rtol.
-    Exits 1 when anything differs or is damaged."""
+    Exits 1 when anything differs or a file is damaged (truncated, corrupt, missing); 3 when
+    A or B is no checkpoint, holds unsafe content or was written by a newer torch."""
     from ckpt_tools.commands.verify import format_report, verify
 
     report = verify(a, b, atol=atol, rtol=rtol, nan_check=nan_check, progress=progress)

@@ -113,13 +113,23 @@ def test_truncated_safetensors_says_truncated_and_what_it_needs(tmp_path):
     src = tmp_path / "hf"
     shutil.copytree(FIX / "llama_hf", src)
     full = _truncate(src / "model.safetensors", (src / "model.safetensors").stat().st_size - 1000)
-    for args in (["inspect", src], ["export", src, tmp_path / "out"], ["verify", src]):
+    said = (f"{src / 'model.safetensors'}: truncated: {full - 1000:,} bytes on disk, "
+            f"but its header needs {full:,} (1,000 missing); copy the file again")
+    for args in (["inspect", src], ["export", src, tmp_path / "out"]):
         r = _cli(*args)
         assert r.exit_code == 3, r.output
         (line,) = _errors(r.output)
-        assert line.startswith(f"error: {src / 'model.safetensors'}: truncated: {full - 1000:,} bytes on disk, "
-                               f"but its header needs {full:,} (1,000 missing); copy the file again"), line
+        assert line.startswith(f"error: {said}"), line
         assert "outside the" not in line
+    _verify_finds(src, said)
+
+
+def _verify_finds(src: Path, said: str) -> None:
+    """verify reports a damaged file as a finding: FAILED, exit 1 (CONTRACT.md), naming it."""
+    r = _cli("verify", src)
+    assert r.exit_code == 1, r.output
+    assert r.stdout.splitlines()[0] == f"{src} (unreadable): FAILED, 0 tensors read", r.output
+    assert f"problem: {src}: cannot be read: {said}" in r.output, r.output
 
 
 @pytest.mark.parametrize("cut", [1, 21, 5000, "half"])
@@ -129,13 +139,14 @@ def test_truncated_rank_file_is_one_clear_line(tmp_path, cut):
     f = src / "optim_world_size_2_rank_1.pt"
     size = f.stat().st_size
     _truncate(f, size // 2 if cut == "half" else size - cut)
-    for args in (["inspect", src], ["reshard", src, tmp_path / "out", "--to", "3"], ["verify", src]):
+    for args in (["inspect", src], ["reshard", src, tmp_path / "out", "--to", "3"]):
         r = _cli(*args)
         assert r.exit_code == 3, r.output
         (line,) = _errors(r.output)
         assert line.startswith(f"error: {f}: truncated: ") and line.endswith("copy the file again"), line
         assert "miniz" not in line and "None" not in line and "Errno" not in line, line
         assert not (tmp_path / "out").exists()
+    _verify_finds(src, f"{f}: truncated: ")
 
 
 def test_dcp_missing_a_data_file_is_one_clear_line(tmp_path):
@@ -143,12 +154,13 @@ def test_dcp_missing_a_data_file_is_one_clear_line(tmp_path):
     shutil.copytree(FIX / "llama_dcp", src)
     (src / "__1_0.distcp").unlink()
     for args in (["inspect", src], ["export", src, tmp_path / "out", "--base", FIX / "llama_hf"],
-                 ["reshard", src, tmp_path / "out", "--to", "3"], ["verify", src]):
+                 ["reshard", src, tmp_path / "out", "--to", "3"]):
         r = _cli(*args)
         assert r.exit_code == 3, r.output
         (line,) = _errors(r.output)
         assert line.startswith(f"error: {src / '__1_0.distcp'}: missing; .metadata lists 2 data files"), line
         assert not (tmp_path / "out").exists()
+    _verify_finds(src, f"{src / '__1_0.distcp'}: missing; .metadata lists 2 data files")
 
 
 @pytest.mark.parametrize("name", [".metadata", "__0_0.distcp"])

@@ -146,11 +146,13 @@ def test_damage_that_breaks_describing_is_still_a_finding(converted: dict[str, P
     assert any("cannot be read" in p for p in report["problems"])
 
 
-def test_unreadable_input_without_manifest_raises(tmp_path: Path) -> None:
+def test_a_damaged_file_without_manifest_is_a_finding_and_no_checkpoint_raises(tmp_path: Path) -> None:
+    """A file of a known format that its bytes do not hold is what verify is for: a finding
+    (exit 1), naming the file; a path that is no checkpoint at all is BadInput (exit 3)."""
     bad = tmp_path / "model.safetensors"
     bad.write_bytes(b"\xff" * 16)
-    with pytest.raises(BadInput):
-        verify(bad, progress=False)
+    report = verify(bad, progress=False)
+    assert not report["ok"] and any(str(bad) in p and "safetensors" in p for p in report["problems"]), report
     with pytest.raises(BadInput):
         verify(tmp_path / "nothing-here", progress=False)
 

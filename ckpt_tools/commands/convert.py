@@ -19,7 +19,7 @@ from ..core.describe import Checkpoint
 from ..core.plan import rows_of, targets_from
 from ..engine.execute import execute
 from ..engine.reader import Reader
-from ..errors import BadInput, UsageError
+from ..errors import BadInput, UsageError, count
 from ..formats import deepspeedwrite, writers
 from ..layouts import describe
 from ..naming import experts, quant
@@ -37,7 +37,8 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
             dtype: str | None = None, max_shard_size: str | int = "5GB", model_only: bool = False,
             base: str | None = None, overwrite: bool = False, progress: bool = True,
             rank_local: str = "drop", workers: int = 1, layout: str | None = None, lora: str | None = None,
-            lora_alpha: float | None = None, dry_run: bool = False, _ckpt: Checkpoint | None = None) -> dict[str, Any]:
+            lora_alpha: float | None = None, arch_check: bool = True, dry_run: bool = False,
+            _ckpt: Checkpoint | None = None) -> dict[str, Any]:
     """Convert the checkpoint at ``src`` to format ``to`` at ``dst``.
 
     Carries model, optimizer and extra state into every format that can hold them (``hf``
@@ -47,7 +48,7 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
     writes torchtitan's names (from a Hugging Face source), so torchtitan starts from it;
     ``layout="verl"`` with ``to="sharded"`` names the rank files' device mesh ``("fsdp",)`` as
     verl's does (a job loads DTensors only onto a mesh of the same names; without it the mesh is
-    unnamed, as ``fully_shard``'s default). ``lora``/``lora_alpha``: see :func:`export`.
+    unnamed, as ``fully_shard``'s default). ``lora``/``lora_alpha``/``arch_check``: see :func:`export`.
     ``to="deepspeed"`` writes a DeepSpeed ZeRO save, from one, at ``world_size`` ranks (what
     :func:`reshard` does; any other source is exit 3: its stage and ds_config would be invented).
     ``dry_run``: plan only; nothing is written and DST is not created.
@@ -61,7 +62,7 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
     opts = Options(to=to, world_size=world_size, dtype=dtype, max_shard_size=max_shard_size,
                    model_only=model_only, base=base, overwrite=overwrite, progress=progress,
                    rank_local=rank_local, workers=workers, layout=layout, lora=lora, lora_alpha=lora_alpha,
-                   dry_run=dry_run)
+                   arch_check=arch_check, dry_run=dry_run)
     return run(Path(src), Path(dst), opts, _ckpt)
 
 
@@ -206,7 +207,7 @@ def _write_deepspeed(ckpt: Checkpoint, src: Path, dst: Path, opts: Options) -> d
 def export(src: str | Path, dst: str | Path, *, base: str | None = None, dtype: str | None = None,
            max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = True,
            lora: str = "merge", lora_alpha: float | None = None, quantize: str | None = None,
-           dry_run: bool = False) -> dict[str, Any]:
+           arch_check: bool = True, dry_run: bool = False) -> dict[str, Any]:
     """Export ``src`` as an HF directory ready for ``from_pretrained`` and serving: weights
     under the names of the architecture in config.json (wrapper prefixes removed, torchtitan
     names mapped, tied weights once; checked against that architecture before anything is
@@ -224,12 +225,15 @@ def export(src: str | Path, dst: str | Path, *, base: str | None = None, dtype: 
     Quantized sources (block FP8, MXFP4, compressed-tensors FP8): ``dtype`` dequantizes (see
     docs/quantization.md); without it they stay quantized. ``quantize`` ("fp8-block",
     "fp8-dynamic") writes the linear weights as FP8 codes + scales for serving.
+    The names are checked against the architecture of config.json, built by transformers on the
+    meta device; when that cannot be done (transformers missing, a class it lacks) the export is
+    refused (BadInput, exit 3). ``arch_check=False`` writes them unchecked, with a warning.
 
     Example: ``ckpt_tools.export("ckpt/global_step_500/actor", "hf_out", dtype="bf16")``
     """
     opts = Options(to="hf", dtype=dtype, max_shard_size=max_shard_size, model_only=True, base=base,
                    overwrite=overwrite, progress=progress, lora=lora, lora_alpha=lora_alpha, loadable=True,
-                   quantize=quantize, dry_run=dry_run)
+                   quantize=quantize, arch_check=arch_check, dry_run=dry_run)
     return run(Path(src), Path(dst), opts)
 
 
@@ -258,7 +262,7 @@ def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = No
         raise BadInput(f"{src}: is {ckpt.format!r}, {why}; use `ckpt convert --to sharded --world-size {to}` "
                        f"(or --to dcp)")
     if from_ is not None and from_ != ckpt.world_size:
-        raise BadInput(f"{src}: --from {from_} but the checkpoint was saved by {ckpt.world_size} ranks")
+        raise BadInput(f"{src}: --from {from_} but the checkpoint was saved by {count(ckpt.world_size, 'rank')}")
     if ckpt.format == "sharded" and ckpt.mesh_shape and len(ckpt.mesh_shape) > 1:
         raise BadInput(f"{src}: saved on a {len(ckpt.mesh_shape)}-D device mesh {tuple(ckpt.mesh_shape)} (HSDP or "
                        "FSDP+TP); reshard writes 1-D FSDP2 rank files, which such a job does not load. Export it "

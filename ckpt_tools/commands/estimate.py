@@ -37,10 +37,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..errors import BadInput, CkptError, UsageError
+from ..errors import BadInput, UsageError, count
 from ..formats import hf
 from ..hf.hub import resolve_model_dir
-from ..hf.models import build_from_config
+from ..hf.models import build_from_config, require_transformers
 from ..naming import experts
 
 FP32 = 4
@@ -109,7 +109,7 @@ class Estimate:
         src = "safetensors headers" if self.source == "safetensors" else "config.json on the meta device"
         mp = f", {self.mixed_precision} mixed precision" if self.mixed_precision else ""
         lines = [
-            f"{self.model}: {self.params:,} parameters ({_count(self.params)}, from {src}), {self.ranks} ranks"
+            f"{self.model}: {self.params:,} parameters ({_count(self.params)}, from {src}), {count(self.ranks, 'rank')}"
             + (f"; {self.moe['num_experts']} experts, {_count(self.active_params)} active per token"
                if self.moe and self.active_params is not None else ""),
             f"fp32 master weights and grads, AdamW fp32 moments (16 B/param){mp}"
@@ -268,11 +268,9 @@ def _meta_model_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
                        "model directory (or hub repo id) that has its config.json")
     import torch  # deferred: torch and transformers take seconds to import
 
-    try:
-        import transformers
-    except ImportError as e:
-        raise CkptError(f"{config_path}: counting parameters from a config needs transformers; "
-                        "run `pip install 'ckpt-tools[hf]'`") from e
+    require_transformers(f"{config_path}: counting parameters from a config")
+    import transformers
+
     try:
         config = transformers.AutoConfig.from_pretrained(model_dir)
     except Exception as e:  # transformers' validators raise their own classes (not ValueError)

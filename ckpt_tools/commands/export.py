@@ -35,14 +35,14 @@ def write_hf(ckpt: Checkpoint, src: Path, dst: Path, keep: list[TensorInfo], opt
     if quantized is not None and cast is not None:
         keep = [t for t in keep if t.name not in quantized.dropped]
     plan = hfnames.plan_export(ckpt, src, keep, cast=cast, config=config_out or config, lora=opts.lora,
-                               lora_alpha=opts.lora_alpha, base=opts.base,
+                               lora_alpha=opts.lora_alpha, base=opts.base, arch_check=opts.arch_check,
                                quantized=quantized if cast is not None else None)
     pieces, adapter = plan.pieces, plan.adapter_config is not None
     if quantized is not None and cast is None and not adapter:
         # kept quantized: the architecture is asked about the weights the codes stand for
         view = [whole(quant.target(p.target.source, p.target.name, DType("bfloat16"), quantized))
                 for p in pieces if p.target.source.name not in quantized.dropped]
-        plan.check = lambda: hfnames.check(view, quant.without_quantization(config), src)
+        plan.check = lambda: hfnames.check(view, quant.without_quantization(config), src, opts.arch_check)
     if opts.quantize:
         pieces, config_out = quantize_pieces(pieces, config_out or config, opts.quantize, src)
     if opts.loadable and not single and not adapter:
@@ -68,7 +68,8 @@ def write_hf(ckpt: Checkpoint, src: Path, dst: Path, keep: list[TensorInfo], opt
             (tmp / hfnames.peft_lora.ADAPTER_CONFIG).write_text(json.dumps(plan.adapter_config, indent=2) + "\n")
             report["assets"] = [hfnames.peft_lora.ADAPTER_CONFIG]
         elif not single:
-            report["assets"] = hfassets.copy_assets(assets, tmp, dtype=written)
+            report["assets"] = hfassets.copy_assets(assets, tmp, dtype=written,
+                                                    architecture=hfnames.architecture(plan, config, opts.arch_check))
             if config_out is not None and (tmp / "config.json").is_file():
                 hfassets.rewrite_config(tmp / "config.json", config_out)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 
@@ -15,6 +16,53 @@ from ..naming.quant import QUANTIZE
 from ..runtime import env
 
 DTYPES = {"bf16": DType("bfloat16"), "fp16": DType("float16"), "fp32": DType("float32")}
+# torch's own names for them, accepted as well (any case)
+DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+
+
+def choose(flag: str, value: str, choices: tuple[str, ...] | list[str], aliases: dict[str, str] | None = None) -> str:
+    """``value`` as one of ``choices``, in any case or under one of ``aliases``; else a usage
+    error listing them, with a "did you mean" when one is close.
+
+    Example: ``choose("--to", "HF", FORMATS) == "hf"``; ``choose("--dtype", "bfloat16", ...) == "bf16"``
+    """
+    import difflib
+
+    key = str(value).strip().lower()
+    if key in choices:
+        return key
+    if aliases and key in aliases:
+        return aliases[key]
+    close = difflib.get_close_matches(key, [*choices, *(aliases or {})], n=1, cutoff=0.6)
+    hint = f"; did you mean {(aliases or {}).get(close[0], close[0])}?" if close else ""
+    raise UsageError(f"{flag} must be one of {', '.join(choices)}, not {value!r}{hint}")
+
+# --max-shard-size units: decimal as Hugging Face's (5GB = 5 * 10**9 bytes), binary with an "i"
+_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]I?)?B?\s*", re.IGNORECASE)
+
+
+def parse_size(size: str | int) -> int:
+    """``--max-shard-size`` in bytes: a plain byte count, or a number with a unit, any case:
+    K/KB, M/MB, G/GB, T/TB (powers of 1000, as Hugging Face's ``5GB``) or KiB, MiB, GiB, TiB
+    (powers of 1024). Zero, negative or unreadable sizes are a usage error (exit 2).
+
+    Example: ``parse_size("2GiB") == 2147483648``; ``parse_size("500M") == 500_000_000``
+    """
+    if isinstance(size, bool):
+        raise UsageError(f"--max-shard-size {size!r}: give a size such as 5GB, 500MB, 2GiB or a byte count")
+    if isinstance(size, int):
+        n = size
+    else:
+        m = _SIZE.fullmatch(str(size))
+        if m is None:
+            raise UsageError(f"--max-shard-size {size!r}: give a size such as 5GB, 500MB, 2GiB or a byte count")
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+    if n < 1:
+        raise UsageError(f"--max-shard-size {size!r}: a shard must be allowed at least one byte "
+                         "(a tensor larger than it gets a shard of its own)")
+    return n
 
 
 @dataclass(frozen=True)
@@ -41,13 +89,15 @@ class Options:
     dry_run: bool = False  # plan only: nothing written, DST not created
     # ``export --quantize``: fp8-block or fp8-dynamic codes + scales for the linear weights
     quantize: str | None = None
+    # ``--no-arch-check``: HF names written without asking the architecture (a ``warning:`` says so)
+    arch_check: bool = True
 
     def __post_init__(self) -> None:
-        if self.to not in FORMATS:
-            raise UsageError(f"--to must be one of {', '.join(FORMATS)}, not {self.to!r}")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        object.__setattr__(self, "to", choose("--to", self.to, FORMATS))
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", choose("--dtype", self.dtype, tuple(DTYPES), DTYPE_ALIASES))
         self.output  # a layout not written in that format: a usage error
+        object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size))
         if self.world_size is not None and self.world_size < 1:
             raise UsageError(f"--world-size must be at least 1, not {self.world_size}")
         if self.workers < 1:

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..errors import BadInput, DestinationError, UsageError
+from ..errors import BadInput, DestinationError, UsageError, count
 from ..formats import hf
 from ..hf import archcheck
 from ..formats.sharded import CONFIG_NAME, file_name
@@ -28,7 +28,7 @@ from ..hf import assets as hfassets
 from ..hf.assets import ASSET_PATTERNS, asset_names
 from ..naming import quant
 from ..hf.hub import resolve_model_dir
-from ..hf.models import model_class
+from ..hf.models import model_class, require_transformers
 from ..naming import experts
 from ..runtime import env, launch
 from ..storage import atomic, manifest
@@ -88,6 +88,7 @@ def _shard(model: str, dst: str | Path, *, ranks: int, format: str, device: str,
     _check_options(ranks, format, mixed_precision, with_optimizer)
     talk = progress and env.rank() == 0 and not dry_run
     stage(talk, f"loading {model}: torch, its config and the safetensors headers")
+    require_transformers("`ckpt shard` (it builds the model to shard it)")
     launch.check_device(device)
     dst = Path(dst).expanduser().absolute()
     if dry_run:
@@ -127,7 +128,7 @@ def _shard_dir(model_dir: Path, dst: Path, *, ranks: int, format: str, device: s
                    mixed_precision, cpu_offload, with_optimizer, overwrite, check, progress,
                    tuple(sources.values()))
     if spawn:
-        stage(talk, f"starting {ranks} ranks ({launch.backend_for(device)}): each loads torch and builds "
+        stage(talk, f"starting {count(ranks, 'rank')} ({launch.backend_for(device)}): each loads torch and builds "
                     f"the model on the meta device")
     try:
         report = launch.run(rank_main, job, ranks=ranks, device=device)

@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.describe import chunk_rows
 from ..engine.stream import on_terminal
-from ..errors import BadInput, CkptError, DestinationError
+from ..errors import BadInput, CkptError, DestinationError, count
 from ..formats.sharded import CONFIG_NAME, file_name
 from ..hf.assets import ASSET_PATTERNS
-from ..hf.models import model_class
+from ..hf.models import dtype_argument, model_class
 from ..runtime import launch
 from ..storage import atomic, manifest
 
@@ -125,7 +125,7 @@ def build_meta_model(config, sources: dict[str, SourceTensor]) -> nn.Module:
             dtypes[s.dtype] += 1
     dtype = dtypes.most_common(1)[0][0] if dtypes else torch.float32
     with torch.device("meta"):
-        model = model_class(config)._from_config(config, dtype=dtype)
+        model = model_class(config)._from_config(config, **dtype_argument(dtype))
     reads = {r.target: r.source for r in plan_reads(model, sources, world_size=1, rank=0)}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         src = reads.get(name)
@@ -331,8 +331,8 @@ def _init_non_persistent_buffers(model: nn.Module, loaded: set[str]) -> None:
     if not todo:
         return
     if not hasattr(model, "initialize_weights"):
-        raise CkptError(f"{type(model).__name__} has buffers {sorted(todo)[:3]} that no file holds and "
-                        "this transformers version cannot compute them; upgrade transformers to 5.x")
+        raise BadInput(f"{type(model).__name__} has buffers {sorted(todo)[:3]} that no file holds and "
+                       "this transformers version cannot compute them; upgrade transformers to 5.x")
     named = dict(model.named_parameters()) | dict(model.named_buffers())
     marked = [named[n] for n in loaded]
     # Poisoned first, to notice a buffer that _init_weights does not know.
@@ -389,7 +389,7 @@ def forward_check(model: nn.Module, cls: type, config, ctx: launch.RankContext, 
     if ctx.rank != 0:
         return None
     with _no_transformers_progress():
-        ref = cls.from_pretrained(str(model_dir), dtype=dtype)
+        ref = cls.from_pretrained(str(model_dir), **dtype_argument(dtype))
     ref = ref.to(ctx.device).eval()
     expected = ref(input_ids=ids)[0]
     return (out.float() - expected.float()).abs().max().item()
@@ -430,14 +430,14 @@ def rank_main(ctx: launch.RankContext, job: ShardJob) -> dict[str, Any]:
         model.to_empty(device="cpu" if job.cpu_offload else ctx.device)
         reads = plan_reads(model, sources, world_size=ctx.world_size, rank=ctx.rank)
         talk = job.progress and ctx.rank == 0
-        stage(talk, f"sharding: {ctx.world_size} ranks up, each reading its rows of every tensor "
+        stage(talk, f"sharding: {count(ctx.world_size, 'rank')} up, each reading its rows of every tensor "
                     f"(fully_shard, {ctx.device.type})")
         fill(model, model_dir, reads, progress=talk, label=f"shard rank 0/{ctx.world_size}")
         optimizer = fresh_adamw(model) if job.with_optimizer else None
         if job.check:
             stage(talk, "checking: a forward pass of the sharded model against from_pretrained's")
         diff = forward_check(model, cls, config, ctx, model_dir) if job.check else None
-        stage(talk, f"writing the {job.format} checkpoint: {ctx.world_size} ranks"
+        stage(talk, f"writing the {job.format} checkpoint: {count(ctx.world_size, 'rank')}"
                     + (", model and optimizer" if optimizer is not None else ""))
         with _writing(dst):
             _save(model, optimizer, ctx, job, tmp, model_dir)

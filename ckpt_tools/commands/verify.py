@@ -5,8 +5,9 @@ cover each tensor exactly once, and every chunk (and every saved object) can be 
 checkpoints, of any formats and world sizes: each is checked as above, then their tensors are
 compared, bit for bit or within a tolerance, by :mod:`.compare`.
 
-Differences and damaged files are *findings*, returned with ``ok=False``; only an input that
-cannot be described at all (and whose damage no manifest explains) raises :class:`BadInput`.
+Differences and damaged files are *findings*, returned with ``ok=False`` (exit 1); only an
+input that is no checkpoint at all (missing, of no known format), unsafe, inconsistent or
+written by a newer release raises :class:`BadInput` (exit 3).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 from ..core.describe import Checkpoint, Chunk, TensorInfo, dtype_size
 from ..engine.reader import Reader
 from ..engine.stream import progress_bar
-from ..errors import BadInput, UsageError
+from ..errors import BadInput, Damaged, UsageError
 from ..formats import hf, shardtree
 from ..layouts import describe
 from ..formats.dcp import load_item
@@ -123,13 +124,15 @@ def _what(side: dict[str, Any]) -> str:
 
 def _open(path: Path, found: Findings) -> Checkpoint | None:
     """Describe ``path``. A checkpoint that cannot be described is a finding (None) when its
-    file check shows damage, else its BadInput propagates."""
+    file check shows damage, or when a file of it is damaged (:class:`Damaged`: truncated,
+    corrupt, a data file missing); else its BadInput propagates (no checkpoint, an unknown
+    format, unsafe content, a newer torch's)."""
     try:
         return describe(path, check=True)
     except BadInput as e:
         # a file the manifest shows damaged may fail in any way, "unsafe" included: no code
         # ran, and the checksum is the better explanation
-        if not found.damaged(path):
+        if not found.damaged(path) and not isinstance(e, Damaged):
             raise
         found.problems.append(f"{path}: cannot be read: {e}")
         return None

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .describe import ObjectInfo
-from ..errors import BadInput, UsageError
+from ..errors import BadInput, UsageError, count
 
 RANK_LOCAL_POLICIES = ("drop", "keep-first")
 
@@ -132,7 +132,7 @@ def warn_rank_local(what: str, *, src_world: int | None, dst_world: int, policy:
     done = ("dropped: the resumed job starts them afresh" if policy == "drop" else
             f"kept for ranks 0..{min(dst_world, src_world or 0) - 1} from the same source ranks, "
             "absent on the others")
-    warn(f"{what}; going from {src_world} to {dst_world} ranks, {done} (--rank-local {policy})")
+    warn(f"{what}; going from {src_world} to {count(dst_world, 'rank')}, {done} (--rank-local {policy})")
 
 
 def short_list(names: Sequence[str], n: int = 4) -> str:

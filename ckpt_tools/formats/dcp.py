@@ -13,7 +13,7 @@ from ..core.describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, 
 from ..core.groups import Roots, find_roots
 from ..core.dtypes import as_torch
 from ..core.state import gather, param_groups_keyed
-from ..errors import BadInput, brief
+from ..errors import BadInput, Damaged, brief
 from ..security import bounded, safefs
 from ..security.dcpmeta import load_dcp_metadata, BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 from ..security.torchfile import Global, NewObj, Reduce, StorageRef, loads_blob
@@ -154,7 +154,7 @@ def _describe_one(path: Path, prefix: str):
     sizes = {}
     absent = [f for f in sorted(files) if not os.path.lexists(path / f)]
     if absent:
-        raise BadInput(f"{path / absent[0]}: missing" + (f" (and {len(absent) - 1} more data files)" if len(absent) > 1 else "")
+        raise Damaged(f"{path / absent[0]}: missing" + (f" (and {len(absent) - 1} more data files)" if len(absent) > 1 else "")
                        + f"; {METADATA} lists {len(files)} data files, so the checkpoint is incomplete: copy it again, "
                        "every file of the directory")
     for f in sorted(files):

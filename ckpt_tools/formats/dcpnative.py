@@ -33,7 +33,7 @@ from ..codecs.tensornodes import REBUILD_V2, STORAGE_DTYPES, contiguous_stride
 from ..codecs.torchwriter import TorchZipWriter, dumps
 from ..core.describe import Checkpoint, ObjectInfo
 from ..core.plan import Span
-from ..errors import BadInput
+from ..errors import BadInput, Damaged
 from ..security.torchfile import Global, NewObj, Reduce, StorageRef, loads_blob
 from ..storage.castio import CastSpan, blocks
 from ..storage.diskio import Flusher, copy_range
@@ -201,7 +201,7 @@ class Writer:
                 f.seek(loc.offset)
                 data = f.read(loc.length)
             if len(data) != loc.length:
-                raise BadInput(f"{path}: item {o.name!r} is truncated")
+                raise Damaged(f"{path}: item {o.name!r} is truncated")
             import io
 
             try:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ..core.describe import Checkpoint, Chunk, FileEntry, Location, TensorInfo
 from ..core.dtypes import DType
 from ..core.plan import FileJob, Span
-from ..errors import BadInput
+from ..errors import BadInput, Damaged
 from ..security import safefs
 from ..storage.castio import CastSpan, blocks
 from ..storage.diskio import copy_range, write_all
@@ -67,13 +67,13 @@ def read_raw_header(path: Path) -> RawHeader:
         size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
-            raise BadInput(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            raise Damaged(f"{path}: truncated safetensors file ({size} bytes, no header)")
         (n,) = struct.unpack("<Q", head)
         if n <= MAX_HEADER_BYTES and 8 + n > size:
-            raise BadInput(f"{path}: truncated: {size:,} bytes on disk, but its header alone needs {8 + n:,}; "
+            raise Damaged(f"{path}: truncated: {size:,} bytes on disk, but its header alone needs {8 + n:,}; "
                            "copy the file again")
         if n > MAX_HEADER_BYTES:
-            raise BadInput(f"{path}: safetensors header claims {n} bytes but the file has {size}; corrupt or truncated")
+            raise Damaged(f"{path}: safetensors header claims {n} bytes but the file has {size}; corrupt or truncated")
         raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
@@ -118,7 +118,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
             raise BadInput(f"{path}: tensor {name!r}: malformed header entry {str(entry)[:200]}") from e
         if end > data_len and 0 <= begin <= end and all(d >= 0 for d in shape):
             needed = data_start + max(data_len, *_ends(header))
-            raise BadInput(f"{path}: truncated: {size:,} bytes on disk, but its header needs {needed:,} "
+            raise Damaged(f"{path}: truncated: {size:,} bytes on disk, but its header needs {needed:,} "
                            f"({needed - size:,} missing); copy the file again")
         if any(d < 0 for d in shape) or not 0 <= begin <= end <= data_len:
             raise BadInput(f"{path}: tensor {name!r}: offsets {begin}..{end} outside the {data_len} data bytes")
@@ -137,7 +137,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
             raise BadInput(f"{path}: a hole of {begin - pos} bytes before tensor {name!r}")
         pos = end
     if pos != data_len:
-        raise BadInput(f"{path}: {data_len - pos} trailing bytes after the last tensor; truncated or corrupt")
+        raise Damaged(f"{path}: {data_len - pos} trailing bytes after the last tensor; truncated or corrupt")
     return header, data_start
 
 

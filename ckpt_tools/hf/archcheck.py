@@ -1,12 +1,14 @@
-"""Will ``from_pretrained`` load these names? Asked of ``from_pretrained`` itself.
+"""Will ``from_pretrained`` load these names? Asked of the model class itself.
 
-The architecture named by ``config.json`` is built on the meta device and handed a state dict of
-meta tensors with the names, shapes and dtypes about to be written; ``from_pretrained``'s own
-loading report (``output_loading_info``) then says what would be missing, unexpected or
-misshapen. Everything it ignores (``_keys_to_ignore_on_load_*``, tied weights, old rotary
-``inv_freq`` and ``position_ids`` buffers, its own key renames and base-model prefixes) is
-ignored here for the same reason, with no copy of those rules to drift. No data is read and no
-memory is used beyond the meta model's bookkeeping.
+The architecture named by ``config.json`` is built on the meta device (``torch.device("meta")``
+and the class's ``_from_config``: no memory, no weights, no accelerate, the same on every
+supported transformers) and the names, shapes and dtypes about to be written are set against
+its state dict, with the rules ``from_pretrained`` reads off the class (:func:`compare`): its
+base-model prefix, tied parameters, non-persistent buffers, ``_keys_to_ignore_on_load_*``. No
+copy of those rules is kept here to drift.
+
+The check fails closed: when it cannot run (:class:`Unchecked`: transformers missing, a class
+it lacks, remote code, a config it cannot read) the caller refuses, naming ``--no-arch-check``.
 
 Asking costs ``import torch`` and ``transformers`` and the architecture's module (seconds), far
 more than exporting a small model. The answer depends only on what is asked (config, names,
@@ -107,23 +109,81 @@ def load_report(config: dict, tensors: dict[str, tuple[tuple[int, ...], DType]])
     if known_good(config, tensors):
         return LoadReport(str(config["architectures"][0]), (), (), ())
     cls = model_class(config, tensors)
-    import torch
-
-    cfg = _config_object(config, cls)
-    state = {name: torch.empty(shape, dtype=as_torch(dtype), device="meta") for name, (shape, dtype) in tensors.items()}
-    try:
-        with _quiet():
-            _, info = cls.from_pretrained(None, config=cfg, state_dict=state, device_map="meta",
-                                          output_loading_info=True, ignore_mismatched_sizes=True)
-    except Exception as e:  # noqa: BLE001 - transformers' own failure: the names cannot be vouched for
-        raise Unchecked(f"transformers could not build {cls.__name__} on the meta device "
-                        f"({type(e).__name__}: {str(e)[:160]})") from e
-    mismatched = tuple(sorted((n, tuple(given), tuple(wanted)) for n, given, wanted in info.get("mismatched_keys", ())))
-    report = LoadReport(cls.__name__, tuple(sorted(info.get("missing_keys", ()))),
-                        tuple(sorted(info.get("unexpected_keys", ()))), mismatched)
+    report = compare(meta_model(config, cls), {n: tuple(shape) for n, (shape, _) in tensors.items()})
     if report.ok and cls.__name__ == (config.get("architectures") or [None])[0]:
         _remember(config, tensors)
     return report
+
+
+def meta_model(config: dict, cls):
+    """``cls`` built from ``config`` on the meta device (``torch.device("meta")`` and the class's
+    ``_from_config``, as ``AutoModel*.from_config`` does): every parameter and buffer with its
+    shape, no memory, no weights read, no accelerate. Raises :class:`Unchecked` when
+    transformers cannot build it."""
+    import torch
+    import transformers
+
+    cfg = _config_object(config, cls)
+    try:
+        with _quiet(), torch.device("meta"):
+            return cls._from_config(cfg)
+    except Exception as e:  # noqa: BLE001 - transformers' own failure: the names cannot be vouched for
+        raise Unchecked(f"transformers {transformers.__version__} could not build {cls.__name__} on the meta "
+                        f"device ({type(e).__name__}: {_clip(str(e))})") from e
+
+
+def compare(model, given: dict[str, tuple[int, ...]]) -> LoadReport:
+    """``from_pretrained``'s loading report for a checkpoint of ``given`` names and shapes, asked
+    of the built ``model`` and its class: its state dict (what it loads), its base-model prefix
+    (added or dropped, so a bare model's weights load into a model with a head and back), its
+    tied parameters (one name of each tied group is enough), its non-persistent buffers and
+    ``_keys_to_ignore_on_load_unexpected`` (present but not loaded: not unexpected) and
+    ``_keys_to_ignore_on_load_missing`` (absent but not needed: not missing)."""
+    state = model.state_dict(keep_vars=True)
+    wanted = {n: tuple(t.shape) for n, t in state.items()}
+    prefix = getattr(model, "base_model_prefix", "") or ""
+
+    def place(name: str) -> str:  # the name from_pretrained loads ``name`` into
+        if name in wanted or not prefix:
+            return name
+        if name.startswith(prefix + ".") and name[len(prefix) + 1:] in wanted:
+            return name[len(prefix) + 1:]
+        return f"{prefix}.{name}" if f"{prefix}.{name}" in wanted else name
+
+    placed = {place(n): (n, shape) for n, shape in given.items()}
+    unloaded = {n for n, _ in model.named_buffers()} - set(state)  # non-persistent buffers
+    skip_unexpected = _patterns(model, "_keys_to_ignore_on_load_unexpected")
+    skip_missing = _patterns(model, "_keys_to_ignore_on_load_missing")
+    unexpected = sorted(n for p, (n, _) in placed.items()
+                        if p not in wanted and p not in unloaded and not skip_unexpected(p) and not skip_unexpected(n))
+    groups: dict[int, set[str]] = {}  # tied parameters are one tensor under several names
+    for n, t in state.items():
+        groups.setdefault(id(t), set()).add(n)
+    missing = sorted(n for n in wanted if n not in placed and not skip_missing(n)
+                     and not any(other in placed for other in groups[id(state[n])]))
+    mismatched = sorted((n, shape, wanted[p]) for p, (n, shape) in placed.items() if p in wanted and shape != wanted[p])
+    return LoadReport(type(model).__name__, tuple(missing), tuple(unexpected), tuple(mismatched))
+
+
+def _patterns(model, attribute: str):
+    """A test for names matching the regular expressions of the model's (and, on transformers
+    5, its submodels') ``attribute``, as ``from_pretrained`` matches them (``re.search``)."""
+    import re
+
+    found = set(getattr(type(model), attribute, None) or ()) | set(getattr(model, attribute, None) or ())
+    if not found:
+        return lambda name: False
+    regex = re.compile("|".join(f"(?:{p})" for p in sorted(found)))
+    return lambda name: regex.search(name) is not None
+
+
+def _clip(text: str, limit: int = 160) -> str:
+    """``text`` on one line, cut at a word boundary with an ellipsis when longer than ``limit``."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    cut = text[:limit].rsplit(" ", 1)[0]
+    return (cut or text[:limit]).rstrip(",;:") + " …"
 
 
 def _config_object(config: dict, cls):
@@ -133,7 +193,7 @@ def _config_object(config: dict, cls):
     try:
         return AutoConfig.for_model(**fields) if "model_type" in fields else cls.config_class(**fields)
     except Exception as e:  # noqa: BLE001 - any failure to read the config means: not checked
-        raise Unchecked(f"transformers cannot read this config.json ({type(e).__name__}: {str(e)[:120]})") from e
+        raise Unchecked(f"transformers cannot read this config.json ({type(e).__name__}: {_clip(str(e), 120)})") from e
 
 
 def tied_sources(config_file: Path, names: Iterable[str]) -> dict[str, str]:
@@ -144,12 +204,7 @@ def tied_sources(config_file: Path, names: Iterable[str]) -> dict[str, str]:
     architecture cannot be built here."""
     try:
         config = json.loads(config_file.read_text())
-        cls = model_class(config, list(names))
-        cfg = _config_object(config, cls)
-        import torch
-
-        with _quiet(), torch.device("meta"):
-            model = cls._from_config(cfg)
+        model = meta_model(config, model_class(config, list(names)))
         return dict(model.get_expanded_tied_weights_keys(all_submodels=True))
     except Exception:  # noqa: BLE001 - a model transformers cannot build: nothing is known tied
         return {}

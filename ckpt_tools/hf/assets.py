@@ -59,8 +59,10 @@ def asset_names(assets: Path | None) -> list[str]:
     return [] if assets is None else [n for n in ASSET_PATTERNS if (assets / n).is_file()]
 
 
-def copy_assets(assets: Path | None, out: Path, *, dtype: str | None) -> list[str]:
-    """Copy the asset files into ``out``; set config's dtype field. Returns the names copied."""
+def copy_assets(assets: Path | None, out: Path, *, dtype: str | None, architecture: str | None = None) -> list[str]:
+    """Copy the asset files into ``out``; set config's dtype field, and its ``architectures`` to
+    ``[architecture]`` when it names none (as ``save_pretrained`` writes the class it saved).
+    Returns the names copied."""
     copied = []
     if assets is None:
         return copied
@@ -69,22 +71,25 @@ def copy_assets(assets: Path | None, out: Path, *, dtype: str | None) -> list[st
         if f.is_file():
             shutil.copyfile(f, out / name)
             copied.append(name)
-    if "config.json" in copied and dtype is not None:
+    if "config.json" in copied and (dtype is not None or architecture is not None):
         config = json.loads((out / "config.json").read_text())
-        config["dtype"] = dtype_name(dtype)
-        if "torch_dtype" in config:
-            config["torch_dtype"] = dtype_name(dtype)
+        if dtype is not None:
+            config["dtype"] = dtype_name(dtype)
+            if "torch_dtype" in config:
+                config["torch_dtype"] = dtype_name(dtype)
+        if architecture is not None and not config.get("architectures"):
+            config["architectures"] = [architecture]
         (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return copied
 
 
 def rewrite_config(path: Path, config: dict) -> None:
     """Write ``config`` at ``path`` (copied there by :func:`copy_assets`), keeping the dtype
-    fields that copy set."""
+    fields (and an ``architectures`` it filled in) that copy set."""
     written = json.loads(path.read_text())
     new = dict(config)
-    for key in ("dtype", "torch_dtype"):
-        if key in written:
+    for key in ("dtype", "torch_dtype", "architectures"):
+        if key in written and (key != "architectures" or not new.get(key)):
             new[key] = written[key]
     path.write_text(json.dumps(new, indent=2, sort_keys=True) + "\n")
 

@@ -26,6 +26,29 @@ if TYPE_CHECKING:
     from torch import nn
 
 
+INSTALL = "pip install 'ckpt-tools[hf]'"
+
+
+def require_transformers(what: str) -> None:
+    """Raise BadInput (exit 3) naming the install when transformers is missing: ``what`` (a
+    command, or the file it reads) needs it. Imports it (the caller is about to use it)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise BadInput(f"{what} needs transformers, which is not installed; run `{INSTALL}`") from e
+
+
+def dtype_argument(dtype) -> dict:
+    """The keyword ``from_pretrained``/``_from_config`` take a dtype under (as torch's dtype): ``dtype`` since
+    transformers 4.56, ``torch_dtype`` before (which 5.x no longer takes)."""
+    import transformers
+
+    from ..core.dtypes import as_torch
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype": as_torch(dtype)} if (major, minor) >= (4, 56) else {"torch_dtype": as_torch(dtype)}
+
+
 def architecture_class(names: Iterable[Any] | None) -> type | None:
     """The first of ``names`` (a config's ``architectures``) that transformers ships as a model
     class, i.e. a ``PreTrainedModel`` subclass; ``None`` when none is (no names, a name this

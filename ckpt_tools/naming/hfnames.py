@@ -60,13 +60,15 @@ def target(t: TensorInfo, name: str, cast: DType | None, q: quant.Quantized | No
 
 def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DType | None, config: dict,
                 lora: str | None = None, lora_alpha: float | None = None, base: str | None = None,
-                quantized: quant.Quantized | None = None) -> ExportPlan:
+                quantized: quant.Quantized | None = None, arch_check: bool = True) -> ExportPlan:
     """Plan an HF export of ``keep`` (the model tensors of ``ckpt``); see the module docstring.
 
     ``lora``: ``"merge"`` (default) or ``"adapter"``. ``quantized``: the source's quantization,
     whose weights are dequantized to ``cast``. Raises BadInput (exit 3) for names the
     architecture would not load, LoRA without a known alpha, adapter-only weights without ``base``.
+    ``arch_check=False`` (``--no-arch-check``): the names are written unchecked, with a warning.
     """
+    asks = bool(config) and arch_check  # whether the check builds the architecture
 
     names: dict[str, TensorInfo] = {}
     for t in keep:
@@ -81,8 +83,8 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
         pieces = megatron.to_hf_pieces(ckpt, names, config, src, cast)
         notes = megatron.check_args(ckpt, config, src)
         pieces = untie(ckpt, pieces, config, src)
-        return ExportPlan(ckpt, pieces, None, lambda: check(pieces, config, src) + notes,
-                          bool(config) and not archcheck.known_good(config, _asked(pieces)))
+        return ExportPlan(ckpt, pieces, None, lambda: check(pieces, config, src, arch_check) + notes,
+                          asks and not archcheck.known_good(config, _asked(pieces)))
     found = peft_lora.find(ckpt, alpha=lora_alpha) if any(".lora_" in n for n in names) else None
     if found is None and lora == "adapter":
         raise BadInput(f"{src}: holds no LoRA weights (lora_A/lora_B) to write as an adapter; drop --lora adapter")
@@ -90,8 +92,8 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
         peft_lora.check_alpha(found, src)
         pieces = [whole(target(t, n, cast)) for n, t in peft_lora.adapter_names(found, names)]
         return ExportPlan(ckpt, pieces, peft_lora.adapter_config(found, base_model=base, config=config),
-                          lambda: check_adapter(found, config, src),
-                          bool(config) and not archcheck.known_good(config, _adapter_targets(found)))
+                          lambda: check_adapter(found, config, src, arch_check),
+                          asks and not archcheck.known_good(config, _adapter_targets(found)))
     if found is not None:
         base_tensors = None
         if found.adapter_only and base:
@@ -112,8 +114,8 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
     if torchtitan.detect(p.target.name for p in pieces):
         pieces = torchtitan.to_hf_pieces(pieces, config, src)
     pieces = untie(ckpt, pieces, config, src)
-    return ExportPlan(ckpt, pieces, None, lambda: check(pieces, config, src),
-                      bool(config) and not archcheck.known_good(config, _asked(pieces)))
+    return ExportPlan(ckpt, pieces, None, lambda: check(pieces, config, src, arch_check),
+                      asks and not archcheck.known_good(config, _asked(pieces)))
 
 
 def _with_base_weights(ckpt: Checkpoint, base: str) -> tuple[Checkpoint, dict[str, TensorInfo]]:
@@ -161,21 +163,51 @@ def untie(ckpt: Checkpoint, pieces: list[Piece], config: dict, src: Path) -> lis
     return pieces
 
 
-def check(pieces: list[Piece], config: dict, src: Path) -> list[str]:
-    """Refuse names ``from_pretrained`` of the config's architecture would not load; return
-    notes when the names could not be checked."""
+NO_CHECK = "--no-arch-check"
+
+
+def unchecked(src: Path, what: str, why: archcheck.Unchecked) -> BadInput:
+    """The check fails closed: it could not run, so nothing is written unless asked."""
+    return BadInput(f"{src}: {what} cannot be checked against the architecture of config.json: {why}; "
+                    f"nothing was written. Pass {NO_CHECK} to write them unchecked (from_pretrained may then "
+                    "refuse them, or load them wrong)")
+
+
+def skipped(what: str) -> str:
+    return (f"warning: {what} were not checked against the architecture of config.json ({NO_CHECK}); "
+            "from_pretrained may refuse them")
+
+
+def check(pieces: list[Piece], config: dict, src: Path, arch_check: bool = True) -> list[str]:
+    """Refuse names ``from_pretrained`` of the config's architecture would not load, or that
+    cannot be checked; with ``arch_check=False``, a warning instead of the check. Without a
+    config (``convert --to hf`` of weights alone) there is nothing to check against: a note."""
     if not config:
         return ["the names were not checked against an architecture (no config.json; pass --base MODEL)"]
+    if not arch_check:
+        return [skipped("the names")]
     try:
         report = archcheck.load_report(config, _asked(pieces))
     except archcheck.Unchecked as e:
-        return [f"the names were not checked against the architecture: {e}"]
+        raise unchecked(src, "the names", e) from e
     if not report.ok:
         what = ("config.json" if config.get("architectures") else
                 f"config.json names no architectures; its model_type {config.get('model_type')!r} and these names")
         raise BadInput(f"{src}: {report.architecture} ({what}) would not load these weights: {report.describe()}; "
                        f"{archcheck.likely_fix(report)}")
     return []
+
+
+def architecture(plan: ExportPlan, config: dict, arch_check: bool) -> str | None:
+    """The class the checked names were checked against, for a config that names none (what
+    ``save_pretrained`` of that class writes in ``architectures``); None otherwise, or unchecked.
+    Called after the check, whose import of transformers it reuses."""
+    if not config or config.get("architectures") or not arch_check or plan.adapter_config is not None:
+        return None
+    try:
+        return archcheck.model_class(config, _asked(plan.pieces)).__name__
+    except archcheck.Unchecked:
+        return None
 
 
 def _asked(pieces: list[Piece]) -> dict[str, tuple[tuple[int, ...], DType]]:
@@ -186,15 +218,17 @@ def _adapter_targets(found: peft_lora.Lora) -> dict[str, tuple[tuple[int, ...], 
     return {f"{t.module}.weight": (t.weight_shape, t.a.dtype) for t in found.targets}
 
 
-def check_adapter(found: peft_lora.Lora, config: dict, src: Path) -> list[str]:
+def check_adapter(found: peft_lora.Lora, config: dict, src: Path, arch_check: bool = True) -> list[str]:
     """Every LoRA target must be a weight of the base architecture with the shape ``B @ A`` has
     (the base weights themselves need not be in the checkpoint)."""
     if not config:
         return ["the adapter's targets were not checked against a base architecture (no config.json; pass --base)"]
+    if not arch_check:
+        return [skipped("the adapter's targets")]
     try:
         report = archcheck.load_report(config, _adapter_targets(found))
     except archcheck.Unchecked as e:
-        return [f"the adapter's targets were not checked against the base architecture: {e}"]
+        raise unchecked(src, "the adapter's targets", e) from e
     if report.unexpected or report.mismatched:
         bad = archcheck.LoadReport(report.architecture, (), report.unexpected, report.mismatched)
         raise BadInput(f"{src}: the LoRA targets are not weights of {report.architecture} (config.json): "
@@ -218,9 +252,9 @@ def checked_in_background(plan: ExportPlan):
 
 
 def say(notes: list[str], progress: bool = True) -> None:
-    """The export's notes, printed even with ``--quiet`` (which hides progress only); once per
+    """The export's notes (and ``warning:`` lines), printed even with ``--quiet`` (which hides progress only); once per
     torchrun launch. ``progress`` is not consulted."""
     if env.rank() != 0:
         return
     for n in notes:
-        print(f"note: {n}", file=sys.stderr)
+        print(n if n.startswith("warning: ") else f"note: {n}", file=sys.stderr)

@@ -17,7 +17,7 @@ from typing import Any
 
 from . import bounded, safefs
 from ..core.dtypes import DType, known
-from ..errors import BadInput, UnsafeInput, first_line
+from ..errors import BadInput, Damaged, NewerFormat, UnsafeInput, first_line
 
 
 class _Record:
@@ -97,13 +97,34 @@ class MemFormat(Enum):
     TORCH_PRESERVE_FORMAT = 2
 
 
+class NewerTorch(ValueError):
+    """The pickle holds a form of DCP's metadata that no torch ckpt knows wrote (a newer torch's)."""
+
+
 class TensorProperties(_Record):
-    _fields = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
+    """torch's ``__getstate__`` tuple: ``(dtype, layout, requires_grad, memory format encoding,
+    pin_memory)`` up to torch 2.14, with ``strides`` (None or a tuple of ints; metadata only, the
+    bytes are laid out as before) added by torch 2.15. A longer tuple, or another kind of state,
+    is a newer torch's."""
+
+    _fields = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory", "strides")
 
     def __setstate__(self, state: Any) -> None:
-        if not isinstance(state, tuple) or len(state) != 5 or not isinstance(state[0], DType):
+        if isinstance(state, dict) or isinstance(state, tuple) and len(state) > 6 and state and \
+                isinstance(state[0], DType):
+            raise NewerTorch(f"TensorProperties pickled as {_shape_of(state)}, where torch 2.10 to 2.15 "
+                             "pickle a tuple of 5 or 6 fields")
+        if not isinstance(state, tuple) or len(state) not in (5, 6) or not isinstance(state[0], DType):
             raise ValueError("TensorProperties: unexpected pickled state")
-        self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
+        self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state[:5]
+        strides = state[5] if len(state) == 6 else None
+        if strides is not None and not (isinstance(strides, tuple) and all(type(x) is int for x in strides)):
+            raise ValueError("TensorProperties: strides must be None or a tuple of integers")
+        self.strides = strides
+
+
+def _shape_of(state: Any) -> str:
+    return f"a tuple of {len(state)} fields" if isinstance(state, tuple) else f"a {type(state).__name__}"
 
 
 class SavePlan(_Record):
@@ -151,6 +172,9 @@ class Forbidden(pickle.UnpicklingError):
     """A pickle asked for a global outside the allow-list."""
 
 
+DCP_MODULES = "torch.distributed.checkpoint."  # where DCP's own metadata classes live
+
+
 def _get_layout(name: str) -> str:
     """How torch.layout pickles: ``_get_layout("torch.strided")``; kept as its name."""
     if not isinstance(name, str):
@@ -192,6 +216,8 @@ class MetadataUnpickler(pickle._Unpickler):
             return super().find_class(module, name)
         if module == "torch" and known(name):
             return DType(name)
+        if module.startswith(DCP_MODULES):  # refused all the same: nothing of it is run
+            raise NewerTorch(f"it names {module}.{name}, a DCP class no torch from 2.10 to 2.15 pickles")
         raise Forbidden(f"global {module}.{name} is not a DCP metadata class")
 
 
@@ -212,6 +238,9 @@ def load_dcp_metadata(path: Path) -> Any:
                                ".metadata may hold; corrupt or not a checkpoint")
             with bounded.gc_paused():
                 meta = MetadataUnpickler(f).load()
+    except NewerTorch as e:
+        raise NewerFormat(f"{path}: written by a newer torch ({first_line(e)}) than this ckpt-tools reads; "
+                       "upgrade ckpt-tools (pip install -U ckpt-tools)") from e
     except Forbidden as e:
         raise UnsafeInput(f"{path}: refused: {first_line(e)}; a DCP .metadata holds only DCP's own classes") from e
     except bounded.HostileTree as e:
@@ -219,9 +248,9 @@ def load_dcp_metadata(path: Path) -> Any:
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, OSError,
             OverflowError, MemoryError, RecursionError, struct.error) as e:
         if isinstance(e, EOFError):  # the pickle ends before its STOP: the file was cut short
-            raise BadInput(f"{path}: truncated: the DCP metadata pickle ends early ({size:,} bytes on disk); "
+            raise Damaged(f"{path}: truncated: the DCP metadata pickle ends early ({size:,} bytes on disk); "
                            "copy the checkpoint again") from e
-        raise BadInput(f"{path}: corrupt or truncated DCP metadata ({first_line(e)}); copy the checkpoint again") from e
+        raise Damaged(f"{path}: corrupt or truncated DCP metadata ({first_line(e)}); copy the checkpoint again") from e
     with bounded.gc_paused():
         bounded.check_tree(meta, where=str(path))
     if not isinstance(meta, Metadata):

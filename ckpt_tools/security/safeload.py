@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from . import bounded, safefs
-from ..errors import BadInput, UnsafeInput, first_line
+from ..errors import BadInput, Damaged, UnsafeInput, first_line
 from .torchfile import check_structure
 
 # verl's extra-state files hold `np.random.get_state()`: arrays need numpy's reconstructor,
@@ -93,9 +93,9 @@ def damaged(path: Path, e: BaseException) -> BadInput:
     with contextlib.suppress(OSError):
         size = path.stat().st_size
     if _is_zip(path) and not _has_zip_end(path):
-        return BadInput(f"{path}: truncated: {size:,} bytes on disk and no zip directory at its end, which "
+        return Damaged(f"{path}: truncated: {size:,} bytes on disk and no zip directory at its end, which "
                         "torch.save writes last; copy the file again")
-    return BadInput(f"{path}: not a readable torch.save file, corrupt or truncated ({first_sentence(e)}); "
+    return Damaged(f"{path}: not a readable torch.save file, corrupt or truncated ({first_sentence(e)}); "
                     "copy it again from a good copy")
 
 
@@ -136,7 +136,7 @@ def load_torch_bytes(data: bytes | memoryview, *, where: str) -> Any:
     except pickle.UnpicklingError as e:
         raise _refusal(where, e) from e
     except _DAMAGED as e:
-        raise BadInput(f"{where}: corrupt or truncated item ({first_sentence(e)}); copy the file again") from e
+        raise Damaged(f"{where}: corrupt or truncated item ({first_sentence(e)}); copy the file again") from e
     bounded.check_tree(obj, where=where)
     return obj
 
@@ -193,7 +193,7 @@ def _refusal(where: str, e: pickle.UnpicklingError) -> BadInput:
             why = next((ln.strip() for ln in detail[1].splitlines() if ln.strip()), "unknown")
             return UnsafeInput(f"{where}: refused: not a torch.save file that can be loaded without running "
                                f"code ({why}); re-save it with torch.save")
-        return BadInput(f"{where}: not a readable torch.save file, corrupt or truncated ({first_line(e)})")
+        return Damaged(f"{where}: not a readable torch.save file, corrupt or truncated ({first_line(e)})")
     name = m.group(1).rstrip(".,")
     return UnsafeInput(f"{where}: refused: it asks to run {name}, which a checkpoint never needs; "
                        "the file may be malicious (nothing from it was run)")
@@ -210,7 +210,7 @@ def load_torch_meta(f: Any, *, where: str) -> Any:
     except pickle.UnpicklingError as e:
         raise _refusal(where, e) from e
     except _DAMAGED as e:
-        raise BadInput(f"{where}: corrupt or truncated item ({first_sentence(e)}); copy the file again") from e
+        raise Damaged(f"{where}: corrupt or truncated item ({first_sentence(e)}); copy the file again") from e
     bounded.check_tree(obj, where=where)
     return obj
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import bounded, safefs
-from ..errors import BadInput, UnsafeInput, brief
+from ..errors import BadInput, Damaged, UnsafeInput, brief
 
 # Legacy typed storages torch.save names in persistent ids, with element sizes (torch.load checks
 # that a record holds numel * itemsize bytes; so do we).
@@ -316,7 +316,7 @@ def zip_records(path: Path) -> tuple[str, dict[str, Record]]:
                 raise BadInput(f"{path}: bad local header for record {name}")
             offset = info.header_offset + 30 + sum(struct.unpack("<HH", head[26:30]))
             if offset + info.file_size > file_size:
-                raise BadInput(f"{path}: record {name} runs past the end of the file (truncated?)")
+                raise Damaged(f"{path}: record {name} runs past the end of the file (truncated?)")
             records[name] = Record(name, offset, info.file_size, info.CRC)
     return prefix, records
 
