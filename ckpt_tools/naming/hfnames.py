@@ -187,7 +187,7 @@ def check(pieces: list[Piece], config: dict, src: Path, arch_check: bool = True)
     if not arch_check:
         return [skipped("the names")]
     try:
-        report = archcheck.load_report(config, _asked(pieces))
+        report = archcheck.load_report(config, _as_loaded(_asked(pieces), config, src))
     except archcheck.Unchecked as e:
         raise unchecked(src, "the names", e) from e
     if not report.ok:
@@ -212,6 +212,17 @@ def architecture(plan: ExportPlan, config: dict, arch_check: bool) -> str | None
 
 def _asked(pieces: list[Piece]) -> dict[str, tuple[tuple[int, ...], DType]]:
     return {p.target.name: (p.target.shape, p.target.dtype) for p in pieces}
+
+
+def _as_loaded(asked: dict[str, tuple[tuple[int, ...], DType]], config: dict,
+               src: Path) -> dict[str, tuple[tuple[int, ...], DType]]:
+    """The names and shapes ``from_pretrained`` holds once its conversion registry has read the
+    written ones (Mixture-of-Experts: per-expert hub tensors fused), which the model's own state
+    dict is compared with."""
+    loaded = experts.to_model(config, asked, src) if experts.is_moe(config, asked) else None
+    if not loaded:
+        return asked
+    return {p.name: (p.shape, asked[p.same if p.same is not None else p.runs[0].source][1]) for p in loaded.values()}
 
 
 def _adapter_targets(found: peft_lora.Lora) -> dict[str, tuple[tuple[int, ...], DType]]:
