@@ -121,7 +121,7 @@ def test_block_fp8_partial_blocks_dequantize_bit_equal_to_the_formula(tmp_path, 
     src = write_hf(tmp_path / "src", tensors, cfg, shards={"model-00001-of-00002.safetensors": ["layer.weight"],
                                                             "model-00002-of-00002.safetensors": ["layer.weight_scale_inv", "norm.weight"]})
     want = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    run("convert", src, tmp_path / "out", "--to", "hf", "--dtype", dtype)
+    run("convert", src, tmp_path / "out", "--to", "hf", "--no-arch-check", "--dtype", dtype)
     got = load_file(tmp_path / "out" / "model.safetensors")
     assert set(got) == {"layer.weight", "norm.weight"}  # no scale left
     assert got["layer.weight"].dtype == want
@@ -140,7 +140,7 @@ def test_block_fp8_with_e8m0_scales(tmp_path):
     assert torch.equal(e8.float(), s)  # powers of two: exact
     cfg = {"quantization_config": {**FP8_CONFIG["quantization_config"], "scale_fmt": "ue8m0"}}
     src = write_hf(tmp_path / "src", {"l.weight": q, "l.weight_scale_inv": e8}, cfg)
-    run("convert", src, tmp_path / "out", "--to", "hf", "--dtype", "bf16")
+    run("convert", src, tmp_path / "out", "--to", "hf", "--no-arch-check", "--dtype", "bf16")
     got = load_file(tmp_path / "out" / "model.safetensors")
     assert torch.equal(got["l.weight"], block_dequant(q, s).to(torch.bfloat16))
 
@@ -216,7 +216,7 @@ def test_moe_per_expert_fp8_weights_dequantize_per_expert(tmp_path):
             want[name] = block_dequant(q, s).to(torch.bfloat16)
     tensors["model.layers.3.mlp.gate.weight"] = want["model.layers.3.mlp.gate.weight"] = torch.randn(3, 160).bfloat16()
     src = write_hf(tmp_path / "src", tensors, FP8_CONFIG)
-    run("convert", src, tmp_path / "out", "--to", "hf", "--dtype", "bf16")
+    run("convert", src, tmp_path / "out", "--to", "hf", "--no-arch-check", "--dtype", "bf16")
     got = load_file(tmp_path / "out" / "model.safetensors")
     assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
 
@@ -316,7 +316,7 @@ def test_compressed_tensors_per_tensor_and_block_scales(tmp_path, scheme):
     src = write_hf(tmp_path / "src", {"l.weight": q, "l.weight_scale": s, "l.input_scale": torch.ones(1)}, config)
     info = ckpt_tools.inspect(src)["quantization"]
     assert info["scheme"] == {"tensor": "FP8", "block": "FP8_BLOCK"}[scheme] and info["quantized_tensors"] == 1
-    run("convert", src, tmp_path / "out", "--to", "hf", "--dtype", "bf16")
+    run("convert", src, tmp_path / "out", "--to", "hf", "--no-arch-check", "--dtype", "bf16")
     got = load_file(tmp_path / "out" / "model.safetensors")
     assert set(got) == {"l.weight"} and torch.equal(got["l.weight"], want)
 
@@ -402,7 +402,7 @@ def test_verify_compares_a_quantized_checkpoint_with_its_dequantized_export(fp8_
 
 def _bad(tmp_path: Path, tensors: dict, config: dict, *args: str) -> str:
     src = write_hf(tmp_path / "src", tensors, config)
-    out = run("convert", src, tmp_path / "out", "--to", "hf", "--dtype", "bf16", *args, code=3)
+    out = run("convert", src, tmp_path / "out", "--to", "hf", "--no-arch-check", "--dtype", "bf16", *args, code=3)
     assert not (tmp_path / "out").exists()
     return out
 
@@ -466,7 +466,7 @@ def test_dequantization_memory_stays_flat(tmp_path):
         q = torch.randint(0, 0x7F, (rows, 8192), dtype=torch.uint8).view(FP8)
         write_hf(src, {"l.weight": q, "l.weight_scale_inv": torch.rand(rows // 128, 64)}, FP8_CONFIG)
         del q
-        code = ("import resource, ckpt_tools; ckpt_tools.convert(%r, %r, to='hf', dtype='bf16', progress=False); "
+        code = ("import resource, ckpt_tools; ckpt_tools.convert(%r, %r, to='hf', dtype='bf16', arch_check=False, progress=False); "
                 "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)") % (str(src), str(tmp_path / f"out{rows}"))
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         peaks.append(int(out.stdout.split()[-1]) * 1024)
