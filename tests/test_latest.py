@@ -47,11 +47,13 @@ def _truncate(path: Path) -> None:
 # -- a plain FSDP2 job: fully_shard + torch.distributed.checkpoint ------------------------------
 
 def _fsdp2_job(rank: int, world_size: int, run: str, *, saves: tuple[int, ...], load: str | None, steps: int,
-               kill_in: str | None = None, losses_to: str | None = None) -> list[float]:
+               kill_in: str | None = None, losses_to: str | None = None, folder: str = "step_{}",
+               optim_key: str = "optim") -> list[float]:
     """Train ``steps`` steps of the tiny Llama under ``fully_shard``; after each step in
-    ``saves`` ``dcp.save`` model, optimizer and step into ``run/step_<k>``; start from ``load``
-    with ``dcp.load`` when given. ``losses_to``: rank 0 writes the losses so far there before
-    each save (the job may be killed in one: ``kill_in``)."""
+    ``saves`` ``dcp.save`` model, optimizer (under ``optim_key``) and step into
+    ``run/<folder with the step>``; start from ``load`` with ``dcp.load`` when given.
+    ``losses_to``: rank 0 writes the losses so far there before each save (the job may be
+    killed in one: ``kill_in``)."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -66,9 +68,9 @@ def _fsdp2_job(rank: int, world_size: int, run: str, *, saves: tuple[int, ...], 
     first = 0
     if load:
         msd, osd = get_state_dict(model, opt)
-        state = {"model": msd, "optim": osd, "step": torch.tensor(0)}
+        state = {"model": msd, optim_key: osd, "step": torch.tensor(0)}
         dcp.load(state, checkpoint_id=load)
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state[optim_key])
         first = int(state["step"])
     losses = []
     for step in range(first, first + steps):
@@ -83,11 +85,11 @@ def _fsdp2_job(rank: int, world_size: int, run: str, *, saves: tuple[int, ...], 
         if step + 1 in saves:
             if losses_to and rank == 0:
                 Path(losses_to).write_text(json.dumps(losses))
-            target = os.path.join(run, f"step_{step + 1}")
+            target = os.path.join(run, folder.format(step + 1))
             if kill_in:
                 kill_when_written(kill_in)
             msd, osd = get_state_dict(model, opt)
-            dcp.save({"model": msd, "optim": osd, "step": torch.tensor(step + 1)}, checkpoint_id=target)
+            dcp.save({"model": msd, optim_key: osd, "step": torch.tensor(step + 1)}, checkpoint_id=target)
     return losses
 
 
@@ -119,6 +121,23 @@ def test_fsdp2_run_killed_and_truncated(tmp_path):
 
     resumed = run_ranks(functools.partial(_fsdp2_job, saves=(), load=printed, steps=2), WS, tmp_path, str(run))[0]
     assert close(resumed, full[2:4]), (resumed, full)
+
+
+def test_plain_dcp_in_step_folders(tmp_path):
+    """``dcp.save`` of model, optimizer and step into ``step-N/`` (torchtitan's folder names, none
+    of its entries): plain checkpoints, complete, and the one printed resumes the job."""
+    run = tmp_path / "run"
+    job = functools.partial(_fsdp2_job, folder="step-{}", optim_key="optimizer")
+    full = run_ranks(functools.partial(job, saves=(1, 2), load=None, steps=STEPS), WS, tmp_path, str(run))[0]
+    result = _cli("latest", str(run))
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == str(run / "step-2")
+    info = json.loads(_cli("inspect", str(run), "--json").stdout)
+    assert [(c["step"], c["layout"], c["complete"]) for c in info["checkpoints"]] == [(2, "plain", True),
+                                                                                       (1, "plain", True)]
+    resumed = run_ranks(functools.partial(job, saves=(), load=result.stdout.strip(), steps=2), WS, tmp_path,
+                        str(tmp_path / "resumed"))[0]
+    assert close(resumed, full[2:4])
 
 
 # -- the frameworks' own saves -------------------------------------------------------------------

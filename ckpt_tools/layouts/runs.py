@@ -150,6 +150,10 @@ def _check(root: Path, rel: str, adapter: Any, step: int | None, verify: bool) -
             missing.append(f"{where} missing")
             continue
         w = _whole(adapter, d)
+        if not getattr(adapter, "claims", lambda _: True)(w):
+            # named as the framework names its step directories but holding none of its marks
+            # (a dcp.save in ``step-N/``): the layout is what the checkpoint holds, not its name
+            adapter = plain
         fmt, ws, size = fmt or w.format, ws or w.world_size, size + w.size
         try:
             side = [*adapter.missing(d, w), *_manifest_missing(d, verify)]
