@@ -245,6 +245,24 @@ def test_framework_run_killed_and_truncated(framework, tmp_path):
     assert close(fw.resume(printed, tmp_path), full[2:4])
 
 
+def test_trainer_rank_rng_state_lost(tmp_path):
+    """A real 2-rank Trainer run whose newest save lost rank 1's ``rng_state_1.pth`` (that rank
+    killed after rank 0 wrote ``trainer_state.json``): incomplete, the save before it is taken."""
+    import fw_trainer
+
+    run = tmp_path / "run"
+    run_ranks(functools.partial(fw_trainer.job, save_at=(1, 2), load=None, steps=2), WS, tmp_path, str(run))
+    newest = run / "checkpoint-2"
+    assert (newest / "trainer_state.json").is_file() and (newest / "rng_state_0.pth").is_file()
+    (newest / "rng_state_1.pth").unlink()
+    result = _cli("latest", str(run))
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == str(run / "checkpoint-1")
+    entries = {c["step"]: c for c in json.loads(_cli("inspect", str(run), "--json").stdout)["checkpoints"]}
+    assert not entries[2]["complete"] and entries[2]["missing"][0].startswith("rng_state_1.pth missing (rank 1 of 2")
+    assert entries[1]["complete"], entries[1]
+
+
 # -- hand-made runs from the fixtures ----------------------------------------------------------
 
 def _run_of(fixtures_dir: Path, root: Path, **dirs: str) -> Path:
