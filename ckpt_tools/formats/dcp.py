@@ -259,7 +259,7 @@ def _classify(fqn: str, obj_path: tuple | None, is_tensor: bool,
     if len(parts) == 1:
         # a top-level key: a tensor is model state saved flat (dcp.save(model.state_dict()),
         # torchtitan); anything else is the job's own state (train_state, dataloader, ...)
-        return ("model" if is_tensor else "extra"), fqn, None, None
+        return ("model" if is_tensor and not roots.nested_model else "extra"), fqn, None, None
     return "extra", fqn, None, None
 
 
