@@ -49,3 +49,28 @@ def test_rng_beside_nested_model_is_not_a_weight(tmp_path, base):
     assert result.exit_code == 0, result.output
     _, loading = LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not loading["unexpected_keys"] and not loading["missing_keys"], loading
+
+
+def test_overwrite_replaces_only_a_checkpoint(tmp_path, fixtures_dir):
+    """A DST holding the user's notes beside another model is refused (exit 4, named, untouched);
+    an earlier ckpt output and a model saved by save_pretrained are replaced."""
+    import shutil
+
+    src = fixtures_dir / "llama_dcp"
+    dst = tmp_path / "dst"
+    shutil.copytree(fixtures_dir / "llama_hf", dst / "other_model")
+    (dst / "notes.txt").write_text("keep me")
+    result = _cli("convert", src, dst, "--to", "hf", "--overwrite")
+    assert result.exit_code == 4, result.output
+    assert result.stderr.startswith("error: ") and "notes.txt" in result.stderr
+    assert (dst / "notes.txt").read_text() == "keep me" and (dst / "other_model" / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]  # no staging left behind
+
+    for earlier in (tmp_path / "ours", tmp_path / "hub"):
+        if earlier.name == "ours":
+            assert _cli("convert", src, earlier, "--to", "torch", "--quiet").exit_code == 0
+        else:
+            tiny_model(1).save_pretrained(earlier)
+        result = _cli("convert", src, earlier, "--to", "hf", "--overwrite", "--quiet")
+        assert result.exit_code == 0, result.output
+        assert (earlier / "model.safetensors").is_file()
