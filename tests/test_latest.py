@@ -263,6 +263,36 @@ def test_trainer_rank_rng_state_lost(tmp_path):
     assert entries[1]["complete"], entries[1]
 
 
+def test_verl_step_dir_taken_by_every_command(tmp_path):
+    """What ``latest`` prints for verl (``global_step_N``, beside its ``data.pt``) is what every
+    command takes: inspect, verify and export read its ``actor/``; reshard writes a
+    ``global_step_N`` verl's trainer resumes from (actor resharded, data.pt carried)."""
+    import fw_verl
+    from transformers import LlamaForCausalLM
+
+    run = tmp_path / "run"
+    out = str(run / "global_step_{step}" / "actor")
+    full = run_ranks(functools.partial(fw_verl.job, save_at=(1, 2), load=None, steps=STEPS), WS, tmp_path, out)[0]
+    printed = _cli("latest", str(run)).stdout.strip()
+    assert printed == str(run / "global_step_2") and (run / "global_step_2" / "data.pt").is_file()
+    info = json.loads(_cli("inspect", printed, "--json").stdout)
+    assert (info["format"], info["layout"], info["world_size"]) == ("sharded", "verl", WS)
+    assert info["groups"]["optimizer"]["num_tensors"] == 3 * info["groups"]["model"]["num_tensors"]
+    assert _cli("verify", printed, os.path.join(printed, "actor")).exit_code == 0
+    result = _cli("export", printed, str(tmp_path / "hf"), "--quiet")
+    assert result.exit_code == 0, result.output
+    _, loading = LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"], loading
+    dst = tmp_path / "resharded" / "global_step_2"
+    result = _cli("reshard", printed, str(dst), "--to", "1", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in dst.iterdir()) == ["actor", "data.pt"]
+    assert (dst / "data.pt").read_bytes() == (run / "global_step_2" / "data.pt").read_bytes()
+    resumed = run_ranks(functools.partial(fw_verl.job, save_at=None, load=str(dst / "actor"), steps=2), 1, tmp_path,
+                        str(tmp_path / "resumed"))[0]
+    assert close(resumed, full[2:4])
+
+
 # -- hand-made runs from the fixtures ----------------------------------------------------------
 
 def _run_of(fixtures_dir: Path, root: Path, **dirs: str) -> Path:

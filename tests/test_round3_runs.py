@@ -74,3 +74,84 @@ def test_overwrite_replaces_only_a_checkpoint(tmp_path, fixtures_dir):
         result = _cli("convert", src, earlier, "--to", "hf", "--overwrite", "--quiet")
         assert result.exit_code == 0, result.output
         assert (earlier / "model.safetensors").is_file()
+
+
+def _rank_saves(rank: int, world_size: int, out: str) -> None:
+    """One step of the tiny Llama under ``fully_shard`` on 2 ranks, saved as users save it:
+    rank files in verl's names and in their own (the seed's ``model_rank{r}.pt``), a DCP in a
+    run's step folder; rank 0 also the full state dict."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_model(0)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.arange(12).reshape(2, 6) % 101
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    for d in ("verl_named", "user_named"):
+        os.makedirs(os.path.join(out, d), exist_ok=True)
+    torch.save(model.state_dict(), os.path.join(out, "verl_named", f"model_world_size_{world_size}_rank_{rank}.pt"))
+    torch.save(model.state_dict(), os.path.join(out, "user_named", f"model_rank{rank}.pt"))
+    torch.save(opt.state_dict(), os.path.join(out, "user_named", f"optim_rank{rank}.pt"))
+    dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=os.path.join(out, "run", "step_1"))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save(full, os.path.join(out, "full.pt"))
+
+
+@pytest.fixture(scope="module")
+def rank_saves(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rank_saves")
+    run_ranks(_rank_saves, 2, out, str(out))
+    return out
+
+
+@pytest.mark.parametrize("args", [["inspect"], ["reshard", "{dst}", "--to", "1"], ["export", "{dst}"]])
+@pytest.mark.parametrize("name", ["verl_named/model_world_size_2_rank_0.pt", "user_named/model_rank1.pt"])
+def test_one_rank_file_is_not_a_checkpoint(rank_saves, tmp_path, base, args, name):
+    src = rank_saves / name
+    result = _cli(args[0], src, *[a.format(dst=tmp_path / "out") for a in args[1:]],
+                  *(["--base", base] if args[0] == "export" else []))
+    assert result.exit_code == 3, result.output
+    which = "rank 0 of a 2-rank save" if "world_size" in name else "one rank's part of a sharded save"
+    assert which in result.stderr and f"({src.parent})" in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_user_named_rank_files(rank_saves, tmp_path):
+    """``model_rank{r}.pt`` + ``optim_rank{r}.pt``: a 2-rank set (plain layout), model and
+    optimizer read; converted to one torch file it is the job's full state dict."""
+    src = rank_saves / "user_named"
+    info = ckpt_tools.inspect(src)
+    assert (info["format"], info["layout"], info["world_size"]) == ("sharded", "plain", 2)
+    assert info["side_files"] == []
+    full = torch.load(rank_saves / "full.pt", weights_only=True)
+    assert info["groups"]["model"]["num_tensors"] == len(full)
+    assert info["groups"]["optimizer"]["num_tensors"] == 3 * len(full)
+    result = _cli("convert", src, tmp_path / "out.pt", "--to", "torch", "--quiet")
+    assert result.exit_code == 0, result.output
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    got = got.get("model", got)
+    assert sorted(got) == sorted(full) and all(torch.equal(got[k], full[k]) for k in full)
+
+
+def test_run_dir_with_a_stray_file_is_a_run(rank_saves, tmp_path, base):
+    """A run directory holding a stray ``.pt`` beside its step folder is listed as a run; export
+    of it is refused (exit 3) naming ``ckpt latest``."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(rank_saves / "run", run)
+    shutil.copy(rank_saves / "full.pt", run / "stray.pt")
+    info = json.loads(_cli("inspect", run, "--json").stdout)
+    assert [c["path"] for c in info["checkpoints"]] == [str(run / "step_1")]
+    result = _cli("export", run, tmp_path / "out", "--base", base)
+    assert result.exit_code == 3, result.output
+    assert "a run directory" in result.stderr and f"ckpt latest {run}" in result.stderr
+    assert not (tmp_path / "out").exists()

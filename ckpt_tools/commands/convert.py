@@ -24,7 +24,7 @@ from ..formats import deepspeedwrite, writers
 from ..layouts import describe
 from ..hf import assets as hfassets
 from ..runtime import env
-from ..storage.atomic import check_destination
+from ..storage.atomic import check_destination, staged
 from .export import write_hf
 from .options import Options, note
 from .urls import accepts_urls
@@ -60,6 +60,7 @@ def run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) -> 
     """:func:`convert` with its options built (``ckpt``: the source, when already described)."""
     if env.rank() != 0:
         opts = replace(opts, progress=False)  # one voice per torchrun launch
+    src = layouts.resolve(src)  # a verl global_step_N/ (what `ckpt latest` prints): its actor/
     check_destination(src, dst, overwrite=opts.overwrite)  # before any work, or any warning about it
     ckpt = ckpt or describe(src, base=opts.base)
     if opts.to == deepspeedwrite.NAME:
@@ -206,6 +207,9 @@ def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = No
     # checked before the source is read; its format, which the copy keeps, is known after
     opts = Options(to="sharded", world_size=to, overwrite=overwrite, progress=progress, rank_local=rank_local,
                    workers=workers)
+    parts = layouts.parts_of(src)
+    if parts:
+        return _reshard_parts(Path(src), Path(dst), parts, opts, from_)
     ckpt = describe(Path(src))
     if ckpt.format not in ("sharded", "dcp", deepspeedwrite.NAME):
         why = "which has no ranks" if not ckpt.world_size else "which ckpt reads but does not write"
@@ -219,6 +223,26 @@ def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = No
                        "(ckpt export), or convert it to DCP (ckpt convert --to dcp), which the job reshards at load")
     _check_same_save(ckpt)
     return run(Path(src), Path(dst), replace(opts, to=ckpt.format), ckpt)
+
+
+def _reshard_parts(src: Path, dst: Path, parts: list[str], opts: Options, from_: int | None) -> dict[str, Any]:
+    """A step directory holding several checkpoints (verl's ``global_step_N/``: ``actor/``,
+    ``critic/``) resharded whole into ``dst``, laid out the same (each part resharded, the
+    files beside them, as verl's ``data.pt`` dataloader state, copied), so that the trainer
+    resumes from ``dst`` as from ``src``. Published at once: the parts are written into one
+    staging sibling of ``dst``."""
+    check_destination(src, dst, overwrite=opts.overwrite)
+    reports = {}
+    with staged(dst, overwrite=opts.overwrite) as tmp:
+        for part in parts:
+            reports[part] = reshard(src / part, tmp / part, to=opts.world_size, from_=from_, progress=opts.progress,
+                                    rank_local=opts.rank_local, workers=opts.workers)
+        for f in sorted(src.iterdir()):
+            if f.is_file() and not f.is_symlink():  # data.pt: the driver's, not a rank's
+                shutil.copyfile(f, tmp / f.name)
+    first = reports[parts[0]]
+    return {**first, "src": str(src), "dst": str(dst), "parts": {p: r["dst"].replace(str(tmp), str(dst))
+                                                                 for p, r in reports.items()}}
 
 
 def _check_same_save(ckpt: Checkpoint) -> None:

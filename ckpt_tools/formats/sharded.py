@@ -20,7 +20,7 @@ from ..errors import BadInput
 from ..security import bounded, safefs
 from ..security.torchfile import TorchZip
 from ..storage.castio import CastSpan
-from . import flatparams, shardedtensor, shardtree, optim, shardsynth
+from . import flatparams, ranknames, shardedtensor, shardtree, optim, shardsynth
 from .hf import tensor_bytes
 from .shardsynth import SMALL_RECORDS
 from .shardtree import NotSimple
@@ -37,7 +37,7 @@ def file_name(kind: str, world_size: int, rank: int) -> str:
 
 
 def detect(path: Path) -> bool:
-    return path.is_dir() and any(PATTERN.match(p.name) for p in path.iterdir())
+    return path.is_dir() and (any(PATTERN.match(p.name) for p in path.iterdir()) or ranknames.find(path) is not None)
 
 
 def read_config(path: Path) -> dict:
@@ -64,6 +64,9 @@ def _inventory(path: Path) -> tuple[int, dict[str, dict[int, str]]]:
             kind, ws, rank = m.group(1), int(m.group(2)), int(m.group(3))
             sizes.add(ws)
             found[kind][rank] = p.name
+    named = ranknames.find(path) if not sizes else None
+    if named is not None:  # rank files the user named (model_rank{r}.pt)
+        sizes, found = {named[0]}, named[1]
     if len(sizes) != 1:
         raise BadInput(f"{path}: rank files of several world sizes {sorted(sizes)}; keep one save per directory")
     for names in found.values():
@@ -87,11 +90,14 @@ def _inventory(path: Path) -> tuple[int, dict[str, dict[int, str]]]:
 
 def describe(path: Path) -> Checkpoint:
     ws, found = _inventory(path)
+    names = sorted(n for kind, ranks in found.items() for n in ranks.values() if not PATTERN.match(n))
     try:
-        return _describe_trees(path, ws, found)
+        ckpt = _describe_trees(path, ws, found)
     except (NotSimple, TypeError, ValueError, KeyError, IndexError, AttributeError):
         # anything the tree reader does not know: torch's reader (weights_only) decides
-        return _describe_torch(path, ws, found)
+        ckpt = _describe_torch(path, ws, found)
+    # files named by the user: the format's own, though not by verl's names
+    return replace(ckpt, details={**ckpt.details, "rank_files": names}) if names else ckpt
 
 
 def _entries(path: Path) -> list[FileEntry]:

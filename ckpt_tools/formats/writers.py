@@ -85,7 +85,8 @@ def rank_files(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInf
             extras = per_rank_extras(extra_objs, reader.object, src_world=ckpt.world_size, dst_world=ws,
                                      policy=rank_local)
         return writer, layout_sharded(ckpt, targets, ws, extras, flat_units=flat)
-    if ckpt.format == "sharded" and _all_raw(ckpt) and all(t.dtype == t.source.dtype for t in targets):
+    if ckpt.format == "sharded" and _all_raw(ckpt) and all(t.dtype == t.source.dtype for t in targets) \
+            and not ckpt.details.get("rank_files"):  # templates are found by verl's file names
         writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed, template=ckpt.root,
                                 src_world=ckpt.world_size, config=sharded.read_config(ckpt.root), **version)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput
-from ..formats import whole
+from ..formats import detect, torchsave, whole
 from ..security import safefs
 from ..storage import manifest
 from . import accelerate, deepspeed, megatron, plain, torchtitan, trainer, verl
@@ -98,6 +98,22 @@ def scan(run_dir: str | Path, *, verify: bool = False, until_complete: bool = Fa
             break
     steps = {(a.NAME, step) for _, a, step in found}
     return Run(root, tuple(entries), itself and bool(entries), tuple(_notes(root, entries, steps)))
+
+
+def is_run(path: Path) -> bool:
+    """Whether the directory ``path`` holds step directories of checkpoints rather than being a
+    checkpoint itself: it has step directories, and no format claims it, or only by a lone torch
+    file beside them (a stray ``args.pt``, never a checkpoint whose files are the step
+    directories')."""
+    path = Path(path)
+    if not path.is_dir() or not step_dirs(path):
+        return False
+    try:
+        found = detect(path)
+    except BadInput:
+        return True
+    return found == "torch" and not ((path / torchsave.INDEX_NAME).is_file()
+                                     or (path / "pytorch_model.bin").is_file())
 
 
 def step_dirs(root: Path) -> list[tuple[str, Any, int | None]]:
