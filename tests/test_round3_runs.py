@@ -97,12 +97,47 @@ def _rank_saves(rank: int, world_size: int, out: str) -> None:
     for d in ("verl_named", "user_named"):
         os.makedirs(os.path.join(out, d), exist_ok=True)
     torch.save(model.state_dict(), os.path.join(out, "verl_named", f"model_world_size_{world_size}_rank_{rank}.pt"))
+    torch.save(opt.state_dict(), os.path.join(out, "verl_named", f"optim_world_size_{world_size}_rank_{rank}.pt"))
     torch.save(model.state_dict(), os.path.join(out, "user_named", f"model_rank{rank}.pt"))
     torch.save(opt.state_dict(), os.path.join(out, "user_named", f"optim_rank{rank}.pt"))
     dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=os.path.join(out, "run", "step_1"))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full_optim = _full_optim(model, opt)
     if rank == 0:
         torch.save(full, os.path.join(out, "full.pt"))
+        torch.save(full_optim, os.path.join(out, "full_optim.pt"))
+
+
+def _full_optim(model, opt) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _load_with_keys(rank: int, world_size: int, src: str, out: str) -> None:
+    """A 2-rank job whose loader names the optimizer ``optim`` (PyTorch's DCP tutorial):
+    ``dcp.load({"model", "optim"})`` then ``set_state_dict``; rank 0 writes what it then holds."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                         set_state_dict)
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_model(5)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.arange(12).reshape(2, 6) % 101
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()  # the optimizer's state exists, so every entry is loaded over
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=src)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full_optim = _full_optim(model, opt)
+    if rank == 0:
+        torch.save({"model": full, "optim": full_optim}, out)
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +190,23 @@ def test_run_dir_with_a_stray_file_is_a_run(rank_saves, tmp_path, base):
     assert result.exit_code == 3, result.output
     assert "a run directory" in result.stderr and f"ckpt latest {run}" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_rank_files_to_dcp_with_the_loaders_keys(rank_saves, tmp_path):
+    """``convert --to dcp --keys optimizer=optim``: a job that loads ``{"model", "optim"}`` gets
+    back exactly the saved model and optimizer (without --keys its dcp.load finds no ``optim``)."""
+    dst = tmp_path / "dcp"
+    result = _cli("convert", rank_saves / "verl_named", dst, "--to", "dcp", "--keys", "model=model,optimizer=optim",
+                  "--quiet")
+    assert result.exit_code == 0, result.output
+    run_ranks(_load_with_keys, 2, tmp_path, str(dst), str(tmp_path / "loaded.pt"))
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
+    want = torch.load(rank_saves / "full.pt", weights_only=True)
+    assert all(torch.equal(loaded["model"][k], v) for k, v in want.items())
+    want_optim = torch.load(rank_saves / "full_optim.pt", weights_only=True)
+    assert sorted(loaded["optim"]["state"]) == sorted(want_optim["state"])
+    for fqn, states in want_optim["state"].items():
+        for name, v in states.items():
+            assert torch.equal(loaded["optim"]["state"][fqn][name], v), (fqn, name)
+    bad = _cli("convert", rank_saves / "verl_named", tmp_path / "x", "--to", "dcp", "--keys", "optimizer")
+    assert bad.exit_code == 2 and "--keys" in bad.output

@@ -34,7 +34,8 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
             dtype: str | None = None, max_shard_size: str | int = "5GB", model_only: bool = False,
             base: str | None = None, overwrite: bool = False, progress: bool = True,
             rank_local: str = "drop", workers: int = 1, layout: str | None = None, lora: str | None = None,
-            lora_alpha: float | None = None, _ckpt: Checkpoint | None = None) -> dict[str, Any]:
+            lora_alpha: float | None = None, keys: dict[str, str] | None = None,
+            _ckpt: Checkpoint | None = None) -> dict[str, Any]:
     """Convert the checkpoint at ``src`` to format ``to`` at ``dst``.
 
     Carries model, optimizer and extra state into every format that can hold them (``hf``
@@ -45,6 +46,9 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
     ``layout="verl"`` with ``to="sharded"`` names the rank files' device mesh ``("fsdp",)`` as
     verl's does (a job loads DTensors only onto a mesh of the same names; without it the mesh is
     unnamed, as ``fully_shard``'s default). ``lora``/``lora_alpha``: see :func:`export`.
+    ``keys`` (``to="dcp"``) renames the DCP's top-level keys for the loader that reads it:
+    ``{"optimizer": "optim"}`` writes ``optim.state...`` where ``dcp.save`` of
+    ``{"model": ..., "optimizer": ...}`` would write ``optimizer.state...``.
     ``to="deepspeed"`` writes a DeepSpeed ZeRO save, from one, at ``world_size`` ranks (what
     :func:`reshard` does; any other source is exit 3: its stage and ds_config would be invented).
 
@@ -52,7 +56,8 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
     """
     opts = Options(to=to, world_size=world_size, dtype=dtype, max_shard_size=max_shard_size,
                    model_only=model_only, base=base, overwrite=overwrite, progress=progress,
-                   rank_local=rank_local, workers=workers, layout=layout, lora=lora, lora_alpha=lora_alpha)
+                   rank_local=rank_local, workers=workers, layout=layout, lora=lora, lora_alpha=lora_alpha,
+                   keys=tuple((keys or {}).items()))
     return run(Path(src), Path(dst), opts, _ckpt)
 
 
@@ -105,7 +110,8 @@ def run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) -> 
         writer, jobs = writers.torch_file(ckpt, targets, objects, dst.name, **common)
     elif opts.to == "dcp":
         writer, jobs = writers.dcp_dir(ckpt, targets, objects, ws, keep_parts=carry is not None, piece_of=piece_of,
-                                       top_level_model=bool(out_layout and out_layout.top_level_model), **common)
+                                       top_level_model=bool(out_layout and out_layout.top_level_model),
+                                       keys=dict(opts.keys), **common)
     else:
         # rank files' device mesh names: the layout's when asked; else a rank-file source's own
         # (kept also where torch's writer rebuilds its files, as for --to 1); else unnamed

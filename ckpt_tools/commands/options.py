@@ -37,6 +37,8 @@ class Options:
     # ``export``: the output must be a directory ``from_pretrained`` loads (config included),
     # or nothing is written; ``convert --to hf`` writes the weights alone when there is no config
     loadable: bool = False
+    # ``convert --to dcp --keys model=model,optimizer=optim``: top-level keys of the DCP renamed
+    keys: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.to not in FORMATS:
@@ -50,6 +52,10 @@ class Options:
             raise UsageError(f"--workers must be at least 1, not {self.workers}")
         if self.rank_local not in RANK_LOCAL_POLICIES:
             raise UsageError(f"--rank-local must be one of {', '.join(RANK_LOCAL_POLICIES)}, not {self.rank_local!r}")
+        if self.keys and self.to != "dcp":
+            raise UsageError(f"--keys names the top-level keys of a DCP; it applies to --to dcp, not --to {self.to}")
+        if len({new for _, new in self.keys}) != len(self.keys) or any(not a or not b for a, b in self.keys):
+            raise UsageError(f"--keys must map each key to a distinct, non-empty name ({dict(self.keys)})")
         if self.lora is not None and self.lora not in LORA_MODES:
             raise UsageError(f"--lora must be one of {', '.join(LORA_MODES)}, not {self.lora!r}")
 
