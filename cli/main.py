@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 import ckpt_tools
-from ckpt_tools.errors import CkptError, count, one_line
+from ckpt_tools.errors import CkptError, UsageError, count, one_line
 
 
 def _fail(message: str, code: int) -> None:
@@ -173,17 +173,30 @@ _RANK_LOCAL = click.option("--rank-local", type=click.Choice(["drop", "keep-firs
 @click.option("--base", help="HF model dir or hub id to take config and tokenizer from (hf output).")
 @click.option("--layout", help="Framework layout of the output: torchtitan (with --to dcp, from an HF source); "
               "verl (with --to sharded: the device mesh named ('fsdp',), as verl's loader and merger need).")
+@click.option("--keys", metavar="OLD=NEW,...", help="With --to dcp: the top-level keys the loader expects, e.g. "
+              "model=model,optimizer=optim (default: model, optimizer, as get_state_dict's dcp.save writes them).")
 @_RANK_LOCAL
 @_NO_ARCH_CHECK
 @_OVERWRITE
 @command
 @writes
-def convert_cmd(src, dst, to, world_size, dtype, max_shard_size, model_only, base, layout, rank_local, no_arch_check,
-                overwrite, progress, dry_run):
+def convert_cmd(src, dst, to, world_size, dtype, max_shard_size, model_only, base, layout, keys, rank_local,
+                no_arch_check, overwrite, progress, dry_run):
     """Convert SRC (any format) to DST in format --to."""
     return ckpt_tools.convert(src, dst, to=to, world_size=world_size, dtype=dtype, max_shard_size=max_shard_size,
                               model_only=model_only, base=base, overwrite=overwrite, progress=progress,
-                              rank_local=rank_local, layout=layout, arch_check=not no_arch_check, dry_run=dry_run)
+                              rank_local=rank_local, layout=layout, keys=_key_map(keys), arch_check=not no_arch_check,
+                              dry_run=dry_run)
+
+
+def _key_map(text: str | None) -> dict[str, str] | None:
+    """``--keys model=model,optimizer=optim`` as a dict; a malformed one is a usage error."""
+    if not text:
+        return None
+    pairs = [p.strip() for p in text.split(",") if p.strip()]
+    if not all(p.count("=") == 1 for p in pairs):
+        raise UsageError(f"--keys expects OLD=NEW pairs separated by commas (model=model,optimizer=optim), not {text!r}")
+    return dict(tuple(s.strip() for s in p.split("=")) for p in pairs)
 
 
 @main.command("export", short_help="Write a Hugging Face directory that from_pretrained loads.")

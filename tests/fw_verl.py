@@ -75,7 +75,7 @@ def _patch_cpu() -> None:
             mod.get_device_id = _cpu_device_id
 
 
-def _build(world_size: int, fsdp: int, lora: bool, seed: int, **shape):
+def _build(world_size: int, fsdp: int, lora: bool, seed: int, trainable_only: bool = False, **shape):
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -143,7 +143,10 @@ def _build(world_size: int, fsdp: int, lora: bool, seed: int, **shape):
     optim_config = FSDPOptimizerConfig(lr=LR, weight_decay=0.01, clip_grad=CLIP_GRAD,
                                        lr_scheduler_type="cosine", total_training_steps=TOTAL_STEPS,
                                        min_lr_ratio=0.1)
-    optimizer = build_optimizer(module.parameters(), optim_config)
+    # trainable_only: the optimizer over the parameters that train (a LoRA run's adapters), as
+    # jobs that pass ``filter(lambda p: p.requires_grad, ...)`` build it: its ids number those only
+    params = [p for p in module.parameters() if p.requires_grad] if trainable_only else module.parameters()
+    optimizer = build_optimizer(params, optim_config)
     lr_scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=0,
                                                    num_training_steps=TOTAL_STEPS, min_lr_ratio=0.1)
     return module, optimizer, lr_scheduler
@@ -161,9 +164,22 @@ def _load_dcp(module, optimizer, lr_scheduler, path: str) -> None:
     lr_scheduler.load_state_dict(state["lr_scheduler"])
 
 
+def _dataloader_state(steps: int) -> dict:
+    """What verl's trainer saves as ``global_step_N/data.pt``: its ``StatefulDataLoader``'s
+    ``state_dict()`` after ``steps`` batches."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    loader = StatefulDataLoader(list(range(64)), batch_size=4)
+    it = iter(loader)
+    for _ in range(steps):
+        next(it)
+    return loader.state_dict()
+
+
 def job(rank: int, world_size: int, out: str, *, save_at: int | tuple[int, ...] | None, load: str | None, steps: int,
         seed: int = 0, fsdp: int = 2, lora: bool = False, hf_model: bool = False,
-        kill_in: str | None = None, full_optim: str | None = None, **shape) -> list[float]:
+        kill_in: str | None = None, full_optim: str | None = None, trainable_only: bool = False,
+        **shape) -> list[float]:
     """Train ``steps`` steps on the fixed global batches; save after step ``save_at`` into ``out``
     with ``FSDPCheckpointManager.save_checkpoint(out, global_step=save_at)``, or start from ``load``
     with ``FSDPCheckpointManager.load_checkpoint(load)`` (continuing at the saved step, read back
@@ -182,7 +198,8 @@ def job(rank: int, world_size: int, out: str, *, save_at: int | tuple[int, ...] 
     ``load`` may also be a DCP directory (FSDP2 only): then the job resumes as PyTorch documents
     it, ``get_state_dict`` -> ``dcp.load`` -> ``set_state_dict``, with the LR scheduler's state
     under ``lr_scheduler``. ``full_optim``: FSDP1 only, also write ``FSDP.full_optim_state_dict``
-    there at each save (rank 0)."""
+    there at each save (rank 0). ``trainable_only``: the optimizer is built over the parameters
+    with ``requires_grad`` only (with ``lora``: the adapters), so its int ids number those."""
     import torch
     import torch.distributed as dist
 
@@ -196,7 +213,7 @@ def job(rank: int, world_size: int, out: str, *, save_at: int | tuple[int, ...] 
     from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
     from verl.utils.fsdp_utils import fsdp2_clip_grad_norm_
 
-    module, optimizer, lr_scheduler = _build(world_size, fsdp, lora, seed, **shape)
+    module, optimizer, lr_scheduler = _build(world_size, fsdp, lora, seed, trainable_only, **shape)
     contents = ["model", "optimizer", "extra"] + (["hf_model"] if hf_model else [])
     manager = FSDPCheckpointManager(
         model=module,
@@ -246,6 +263,8 @@ def job(rank: int, world_size: int, out: str, *, save_at: int | tuple[int, ...] 
                     torch.save(full, full_optim)
             if "{step}" in out and rank == 0:  # verl's trainer, after its save returned
                 run = os.path.dirname(os.path.dirname(out.format(step=step + 1)))
+                # its dataloader's state beside the roles (ray_trainer._save_checkpoint: data.pt)
+                torch.save(_dataloader_state(step + 1), os.path.join(run, f"global_step_{step + 1}", "data.pt"))
                 with open(os.path.join(run, "latest_checkpointed_iteration.txt"), "w") as f:
                     f.write(str(step + 1))
     return losses

@@ -808,9 +808,13 @@ def test_cli_existing_directory_destination(tmp_path):
     assert result.stderr.startswith("error: "), result.stderr
     assert (dst / "keep.txt").read_text() == "mine"
 
+    # --overwrite replaces only a checkpoint: the user's own file is never deleted (issue 31)
+    result = _cli("export", src, dst, "--overwrite", "--quiet")
+    assert result.exit_code == 4, result.output
+    assert "keep.txt" in result.stderr and (dst / "keep.txt").read_text() == "mine"
+    (dst / "keep.txt").unlink()
     result = _cli("export", src, dst, "--overwrite", "--quiet")
     assert result.exit_code == 0, result.output
-    assert not (dst / "keep.txt").exists()
     assert (dst / "config.json").is_file() and (dst / "model.safetensors").is_file()
 
 

@@ -216,6 +216,33 @@ def test_verl_lora_side_files_carried(verl_lora_save, tmp_path):
 
 
 @pytest.fixture(scope="module")
+def verl_lora_adapters_save(tmp_path_factory):
+    """LoRA whose optimizer is built over the trainable parameters only (the adapters): its
+    int ids number those, not the model's parameters."""
+    import fw_verl
+
+    return Framework(fw_verl.job, tmp_path_factory.mktemp("verl_lora_adapters"), fsdp=2, lora=True,
+                     trainable_only=True)
+
+
+def test_verl_lora_adapters_only_optimizer(verl_lora_adapters_save, tmp_path):
+    """The optimizer's states are named after the adapters they belong to; the save reshards
+    (verl's loader resumes it at 2 ranks) and exports."""
+    from transformers import LlamaForCausalLM
+
+    src = verl_lora_adapters_save.saved
+    info = json.loads(_ckpt("inspect", str(src), "--json", "--tensors"))
+    states = {t["name"] for t in info["tensors"] if t["group"] == "optimizer"}
+    assert info["optimizer"]["params"] == 8 and len(states) == 24, info["optimizer"]
+    assert all(".lora_A." in n or ".lora_B." in n for n in states), sorted(states)
+    _ckpt("reshard", str(src), str(tmp_path / "actor"), "--to", "2", "--quiet")
+    assert close(verl_lora_adapters_save.resume(tmp_path / "actor", 2), verl_lora_adapters_save.full[SAVE_AT:])
+    _ckpt("export", str(src), str(tmp_path / "hf"), "--quiet")
+    _, loading = LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"], loading
+
+
+@pytest.fixture(scope="module")
 def verl_fsdp1_save(tmp_path_factory):
     """A real verl FSDP1 (use_orig_params=False) save: optimizer state per flat parameter."""
     import fw_verl

@@ -96,7 +96,7 @@ def _fresh_old(big: dict[str, Path], tmp_path: Path, clutter: int = 0) -> Path:
     dst = tmp_path / "dst"
     shutil.copytree(big["old"], dst)
     for i in range(clutter):  # files that make removing the old copy take a while
-        (dst / f"note_{i}.txt").write_text("x")
+        (dst / f"note_{i}.json").write_text("{}")  # checkpoint-named: --overwrite replaces only those
     return dst
 
 

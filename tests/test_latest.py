@@ -47,11 +47,13 @@ def _truncate(path: Path) -> None:
 # -- a plain FSDP2 job: fully_shard + torch.distributed.checkpoint ------------------------------
 
 def _fsdp2_job(rank: int, world_size: int, run: str, *, saves: tuple[int, ...], load: str | None, steps: int,
-               kill_in: str | None = None, losses_to: str | None = None) -> list[float]:
+               kill_in: str | None = None, losses_to: str | None = None, folder: str = "step_{}",
+               optim_key: str = "optim") -> list[float]:
     """Train ``steps`` steps of the tiny Llama under ``fully_shard``; after each step in
-    ``saves`` ``dcp.save`` model, optimizer and step into ``run/step_<k>``; start from ``load``
-    with ``dcp.load`` when given. ``losses_to``: rank 0 writes the losses so far there before
-    each save (the job may be killed in one: ``kill_in``)."""
+    ``saves`` ``dcp.save`` model, optimizer (under ``optim_key``) and step into
+    ``run/<folder with the step>``; start from ``load`` with ``dcp.load`` when given.
+    ``losses_to``: rank 0 writes the losses so far there before each save (the job may be
+    killed in one: ``kill_in``)."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -66,9 +68,9 @@ def _fsdp2_job(rank: int, world_size: int, run: str, *, saves: tuple[int, ...], 
     first = 0
     if load:
         msd, osd = get_state_dict(model, opt)
-        state = {"model": msd, "optim": osd, "step": torch.tensor(0)}
+        state = {"model": msd, optim_key: osd, "step": torch.tensor(0)}
         dcp.load(state, checkpoint_id=load)
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state[optim_key])
         first = int(state["step"])
     losses = []
     for step in range(first, first + steps):
@@ -83,11 +85,11 @@ def _fsdp2_job(rank: int, world_size: int, run: str, *, saves: tuple[int, ...], 
         if step + 1 in saves:
             if losses_to and rank == 0:
                 Path(losses_to).write_text(json.dumps(losses))
-            target = os.path.join(run, f"step_{step + 1}")
+            target = os.path.join(run, folder.format(step + 1))
             if kill_in:
                 kill_when_written(kill_in)
             msd, osd = get_state_dict(model, opt)
-            dcp.save({"model": msd, "optim": osd, "step": torch.tensor(step + 1)}, checkpoint_id=target)
+            dcp.save({"model": msd, optim_key: osd, "step": torch.tensor(step + 1)}, checkpoint_id=target)
     return losses
 
 
@@ -119,6 +121,23 @@ def test_fsdp2_run_killed_and_truncated(tmp_path):
 
     resumed = run_ranks(functools.partial(_fsdp2_job, saves=(), load=printed, steps=2), WS, tmp_path, str(run))[0]
     assert close(resumed, full[2:4]), (resumed, full)
+
+
+def test_plain_dcp_in_step_folders(tmp_path):
+    """``dcp.save`` of model, optimizer and step into ``step-N/`` (torchtitan's folder names, none
+    of its entries): plain checkpoints, complete, and the one printed resumes the job."""
+    run = tmp_path / "run"
+    job = functools.partial(_fsdp2_job, folder="step-{}", optim_key="optimizer")
+    full = run_ranks(functools.partial(job, saves=(1, 2), load=None, steps=STEPS), WS, tmp_path, str(run))[0]
+    result = _cli("latest", str(run))
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == str(run / "step-2")
+    info = json.loads(_cli("inspect", str(run), "--json").stdout)
+    assert [(c["step"], c["layout"], c["complete"]) for c in info["checkpoints"]] == [(2, "plain", True),
+                                                                                       (1, "plain", True)]
+    resumed = run_ranks(functools.partial(job, saves=(), load=result.stdout.strip(), steps=2), WS, tmp_path,
+                        str(tmp_path / "resumed"))[0]
+    assert close(resumed, full[2:4])
 
 
 # -- the frameworks' own saves -------------------------------------------------------------------
@@ -224,6 +243,54 @@ def test_framework_run_killed_and_truncated(framework, tmp_path):
     assert entries[2]["complete"] and entries[2]["world_size"] == WS
 
     assert close(fw.resume(printed, tmp_path), full[2:4])
+
+
+def test_trainer_rank_rng_state_lost(tmp_path):
+    """A real 2-rank Trainer run whose newest save lost rank 1's ``rng_state_1.pth`` (that rank
+    killed after rank 0 wrote ``trainer_state.json``): incomplete, the save before it is taken."""
+    import fw_trainer
+
+    run = tmp_path / "run"
+    run_ranks(functools.partial(fw_trainer.job, save_at=(1, 2), load=None, steps=2), WS, tmp_path, str(run))
+    newest = run / "checkpoint-2"
+    assert (newest / "trainer_state.json").is_file() and (newest / "rng_state_0.pth").is_file()
+    (newest / "rng_state_1.pth").unlink()
+    result = _cli("latest", str(run))
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == str(run / "checkpoint-1")
+    entries = {c["step"]: c for c in json.loads(_cli("inspect", str(run), "--json").stdout)["checkpoints"]}
+    assert not entries[2]["complete"] and entries[2]["missing"][0].startswith("rng_state_1.pth missing (rank 1 of 2")
+    assert entries[1]["complete"], entries[1]
+
+
+def test_verl_step_dir_taken_by_every_command(tmp_path):
+    """What ``latest`` prints for verl (``global_step_N``, beside its ``data.pt``) is what every
+    command takes: inspect, verify and export read its ``actor/``; reshard writes a
+    ``global_step_N`` verl's trainer resumes from (actor resharded, data.pt carried)."""
+    import fw_verl
+    from transformers import LlamaForCausalLM
+
+    run = tmp_path / "run"
+    out = str(run / "global_step_{step}" / "actor")
+    full = run_ranks(functools.partial(fw_verl.job, save_at=(1, 2), load=None, steps=STEPS), WS, tmp_path, out)[0]
+    printed = _cli("latest", str(run)).stdout.strip()
+    assert printed == str(run / "global_step_2") and (run / "global_step_2" / "data.pt").is_file()
+    info = json.loads(_cli("inspect", printed, "--json").stdout)
+    assert (info["format"], info["layout"], info["world_size"]) == ("sharded", "verl", WS)
+    assert info["groups"]["optimizer"]["num_tensors"] == 3 * info["groups"]["model"]["num_tensors"]
+    assert _cli("verify", printed, os.path.join(printed, "actor")).exit_code == 0
+    result = _cli("export", printed, str(tmp_path / "hf"), "--quiet")
+    assert result.exit_code == 0, result.output
+    _, loading = LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"], loading
+    dst = tmp_path / "resharded" / "global_step_2"
+    result = _cli("reshard", printed, str(dst), "--to", "1", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in dst.iterdir()) == ["actor", "data.pt"]
+    assert (dst / "data.pt").read_bytes() == (run / "global_step_2" / "data.pt").read_bytes()
+    resumed = run_ranks(functools.partial(fw_verl.job, save_at=None, load=str(dst / "actor"), steps=2), 1, tmp_path,
+                        str(tmp_path / "resumed"))[0]
+    assert close(resumed, full[2:4])
 
 
 # -- hand-made runs from the fixtures ----------------------------------------------------------

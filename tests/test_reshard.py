@@ -495,16 +495,16 @@ def test_missing_rank_file_is_bad_input(tmp_path, kind):
 def test_existing_destination_needs_overwrite(tmp_path):
     dst = tmp_path / "out"
     dst.mkdir()
-    (dst / "keep.txt").write_text("old")
+    (dst / "old.pt").write_text("old")  # named as a checkpoint's file: --overwrite may replace it
     result = _ckpt("reshard", FIXTURES / "llama_sharded_ws2", dst, "--to", 3, "--quiet")
     assert result.exit_code == 4
     (line,) = _error_lines(result)
     assert "--overwrite" in line
-    assert [p.name for p in dst.iterdir()] == ["keep.txt"]
+    assert [p.name for p in dst.iterdir()] == ["old.pt"]
 
     result = _ckpt("reshard", FIXTURES / "llama_sharded_ws2", dst, "--to", 3, "--overwrite", "--quiet")
     assert result.exit_code == 0, result.output
-    assert not (dst / "keep.txt").exists()
+    assert not (dst / "old.pt").exists()
     assert describe(dst).world_size == 3
 
 

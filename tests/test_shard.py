@@ -211,10 +211,10 @@ def test_spawned_ranks_mixed_precision_offload_overwrite(sources, tmp_path):
     """From a plain process: spawns its own ranks; bf16 compute + CPU offload; replaces DST."""
     dst = tmp_path / "out"
     dst.mkdir()
-    (dst / "old-file").write_text("old")
+    (dst / "old.safetensors").write_text("old")
     report = shard(str(sources["llama"]), dst, ranks=2, format="sharded", mixed_precision="bf16",
                    cpu_offload=True, check=True, overwrite=True, progress=False)
-    assert not (dst / "old-file").exists()
+    assert not (dst / "old.safetensors").exists()
     assert sorted(p.name for p in dst.iterdir()) == [
         ".ckpt-manifest.json", "fsdp_config.json", "huggingface",
         "model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"]

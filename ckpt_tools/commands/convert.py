@@ -25,7 +25,7 @@ from ..layouts import describe
 from ..naming import experts, quant
 from ..hf import assets as hfassets
 from ..runtime import env
-from ..storage.atomic import check_destination
+from ..storage.atomic import check_destination, staged
 from .export import write_hf
 from .options import Options, note
 from .report import finish, recording_notes, summary
@@ -37,7 +37,8 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
             dtype: str | None = None, max_shard_size: str | int = "5GB", model_only: bool = False,
             base: str | None = None, overwrite: bool = False, progress: bool = True,
             rank_local: str = "drop", workers: int = 1, layout: str | None = None, lora: str | None = None,
-            lora_alpha: float | None = None, arch_check: bool = True, dry_run: bool = False,
+            lora_alpha: float | None = None, arch_check: bool = True, keys: dict[str, str] | None = None,
+            dry_run: bool = False,
             _ckpt: Checkpoint | None = None) -> dict[str, Any]:
     """Convert the checkpoint at ``src`` to format ``to`` at ``dst``.
 
@@ -49,6 +50,9 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
     ``layout="verl"`` with ``to="sharded"`` names the rank files' device mesh ``("fsdp",)`` as
     verl's does (a job loads DTensors only onto a mesh of the same names; without it the mesh is
     unnamed, as ``fully_shard``'s default). ``lora``/``lora_alpha``/``arch_check``: see :func:`export`.
+    ``keys`` (``to="dcp"``) renames the DCP's top-level keys for the loader that reads it:
+    ``{"optimizer": "optim"}`` writes ``optim.state...`` where ``dcp.save`` of
+    ``{"model": ..., "optimizer": ...}`` would write ``optimizer.state...``.
     ``to="deepspeed"`` writes a DeepSpeed ZeRO save, from one, at ``world_size`` ranks (what
     :func:`reshard` does; any other source is exit 3: its stage and ds_config would be invented).
     ``dry_run``: plan only; nothing is written and DST is not created.
@@ -62,7 +66,7 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
     opts = Options(to=to, world_size=world_size, dtype=dtype, max_shard_size=max_shard_size,
                    model_only=model_only, base=base, overwrite=overwrite, progress=progress,
                    rank_local=rank_local, workers=workers, layout=layout, lora=lora, lora_alpha=lora_alpha,
-                   arch_check=arch_check, dry_run=dry_run)
+                   arch_check=arch_check, keys=tuple((keys or {}).items()), dry_run=dry_run)
     return run(Path(src), Path(dst), opts, _ckpt)
 
 
@@ -77,6 +81,7 @@ def run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) -> 
 def _run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) -> dict[str, Any]:
     if env.rank() != 0:
         opts = replace(opts, progress=False)  # one voice per torchrun launch
+    src = layouts.resolve(src)  # a verl global_step_N/ (what `ckpt latest` prints): its actor/
     # before any work, or any warning about it (a dry run removes no leftover staging)
     check_destination(src, dst, overwrite=opts.overwrite, dry_run=opts.dry_run)
     ckpt = ckpt or describe(src, base=opts.base)
@@ -129,7 +134,8 @@ def _run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) ->
         writer, jobs = writers.torch_file(ckpt, targets, objects, dst.name, **common)
     elif opts.to == "dcp":
         writer, jobs = writers.dcp_dir(ckpt, targets, objects, ws, keep_parts=carry is not None, piece_of=piece_of,
-                                       top_level_model=bool(out_layout and out_layout.top_level_model), **common)
+                                       top_level_model=bool(out_layout and out_layout.top_level_model),
+                                       keys=dict(opts.keys), **common)
     else:
         # rank files' device mesh names: the layout's when asked; else a rank-file source's own
         # (kept also where torch's writer rebuilds its files, as for --to 1); else unnamed
@@ -256,6 +262,9 @@ def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = No
     # checked before the source is read; its format, which the copy keeps, is known after
     opts = Options(to="sharded", world_size=to, overwrite=overwrite, progress=progress, rank_local=rank_local,
                    workers=workers, dry_run=dry_run)
+    parts = layouts.parts_of(src)
+    if parts:
+        return _reshard_parts(Path(src), Path(dst), parts, opts, from_)
     ckpt = describe(Path(src))
     if ckpt.format not in ("sharded", "dcp", deepspeedwrite.NAME):
         why = "which has no ranks" if not ckpt.world_size else "which ckpt reads but does not write"
@@ -269,6 +278,30 @@ def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = No
                        "(ckpt export), or convert it to DCP (ckpt convert --to dcp), which the job reshards at load")
     _check_same_save(ckpt)
     return run(Path(src), Path(dst), replace(opts, to=ckpt.format), ckpt)
+
+
+def _reshard_parts(src: Path, dst: Path, parts: list[str], opts: Options, from_: int | None) -> dict[str, Any]:
+    """A step directory holding several checkpoints (verl's ``global_step_N/``: ``actor/``,
+    ``critic/``) resharded whole into ``dst``, laid out the same (each part resharded, the
+    files beside them, as verl's ``data.pt`` dataloader state, copied), so that the trainer
+    resumes from ``dst`` as from ``src``. Published at once: the parts are written into one
+    staging sibling of ``dst``."""
+    check_destination(src, dst, overwrite=opts.overwrite, dry_run=opts.dry_run)
+    if opts.dry_run:  # each part planned where it would go; nothing staged
+        reports = {part: reshard(src / part, dst / part, to=opts.world_size, from_=from_, progress=False,
+                                 rank_local=opts.rank_local, workers=opts.workers, dry_run=True) for part in parts}
+        return {**reports[parts[0]], "src": str(src), "dst": str(dst), "parts": {p: r["dst"] for p, r in reports.items()}}
+    reports = {}
+    with staged(dst, overwrite=opts.overwrite) as tmp:
+        for part in parts:
+            reports[part] = reshard(src / part, tmp / part, to=opts.world_size, from_=from_, progress=opts.progress,
+                                    rank_local=opts.rank_local, workers=opts.workers)
+        for f in sorted(src.iterdir()):
+            if f.is_file() and not f.is_symlink():  # data.pt: the driver's, not a rank's
+                shutil.copyfile(f, tmp / f.name)
+    first = reports[parts[0]]
+    return {**first, "src": str(src), "dst": str(dst), "parts": {p: r["dst"].replace(str(tmp), str(dst))
+                                                                 for p, r in reports.items()}}
 
 
 def _check_same_save(ckpt: Checkpoint) -> None:

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput
-from ..formats import detect
 from ..layouts import runs
 from .urls import accepts_urls
 
@@ -53,14 +52,7 @@ def run_listing(run_dir: str | Path, *, verify: bool = False, until_complete: bo
 def holds_checkpoints(path: str | Path) -> bool:
     """Whether ``path`` is a directory that is not a checkpoint itself but holds step
     directories of checkpoints (``inspect`` then lists them)."""
-    p = Path(path)
-    if not p.is_dir() or not runs.step_dirs(p):
-        return False
-    try:
-        detect(p)
-    except BadInput:
-        return True
-    return False
+    return runs.is_run(Path(path))
 
 
 def none_complete(info: dict[str, Any]) -> str:

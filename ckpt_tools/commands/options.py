@@ -91,6 +91,8 @@ class Options:
     quantize: str | None = None
     # ``--no-arch-check``: HF names written without asking the architecture (a ``warning:`` says so)
     arch_check: bool = True
+    # ``convert --to dcp --keys model=model,optimizer=optim``: top-level keys of the DCP renamed
+    keys: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "to", choose("--to", self.to, FORMATS))
@@ -106,6 +108,10 @@ class Options:
             raise UsageError(f"--rank-local must be one of {', '.join(RANK_LOCAL_POLICIES)}, not {self.rank_local!r}")
         if self.quantize is not None and (self.quantize not in QUANTIZE or self.to != "hf"):
             raise UsageError(f"--quantize must be one of {', '.join(QUANTIZE)} (export only), not {self.quantize!r}")
+        if self.keys and self.to != "dcp":
+            raise UsageError(f"--keys names the top-level keys of a DCP; it applies to --to dcp, not --to {self.to}")
+        if len({new for _, new in self.keys}) != len(self.keys) or any(not a or not b for a, b in self.keys):
+            raise UsageError(f"--keys must map each key to a distinct, non-empty name ({dict(self.keys)})")
         if self.lora is not None and self.lora not in LORA_MODES:
             raise UsageError(f"--lora must be one of {', '.join(LORA_MODES)}, not {self.lora!r}")
 

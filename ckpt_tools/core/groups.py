@@ -27,6 +27,9 @@ class Roots:
 
     model: tuple | None = None
     optimizer: tuple | None = None
+    # a model saved under MODEL_KEY (``dcp.save({"model": sd, "rng": torch.get_rng_state()})``):
+    # a tensor beside it at the top level is the job's own state, not a weight
+    nested_model: bool = False
 
     def group_of(self, path: Sequence) -> str | None:
         """``"model"`` or ``"optimizer"`` when ``path`` lies under that root, else None."""
@@ -63,7 +66,7 @@ def find_roots(items: Iterable[tuple[Sequence, bool]]) -> Roots:
         names = sorted(".".join(root) or "(top level)" for root in fqns)
         raise BadInput(f"it holds {len(fqns)} optimizer states ({', '.join(names)}); ckpt handles one")
     if not fqns:
-        return Roots()
+        return Roots(nested_model=any(t and len(p) > 1 and p[0] == MODEL_KEY for p, t in items))
     ((optimizer, names),) = fqns.items()
     counts: dict[tuple, int] = {}
     for path, is_tensor in items:

@@ -259,7 +259,7 @@ def _classify(fqn: str, obj_path: tuple | None, is_tensor: bool,
     if len(parts) == 1:
         # a top-level key: a tensor is model state saved flat (dcp.save(model.state_dict()),
         # torchtitan); anything else is the job's own state (train_state, dataloader, ...)
-        return ("model" if is_tensor else "extra"), fqn, None, None
+        return ("model" if is_tensor and not roots.nested_model else "extra"), fqn, None, None
     return "extra", fqn, None, None
 
 
@@ -284,6 +284,33 @@ def dcp_key(target) -> tuple:
     return (target.group, target.name)
 
 
+def renamed_keys(state: dict, planner: dict, storage: dict, keys: dict[str, str], canon: dict
+                 ) -> tuple[dict, dict, dict]:
+    """A DCP's metadata (its three maps, as a writer builds them) with top-level keys renamed
+    (``{"optimizer": "optim"}``: ``optimizer.state.w.exp_avg`` -> ``optim.state.w.exp_avg``),
+    for a loader whose state dict names them so (``convert --to dcp --keys``)."""
+    new: dict[str, tuple[str, tuple]] = {}
+    for fqn, path_ in planner.items():
+        if path_ and str(path_[0]) in keys:
+            p = canonical((keys[str(path_[0])], *path_[1:]), canon)
+            new[fqn] = (".".join(map(str, p)), p)
+    if not new:
+        return state, planner, storage
+
+    def name(fqn: str) -> str:
+        return new[fqn][0] if fqn in new else fqn
+
+    state = {name(k): v for k, v in state.items()}
+    planner = {name(k): (new[k][1] if k in new else v) for k, v in planner.items()}
+    out = {}
+    for i, v in storage.items():
+        if i.fqn in new:
+            offset = getattr(i, "offset", None)
+            i = type(i)(name(i.fqn), offset, i.index) if offset is not None else type(i)(name(i.fqn), index=i.index)
+        out[i] = v
+    return state, planner, out
+
+
 class Writer:
     """A DCP directory as an M-rank ``dcp.save`` lays it out: ``__{r}_0.distcp`` holding rank
     r's rows of every sharded tensor, replicated entries (scalars, objects) saved once by rank
@@ -296,8 +323,9 @@ class Writer:
     single_file = False
 
     def __init__(self, *, param_order: tuple[str, ...] = (), source: Path | None = None,
-                 top_level_model: bool = False) -> None:
+                 top_level_model: bool = False, keys: dict[str, str] | None = None) -> None:
         self.param_order = param_order
+        self.keys = dict(keys or {})
         self.source = source
         # torchtitan's layout: model keys at the top level, no "model." prefix
         self.top_level_model = top_level_model
@@ -394,6 +422,8 @@ class Writer:
                     state[fqn] = BytesStorageMetadata()
                     storage[MetadataIndex(fqn)] = _StorageInfo(file, start, length)
                 planner[fqn] = path_
+        if self.keys:
+            state, planner, storage = renamed_keys(state, planner, storage, self.keys, canon)
         meta = Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage, version="1.0.0")
         # written last, as dcp.save does: a reader that finds it knows the data files are complete
         with open(out / METADATA, "wb") as f:

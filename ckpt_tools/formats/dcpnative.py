@@ -37,7 +37,7 @@ from ..errors import BadInput, Damaged
 from ..security.torchfile import Global, NewObj, Reduce, StorageRef, loads_blob
 from ..storage.castio import CastSpan, blocks
 from ..storage.diskio import Flusher, copy_range
-from .dcp import METADATA, canonical, dcp_key
+from .dcp import METADATA, canonical, dcp_key, renamed_keys
 from .hf import tensor_bytes
 from .shardtree import parsed
 
@@ -173,7 +173,7 @@ class Writer:
     accepts_casts = True
 
     def __init__(self, *, root: Path, param_order: tuple[str, ...] = (), extras: bool = False,
-                 verbatim: bool = False, top_level_model: bool = False) -> None:
+                 verbatim: bool = False, top_level_model: bool = False, keys: dict[str, str] | None = None) -> None:
         self.root = Path(root)  # the source's base directory, for its saved objects
         self.param_order = param_order
         # job.meta["extra"] holds plain pickle trees (merged per-rank state, read without torch)
@@ -183,6 +183,7 @@ class Writer:
         self.verbatim = verbatim
         # torchtitan's layout: model keys at the top level, no "model." prefix
         self.top_level_model = top_level_model
+        self.keys = dict(keys or {})
 
     def _as_saved(self, o: ObjectInfo) -> bool:
         return self.verbatim and o.location.kind == "bytes_item" and bool(o.path)
@@ -379,6 +380,8 @@ class Writer:
                     state[fqn] = mp.BytesStorageMetadata()
                     storage[mp.MetadataIndex(fqn)] = mp.StorageInfo(file, start, length)
                 planner[fqn] = path_
+        if self.keys:
+            state, planner, storage = renamed_keys(state, planner, storage, self.keys, canon)
         meta = mp.Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage, version="1.0.0")
         # written last, as dcp.save does: a reader that finds it knows the data files are complete
         with open(out / METADATA, "wb") as f:
@@ -386,13 +389,14 @@ class Writer:
 
 
 def native_writer(ckpt: Checkpoint, jobs, *, param_order: tuple[str, ...], extras: bool = False,
-                  verbatim: bool = False, top_level_model: bool = False) -> Writer | None:
+                  verbatim: bool = False, top_level_model: bool = False, keys: dict[str, str] | None = None
+                  ) -> Writer | None:
     """The torch-free writer for ``jobs``, or None where torch's writer is needed. ``extras``:
     the jobs' extra state is plain pickle trees (else such state needs torch's writer);
     ``verbatim`` and ``top_level_model`` as :class:`ckpt_tools.formats.dcp.Writer`'s ``source``
     and ``top_level_model``."""
     writer = Writer(root=ckpt.base_dir(), param_order=param_order, extras=extras, verbatim=verbatim,
-                    top_level_model=top_level_model)
+                    top_level_model=top_level_model, keys=keys)
     try:
         writer.check(jobs)
     except NotNative:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 
@@ -101,3 +102,75 @@ def param_order_from_model(model_sd: dict) -> tuple[str, ...]:
             seen.add(ident)
             order.append(k)
     return tuple(order)
+
+
+MAX_SUBSEQUENCE_CELLS = 4_000_000  # params x ids searched for an optimizer over some parameters
+
+
+def subset_order(params: Sequence[tuple[str, tuple[int, ...]]], wants: Sequence[tuple[int, ...] | None]
+                 ) -> tuple[str, ...] | None:
+    """The parameters an optimizer built over *some* of the model's parameters numbers 0..m-1
+    (``filter(lambda p: p.requires_grad, model.parameters())``: a LoRA run's adapters), found
+    from its states' shapes: the one subsequence of ``params`` (``(fqn, shape)`` in
+    ``model.parameters()`` order) whose shapes are ``wants`` (id k's state shape; None: id k
+    holds no shaped state, any parameter fits). None when no subsequence fits or more than one
+    does: names are then never guessed. Example: params ``[("w", (4, 4)), ("a", (2, 4))]``,
+    wants ``[(2, 4)]`` -> ``("a",)``."""
+    n, m = len(params), len(wants)
+    if m == 0 or m > n or n * m > MAX_SUBSEQUENCE_CELLS:
+        return None
+    fits = [[w is None or w == shape for w in wants] for _, shape in params]
+    # ways[i][j]: how many ways (counted up to 2) ids j.. map onto params i.., in order
+    ways = [bytearray(m + 1) for _ in range(n + 1)]
+    ways[n][m] = 1
+    for i in range(n - 1, -1, -1):
+        row, below = ways[i], ways[i + 1]
+        row[m] = 1
+        for j in range(m - 1, -1, -1):
+            row[j] = min(2, below[j] + (below[j + 1] if fits[i][j] else 0))
+    if ways[0][0] != 1:
+        return None
+    out, j = [], 0
+    for i in range(n):
+        if j < m and fits[i][j] and ways[i + 1][j + 1]:
+            out.append(params[i][0])
+            j += 1
+    return tuple(out)
+
+
+def renumber(pieces: dict, param_order: tuple[str, ...], objects: list) -> tuple[str, ...] | None:
+    """An int-keyed optimizer built over some of the parameters (only the adapters of a LoRA
+    run train) numbers those only. ``pieces`` as the rank-file reader collects them
+    (``{(group, name): {"shape", "param", "state", ...}}``, states named through
+    ``param_order``): where the states' shapes are not those of the parameters at their ids
+    but fit exactly one in-order subset of them, the states are renamed after it and that
+    subset is returned (None: nothing to rename, or no one subset fits)."""
+    optim_pieces = {k: p for k, p in pieces.items() if k[0] == "optimizer" and p["param"] is not None}
+    model = {k[1]: p["shape"] for k, p in pieces.items() if k[0] == "model"}
+    if not any(p["shape"] and model.get(p["param"]) != p["shape"] and len(p["shape"]) > 1
+               for p in optim_pieces.values()):
+        return None  # all fit (or 1-D state only: FSDP1 flat shards, judged by the caller)
+    position = {fqn: i for i, fqn in enumerate(param_order)}
+    ids: dict[str, int] = {}
+    for p in optim_pieces.values():
+        pid = position.get(p["param"], int(p["param"]) if p["param"].isdigit() else None)
+        if pid is None:
+            return None
+        ids[p["param"]] = pid
+    wants: list = [None] * (max(ids.values()) + 1)
+    for p in optim_pieces.values():
+        if p["shape"]:
+            wants[ids[p["param"]]] = p["shape"]
+    order = subset_order([(f, model[f]) for f in param_order], wants)
+    if order is None:
+        return None
+    for key in optim_pieces:  # all out first: a new name may be another's old one
+        del pieces[key]
+    for (group, _), p in optim_pieces.items():
+        fqn = order[ids[p["param"]]]
+        pieces[(group, f"state.{fqn}.{p['state']}")] = {**p, "param": fqn}
+    for i, o in enumerate(objects):
+        if o.group == "optimizer" and len(o.path) >= 3 and o.path[1] == "state" and isinstance(o.path[2], int) \
+                and o.path[2] < len(order):
+            objects[i] = replace(o, name=f"state.{order[o.path[2]]}.{o.path[3] if len(o.path) > 3 else ''}")
+    return order

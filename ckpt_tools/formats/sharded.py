@@ -20,7 +20,7 @@ from ..errors import BadInput
 from ..security import bounded, safefs
 from ..security.torchfile import TorchZip
 from ..storage.castio import CastSpan
-from . import flatparams, shardedtensor, shardtree, optim, shardsynth
+from . import flatparams, ranknames, shardedtensor, shardtree, optim, shardsynth
 from .hf import tensor_bytes
 from .shardsynth import SMALL_RECORDS
 from .shardtree import NotSimple
@@ -37,7 +37,7 @@ def file_name(kind: str, world_size: int, rank: int) -> str:
 
 
 def detect(path: Path) -> bool:
-    return path.is_dir() and any(PATTERN.match(p.name) for p in path.iterdir())
+    return path.is_dir() and (any(PATTERN.match(p.name) for p in path.iterdir()) or ranknames.find(path) is not None)
 
 
 def read_config(path: Path) -> dict:
@@ -64,6 +64,9 @@ def _inventory(path: Path) -> tuple[int, dict[str, dict[int, str]]]:
             kind, ws, rank = m.group(1), int(m.group(2)), int(m.group(3))
             sizes.add(ws)
             found[kind][rank] = p.name
+    named = ranknames.find(path) if not sizes else None
+    if named is not None:  # rank files the user named (model_rank{r}.pt)
+        sizes, found = {named[0]}, named[1]
     if len(sizes) != 1:
         raise BadInput(f"{path}: rank files of several world sizes {sorted(sizes)}; keep one save per directory")
     for names in found.values():
@@ -87,11 +90,14 @@ def _inventory(path: Path) -> tuple[int, dict[str, dict[int, str]]]:
 
 def describe(path: Path) -> Checkpoint:
     ws, found = _inventory(path)
+    names = sorted(n for kind, ranks in found.items() for n in ranks.values() if not PATTERN.match(n))
     try:
-        return _describe_trees(path, ws, found)
+        ckpt = _describe_trees(path, ws, found)
     except (NotSimple, TypeError, ValueError, KeyError, IndexError, AttributeError):
         # anything the tree reader does not know: torch's reader (weights_only) decides
-        return _describe_torch(path, ws, found)
+        ckpt = _describe_torch(path, ws, found)
+    # files named by the user: the format's own, though not by verl's names
+    return replace(ckpt, details={**ckpt.details, "rank_files": names}) if names else ckpt
 
 
 def _entries(path: Path) -> list[FileEntry]:
@@ -162,19 +168,22 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
         if rank in found["extra_state"]:
             ename = found["extra_state"][rank]
             _extra_objects(_tree_of(path / ename).tree, path / ename, rank, objects)
-    _check_flat_optimizer(path, pieces, details, param_order)
+    param_order = _check_flat_optimizer(path, pieces, details, param_order, objects)
     return Checkpoint("sharded", path, ws, _tensors(pieces), tuple(objects), tuple(_entries(path)), (ws,),
                       details, param_order)
 
 
-def _check_flat_optimizer(path: Path, pieces: dict, details: dict, param_order: tuple[str, ...]) -> None:
+def _check_flat_optimizer(path: Path, pieces: dict, details: dict, param_order: tuple[str, ...],
+                          objects: list[ObjectInfo]) -> tuple[str, ...]:
     """FSDP1 with ``use_orig_params=False`` (verl's ``strategy: fsdp``) saves the optimizer's
     state per *flat* parameter: one padded 1-D shard per FSDP unit, int-keyed by unit. Which
     parameters a unit holds is not in the files: the state is left out of the tensors (noted in
     ``details``, so writers of optimizer state refuse it) and kept in ``details["flat_state"]``,
     one 1-D tensor per unit and state (rank r's shard at ``r * S``), for a layout that knows the
     units to map onto parameters (:mod:`.flatparams`). Recognised by state whose shape is not
-    its parameter's."""
+    its parameter's. An int-keyed optimizer over some parameters only is renamed instead
+    (:func:`.optim.renumber`). Returns the parameters the optimizer's ids number."""
+    param_order = optim.renumber(pieces, param_order, objects) or param_order
     if read_config(path).get("FSDP_version") == 1 and details.get("fsdp") != shardedtensor.KIND:
         details["fsdp"] = "FSDP1"
     flat = []
@@ -183,7 +192,7 @@ def _check_flat_optimizer(path: Path, pieces: dict, details: dict, param_order: 
         if group == "optimizer" and p["state"] != "step" and p["shape"] and (model is None or model["shape"] != p["shape"]):
             flat.append(name)
     if not flat:
-        return
+        return param_order
     first = pieces[("optimizer", flat[0])]
     ids = {pieces[("optimizer", n)]["param"] for n in flat}
     details["optimizer_flat"] = (
@@ -194,6 +203,7 @@ def _check_flat_optimizer(path: Path, pieces: dict, details: dict, param_order: 
     details["flat_state"] = flatparams.collect(pieces, param_order)
     for key in [k for k in pieces if k[0] == "optimizer"]:
         del pieces[key]
+    return param_order
 
 
 def _extra_objects(extra: Any, file: Path, rank: int, objects: list[ObjectInfo]) -> None:
@@ -299,7 +309,7 @@ def _describe_torch(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
         if rank in found["extra_state"]:
             ename = found["extra_state"][rank]
             _extra_objects(load_torch(path / ename), path / ename, rank, objects)
-    _check_flat_optimizer(path, pieces, details, param_order)
+    param_order = _check_flat_optimizer(path, pieces, details, param_order, objects)
     return Checkpoint("sharded", path, ws, _tensors(pieces), tuple(objects), tuple(entries), mesh_shape,
                       details, param_order)
 

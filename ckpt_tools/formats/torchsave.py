@@ -7,6 +7,7 @@ that is neither model nor optimizer is extra state.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +80,7 @@ def describe(path: Path) -> Checkpoint:
             if isinstance(v, torch.Tensor):
                 if weight_map is not None and weight_map.get(key) != name:
                     raise BadInput(f"{file}: holds {key!r}, but the index puts it in {weight_map.get(key)!r}")
+                _whole_tensor(file, key, v)
                 tensors.append(_full("model", key, v, Location(name, "pickled", key=kp)))
             else:
                 objects.append(ObjectInfo("model", key, Location(name, "pickled", key=kp), path=kp))
@@ -115,6 +117,26 @@ def describe(path: Path) -> Checkpoint:
             raise BadInput(f"{base / INDEX_NAME}: names {len(missing)} tensors no shard holds, e.g. {sorted(missing)[0]!r}")
     return Checkpoint("torch", path, None, tuple(tensors), tuple(objects), tuple(entries),
                       details=details, param_order=param_order)
+
+
+def _whole_tensor(file: Path, key: str, v: torch.Tensor) -> None:
+    """Refuse one rank's file of a sharded save taken for a whole checkpoint: its DTensors
+    (ShardedTensors) hold that rank's rows only, so sizes and data would be wrong."""
+    from torch.distributed.tensor import DTensor
+
+    from ..security.fsdp1 import is_sharded_tensor
+
+    devices = v.device_mesh.mesh.numel() if isinstance(v, DTensor) else None
+    if not (is_sharded_tensor(v) or (devices or 1) > 1):
+        return
+    m = _RANK_FILE.match(file.name)
+    which = f"rank {m.group(2)} of a {m.group(1)}-rank save" if m else "one rank's part of a sharded save"
+    kind = "a ShardedTensor" if devices is None else f"a DTensor split over {devices} devices"
+    raise BadInput(f"{file}: {which} (tensor {key!r} is {kind}), not a whole checkpoint; "
+                   f"point at the directory holding every rank's file ({file.parent})")
+
+
+_RANK_FILE = re.compile(r"^\w+_world_size_(\d+)_rank_(\d+)\.pt$")
 
 
 def _model_part(obj: dict) -> tuple[dict, str | None]:

@@ -39,11 +39,11 @@ def torch_file(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInf
 
 def dcp_dir(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInfo, ...], ws: int, *,
             rank_local: str, open_reader: OpenReader, keep_parts: bool, piece_of=rows_of,
-            top_level_model: bool = False) -> tuple[Any, list[FileJob]]:
+            top_level_model: bool = False, keys: dict[str, str] | None = None) -> tuple[Any, list[FileJob]]:
     """A DCP directory at ``ws`` ranks: ckpt's own writer where it covers the plan, else torch's.
     Either keeps a layout the same way: ``keep_parts`` keeps a DCP source's part directories
     (accelerate's) and copies its items as saved; ``top_level_model`` writes the model's keys
-    without their ``model.`` prefix."""
+    without their ``model.`` prefix; ``keys`` renames top-level keys (``{"optimizer": "optim"}``)."""
     extras = _OneCopy(ckpt, objects, rank_local, open_reader)
 
     def jobs(merged: dict) -> list[FileJob]:
@@ -52,11 +52,12 @@ def dcp_dir(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInfo, 
 
     source_dcp = ckpt.format == "dcp" and keep_parts
     writer = dcpnative.native_writer(ckpt, jobs(extras.values), param_order=ckpt.param_order,
-                                     extras=extras.native, verbatim=source_dcp, top_level_model=top_level_model)
+                                     extras=extras.native, verbatim=source_dcp, top_level_model=top_level_model,
+                                     keys=keys)
     if writer is not None:
         return writer, jobs(extras.values)
     return (dcp.Writer(param_order=ckpt.param_order, source=ckpt.base_dir() if source_dcp else None,
-                       top_level_model=top_level_model), jobs(extras.for_torch()))
+                       top_level_model=top_level_model, keys=keys), jobs(extras.for_torch()))
 
 
 def rank_files(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInfo, ...], ws: int, *,
@@ -85,7 +86,8 @@ def rank_files(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInf
             extras = per_rank_extras(extra_objs, reader.object, src_world=ckpt.world_size, dst_world=ws,
                                      policy=rank_local)
         return writer, layout_sharded(ckpt, targets, ws, extras, flat_units=flat)
-    if ckpt.format == "sharded" and _all_raw(ckpt) and all(t.dtype == t.source.dtype for t in targets):
+    if ckpt.format == "sharded" and _all_raw(ckpt) and all(t.dtype == t.source.dtype for t in targets) \
+            and not ckpt.details.get("rank_files"):  # templates are found by verl's file names
         writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed, template=ckpt.root,
                                 src_world=ckpt.world_size, config=sharded.read_config(ckpt.root), **version)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from ..formats import describe as describe_format
 from ..core.describe import Checkpoint, ObjectInfo, check_coverage
 from ..core.state import short_list, warn_rank_local
-from ..errors import UsageError
+from ..errors import BadInput, UsageError
 from ..formats.sharded import CONFIG_NAME, PATTERN
 from ..security import safefs
 from ..storage import manifest
@@ -57,11 +57,32 @@ class Layout:
         return {"layout": self.name, "fsdp_version": self.fsdp_version, "side_files": list(self.side_files)}
 
 
+def parts_of(path: Path | str) -> list[str]:
+    """The checkpoints a framework's step directory holds as sub-directories, the one its
+    trainer resumes first (verl's ``global_step_N/``: ``actor``, then ``critic``); ``[]`` when
+    ``path`` is no such directory."""
+    return verl.roles_in(Path(path))
+
+
+def resolve(path: Path | str) -> Path:
+    """The checkpoint a path names: a verl ``global_step_N/`` (what ``ckpt latest`` prints)
+    names its ``actor/``; any other path itself."""
+    parts = parts_of(path)
+    return Path(path) / parts[0] if parts else Path(path)
+
+
 def describe(path: Path | str, *, check: bool = True, base: str | None = None) -> Checkpoint:
-    """The checkpoint at ``path`` described (:func:`ckpt_tools.formats.describe`), then
-    completed by its layout where the layout knows what the files leave out (FSDP1 flat
+    """The checkpoint at ``path`` (:func:`resolve`) described (:func:`ckpt_tools.formats.describe`),
+    then completed by its layout where the layout knows what the files leave out (FSDP1 flat
     parameters' make-up, from the model; ``base``: where its config is, if not beside it)."""
-    ckpt = describe_format(path, check=check)
+    from . import runs  # runs asks the adapters this module imports
+
+    if runs.is_run(Path(path)):
+        steps = sorted(rel for rel, _, _ in runs.step_dirs(Path(path)))
+        raise BadInput(f"{path}: a run directory holding {len(steps)} checkpoints ({', '.join(steps[:4])}"
+                       f"{', ...' if len(steps) > 4 else ''}), not one checkpoint; `ckpt latest {path}` prints the "
+                       "newest complete one to use (or name a file in it directly)")
+    ckpt = describe_format(resolve(path), check=check)
     complete = getattr(layout_of(ckpt).adapter, "complete", None)
     if complete is None:
         return ckpt
@@ -115,6 +136,7 @@ def _format_files(ckpt: Checkpoint) -> set[str]:
         files |= {p.name for p in ckpt.root.glob("*.index.json")}
     if ckpt.format == "sharded":
         files |= {f.path for f in ckpt.files if PATTERN.match(f.path) or f.path == CONFIG_NAME}
+        files |= set(ckpt.details.get("rank_files", ()))
     if ckpt.format == "deepspeed":  # the model states (read for their shapes) and the ``latest`` tag
         files |= {f.path for f in ckpt.files} | {"latest"}
     return files

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput
-from ..formats import whole
+from ..formats import detect, torchsave, whole
 from ..security import safefs
 from ..storage import manifest
 from . import accelerate, deepspeed, megatron, plain, torchtitan, trainer, verl
@@ -100,6 +100,22 @@ def scan(run_dir: str | Path, *, verify: bool = False, until_complete: bool = Fa
     return Run(root, tuple(entries), itself and bool(entries), tuple(_notes(root, entries, steps)))
 
 
+def is_run(path: Path) -> bool:
+    """Whether the directory ``path`` holds step directories of checkpoints rather than being a
+    checkpoint itself: it has step directories, and no format claims it, or only by a lone torch
+    file beside them (a stray ``args.pt``, never a checkpoint whose files are the step
+    directories')."""
+    path = Path(path)
+    if not path.is_dir() or not step_dirs(path):
+        return False
+    try:
+        found = detect(path)
+    except BadInput:
+        return True
+    return found == "torch" and not ((path / torchsave.INDEX_NAME).is_file()
+                                     or (path / "pytorch_model.bin").is_file())
+
+
 def step_dirs(root: Path) -> list[tuple[str, Any, int | None]]:
     """(path relative to root, adapter, step) of each step directory, claimed by the first
     framework that names it (plain: only when it holds checkpoint files and is no part of one)."""
@@ -150,6 +166,10 @@ def _check(root: Path, rel: str, adapter: Any, step: int | None, verify: bool) -
             missing.append(f"{where} missing")
             continue
         w = _whole(adapter, d)
+        if not getattr(adapter, "claims", lambda _: True)(w):
+            # named as the framework names its step directories but holding none of its marks
+            # (a dcp.save in ``step-N/``): the layout is what the checkpoint holds, not its name
+            adapter = plain
         fmt, ws, size = fmt or w.format, ws or w.world_size, size + w.size
         try:
             side = [*adapter.missing(d, w), *_manifest_missing(d, verify)]

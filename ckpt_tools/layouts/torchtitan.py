@@ -73,6 +73,16 @@ def step_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+_MARKS = frozenset({"train_state", "lr_scheduler", "dataloader"})
+
+
+def claims(whole) -> bool:
+    """Whether a ``step-N/`` directory holds torchtitan's checkpoint: a DCP with one of its own
+    entries, or its model keys at the top level. A ``dcp.save({"model": ..., "optimizer": ...})``
+    in a folder that happens to be named ``step-N`` is plain."""
+    return whole.format != "dcp" or bool(_MARKS & whole.entries) or "model" not in whole.entries
+
+
 def missing(ckpt_dir: Path, whole) -> list[str]:
     if whole.format != "dcp" or "optimizer" not in whole.entries:
         return []

@@ -59,7 +59,20 @@ def missing(ckpt_dir: Path, whole) -> list[str]:
     for p in sorted(ckpt_dir.iterdir()):
         if _TORCH_SIDE.match(p.name):
             out += torch_file_missing(p, ckpt_dir)
-    return out
+    return out + _rng_missing(ckpt_dir, whole.world_size)
+
+
+def _rng_missing(ckpt_dir: Path, world_size: int | None) -> list[str]:
+    """Every process writes its own ``rng_state_{r}.pth``, rank 0 ``trainer_state.json``: a rank
+    killed after rank 0 finished leaves its file out, and ``_load_rng_state`` then only warns and
+    that rank resumes with another random stream. So where any rank's RNG state was saved (not
+    with ``save_only_model``), each rank of the save's world size must have its own."""
+    ranks = {int(m.group(1)) for p in ckpt_dir.iterdir() if (m := RANK_LOCAL_FILE.match(p.name))}
+    if not ranks or not world_size:
+        return []
+    lost = [r for r in range(world_size) if r not in ranks]
+    return [f"rng_state_{r}.pth missing (rank {r} of {world_size}; the Trainer would resume that rank with "
+            "another random stream, with only a warning)" for r in lost]
 
 
 def recorded_step(step_dir: Path, named: int) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..core.describe import Checkpoint
 from ..core.flat import Unit
 from ..errors import BadInput
-from ..formats import flatparams
+from ..formats import flatparams, sharded
 from ..formats.sharded import CONFIG_NAME, file_name
 from ..hf import assets
 from ..hf.models import build_from_config
@@ -25,7 +25,8 @@ RANK_LOCAL_FILE = None
 
 
 def detect(ckpt) -> bool:
-    return ckpt.format == "sharded"
+    # rank files the user named (model_rank{r}.pt) are no framework's
+    return ckpt.format == "sharded" and not ckpt.details.get("rank_files")
 
 
 def fsdp_version(ckpt) -> int | None:
@@ -103,6 +104,15 @@ def step_of(name: str) -> int | None:
 def parts(step_dir: Path) -> list[str]:
     """The roles saved in ``global_step_N/`` (``actor`` at least: verl's trainer loads it)."""
     return [r for r in _ROLES if (step_dir / r).exists() or (step_dir / r).is_symlink()] or ["actor"]
+
+
+def roles_in(path: Path) -> list[str]:
+    """The roles of a ``global_step_N/`` directory (what ``ckpt latest`` prints, and verl's
+    ``trainer.resume_from_path`` takes) that hold verl's rank files, the actor first; ``[]``
+    for any other directory. Known by what it holds: rank files under ``actor/``."""
+    if not (path.is_dir() and (path / "actor").is_dir() and sharded.detect(path / "actor")):
+        return []
+    return [r for r in _ROLES if (path / r).is_dir() and sharded.detect(path / r)]
 
 
 def missing(ckpt_dir: Path, whole) -> list[str]:

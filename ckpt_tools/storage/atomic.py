@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import DestinationError, one_line
+from ..errors import BadInput, DestinationError, one_line
 from ..runtime import env
 
 TMP_MARK = ".ckpt-tmp-"
@@ -38,10 +38,62 @@ def check_destination(src: Path | None, dst: Path, *, overwrite: bool, dry_run: 
                                "choose another DST")
     if dst.exists() and not overwrite:
         raise DestinationError(f"{dst} exists; pass --overwrite to replace it (the old one stays until the new one is complete)")
+    if overwrite and (dst.exists() or dst.is_symlink()):
+        foreign = not_a_checkpoint(dst)
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (f" ... ({len(foreign)} in all)" if len(foreign) > 5 else "")
+            raise DestinationError(f"{dst}: holds {shown}, which no checkpoint holds; --overwrite replaces only a "
+                                   "checkpoint (or an earlier ckpt output), so nothing was written: move those "
+                                   "away or choose another DST")
     parent = d.parent
     if parent.exists() and not os.access(parent, os.W_OK):
         raise DestinationError(f"{parent}: not writable")
     report_stale(dst, remove=overwrite and not dry_run)
+
+
+# what a checkpoint directory holds, by name: weights and metadata of every format read,
+# configs and tokenizers, the frameworks' side files (DeepSpeed's ``latest`` and script)
+_CHECKPOINT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".distcp", ".json", ".pkl", ".model", ".tiktoken",
+                        ".jinja")
+_CHECKPOINT_NAMES = frozenset({".metadata", ".metadata.tmp", "latest", "vocab.txt", "merges.txt", "README.md",
+                               ".gitattributes", "LICENSE", "zero_to_fp32.py"})
+
+
+def not_a_checkpoint(dst: Path) -> list[str]:
+    """What in ``dst`` (a file, or the files under a directory, relative to it) no checkpoint
+    holds: files an earlier ckpt output's manifest lists, and files named as a checkpoint's
+    are (weights, metadata, configs, tokenizers, side files), are not listed. ``--overwrite``
+    replaces ``dst`` only when this is empty: it never deletes a user's own files."""
+    from . import manifest
+
+    def ours(name: str) -> bool:
+        return name in _CHECKPOINT_NAMES or name.endswith(_CHECKPOINT_SUFFIXES)
+
+    if dst.is_symlink() or not dst.is_dir():
+        return [] if ours(dst.name) or _saved_tensors(dst) else [dst.name]
+    try:
+        found = manifest.read(dst)
+    except (ValueError, OSError, BadInput):
+        found = None
+    listed = set(found.get("files") or ()) if isinstance(found, dict) and isinstance(found.get("files"), dict) else set()
+    out = []
+    for p in sorted(dst.rglob("*")):
+        rel = p.relative_to(dst).as_posix()
+        if (p.is_dir() and not p.is_symlink()) or TMP_MARK in rel or rel in listed or rel == manifest.NAME:
+            continue
+        if not ours(p.name):
+            out.append(rel)
+    return out
+
+
+def _saved_tensors(file: Path) -> bool:
+    """Whether a file whatever its name is a ``torch.save`` zip or a safetensors file."""
+    try:
+        with open(file, "rb") as f:
+            head = f.read(9)
+    except OSError:
+        return False
+    return head[:4] == b"PK\x03\x04" or head[8:9] == b"{"
 
 
 def stale_staging(dst: Path) -> list[Path]:
