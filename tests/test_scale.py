@@ -6,8 +6,8 @@ small-rank path. Speed and memory live in bench/scale.py."""
 from __future__ import annotations
 
 import json
+import math
 import os
-import re
 from pathlib import Path
 
 import pytest
@@ -91,7 +91,8 @@ def test_reshard_dcp_many_ranks_reads_back(tmp_path):
 
     state = make_dcp(tmp_path / "dcp", 256, shapes=SHAPES)
     _run("reshard", str(tmp_path / "dcp"), str(tmp_path / "out"), "--to", "192", "--quiet")
-    assert len([p for p in os.listdir(tmp_path / "out") if p.endswith(".distcp")]) == 192
+    names = set(os.listdir(tmp_path / "out"))
+    assert {f"__{r}_0.distcp" for r in range(192)} <= names
     dcp_to_torch_save(str(tmp_path / "out"), str(tmp_path / "back.pt"))
     back = torch.load(tmp_path / "back.pt", weights_only=True)["model"]
     for k, v in state.items():
@@ -101,6 +102,5 @@ def test_reshard_dcp_many_ranks_reads_back(tmp_path):
 def test_inspect_1024_ranks(tmp_path):
     make_verl(tmp_path / "src", 1024, shapes=SHAPES)
     out = json.loads(_run("inspect", str(tmp_path / "src"), "--json"))
-    text = json.dumps(out)
-    assert re.search(r'"world_size": 1024', text), text[:400]
-    assert "layers.1.w" in text
+    assert out["world_size"] == 1024 and out["num_tensors"] == len(SHAPES)
+    assert out["total_bytes"] == 4 * sum(math.prod(s) for s in SHAPES.values())

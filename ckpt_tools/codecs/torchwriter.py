@@ -181,6 +181,7 @@ def _hash_combine(seed: int, value: int) -> int:  # c10::hash_combine on a 64-bi
 PAGE = 4096
 _SMALL = 256 << 10  # records up to this size are copied through memory (see copy_record)
 _MAX_OPEN = 64  # source files a writer keeps open at once
+_BUFFER = 1 << 20  # bytes gathered before a write
 _SID = ".data/serialization_id"
 Part = tuple[str | os.PathLike, int, int] | tuple[str | os.PathLike, int, int, int]
 
@@ -209,6 +210,7 @@ class TorchZipWriter:
         self._pos, self._central, self._names = 0, bytearray(), []
         self._crc_hash = 0  # the CRC half of the serialization id, folded as torch does
         self._srcs: dict[Any, int] = {}  # source files open for copy_record
+        self._buf = bytearray()  # written, not yet at the fd (see _write)
 
     def __enter__(self) -> TorchZipWriter:
         return self
@@ -226,7 +228,22 @@ class TorchZipWriter:
             self.path.unlink(missing_ok=True)
 
     def _write(self, data: bytes | bytearray | memoryview) -> None:
-        self._pos += write_all(self._fd, data, self._flusher)
+        # headers, descriptors and small records gather here: a DCP rank file of a many-rank
+        # save holds thousands of small zips, seven writes each unbuffered
+        n = len(data)
+        self._pos += n
+        if n >= _BUFFER:
+            self._flush()
+            write_all(self._fd, data, self._flusher)
+            return
+        self._buf += data
+        if len(self._buf) >= _BUFFER:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._buf:
+            write_all(self._fd, self._buf, self._flusher)
+            self._buf.clear()
 
     @staticmethod
     def _zip64(size: int, ofs: int, comp: int) -> bytes:
@@ -347,6 +364,7 @@ class TorchZipWriter:
         self._srcs.clear()
 
     def _copy(self, src: int, start: int, length: int, path: Any) -> None:
+        self._flush()
         copy_range(src, self._fd, start, length, what=path, flusher=self._flusher)
         self._pos += length
 
@@ -381,6 +399,7 @@ class TorchZipWriter:
                     + struct.pack("<IIQI", 0x07064B50, 0, self._pos, 1)
                     + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
                                   min(cd_size, _MAX32), min(cd_ofs, _MAX32), 0))
+        self._flush()
         if self._own:
             try:
                 self._flusher.close()
