@@ -28,15 +28,20 @@ SPLIT = {300: 1, 3000: 11, 30000: 112}  # matrices cut into row blocks: ~291, ~2
 
 
 def timed(cmd: list[str], *, cwd: Path) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MB) of one child process."""
+    """Wall seconds and peak RSS (MB) of one child process. The RSS comes from GNU time where
+    installed: a forked child's ``ru_maxrss`` starts at this process's size (the fixtures')."""
+    gnu = shutil.which("time") or ("/usr/bin/time" if os.path.exists("/usr/bin/time") else None)
+    report = cwd / ".rss"
+    full = [gnu, "-f", "%M", "-o", str(report), *cmd] if gnu else cmd
     t = time.perf_counter()
-    p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    p = subprocess.Popen(full, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(p.pid, 0)
-    p.returncode = os.waitstatus_to_exitcode(status)
+    secs = time.perf_counter() - t
     err = p.stderr.read().decode() if p.stderr else ""
-    if p.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}): {err[-800:]}")
-    return time.perf_counter() - t, usage.ru_maxrss / 1024
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed: {err[-800:]}")
+    kb = int(report.read_text().split()[-1]) if gnu else usage.ru_maxrss
+    return secs, kb / 1024
 
 
 TORCH_SAVE = ("import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save;"
