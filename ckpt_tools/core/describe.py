@@ -73,9 +73,26 @@ class TensorInfo:
     # written from this source keeps it, so no key is renamed, nested or un-nested.
     path: tuple[Any, ...] = field(default=(), compare=False)
 
+    def __hash__(self) -> int:
+        # not the chunks: a tensor of a 1,024-rank save has 1,024 of them, and plans hash
+        # pieces (hence their tensors) per entry; equal tensors still hash equal
+        return hash((self.group, self.name, self.shape))
+
     @property
     def key(self) -> tuple[str, str]:
         return (self.group, self.name)
+
+    def rows_index(self) -> tuple[list[int], list[int], int]:
+        """The chunks with elements, as (first rows sorted, their indices in ``chunks``, most
+        rows in one chunk): the chunks that meet rows [a, b) are found by bisection, so a plan
+        for one destination piece touches only the source chunks that overlap it. Built once."""
+        got = self.__dict__.get("_rows_index")
+        if got is None:
+            live = sorted((c.offsets[0], i) for i, c in enumerate(self.chunks) if c.numel and c.offsets)
+            got = ([o for o, _ in live], [i for _, i in live],
+                   max((self.chunks[i].sizes[0] for _, i in live), default=0))
+            object.__setattr__(self, "_rows_index", got)
+        return got
 
     @property
     def numel(self) -> int:

@@ -10,6 +10,7 @@ the kernel to copy; :func:`by_piece` serves a stream of pieces to a writer in it
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,10 @@ class Piece:
     copies: tuple[Copy, ...]
     add: LowRank | None = None
 
+    def __hash__(self) -> int:
+        # writers key pieces in dicts (by_piece); the copies follow from the rest
+        return hash((self.target.name, self.offsets, self.sizes))
+
     @property
     def numel(self) -> int:
         return math.prod(self.sizes)
@@ -147,8 +152,9 @@ def targets_from(tensors: Iterable[TensorInfo], *, dtype: DType | None = None,
 def piece(target: Target, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Piece:
     """Plan the copies that fill ``offsets``/``sizes`` of ``target`` from its source chunks.
 
-    Identical chunks (replicas on several ranks) are read once, from the first. A computed
-    target reads its inputs whole (its copies name every chunk, for a reader that fetches them).
+    Identical chunks (replicas on several ranks) are read once, from the first. Only the
+    chunks whose rows meet the piece's are looked at (bisection on the tensor's row index). A
+    computed target reads its inputs whole (its copies name every chunk, for a reader that fetches them).
     """
     if target.computed is not None:
         reads = [(target.source, c) for c in target.source.chunks]
@@ -158,7 +164,15 @@ def piece(target: Target, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> P
     copies = []
     remaining = math.prod(sizes)
     seen = set()
-    for c in target.source.chunks:
+    chunks = target.source.chunks
+    if offsets and len(chunks) > 8:
+        starts, order, most = target.source.rows_index()
+        a, b = offsets[0], offsets[0] + sizes[0]
+        near = order[bisect_left(starts, a - most + 1):bisect_left(starts, b)]
+        candidates = [chunks[i] for i in sorted(near)]  # in the chunks' order: the first replica wins
+    else:
+        candidates = chunks
+    for c in candidates:
         box = (c.offsets, c.sizes)
         if box in seen or not c.numel:
             continue

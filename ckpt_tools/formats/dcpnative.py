@@ -23,6 +23,8 @@ hold tensors or anything but plain data (RNG states: numpy arrays, tensors).
 
 from __future__ import annotations
 
+import functools
+
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -56,7 +58,13 @@ class NotNative(Exception):
 
 
 def tensor_pickle(dtype: str, sizes: tuple[int, ...]) -> bytes:
-    """The ``data.pkl`` torch.save writes for a contiguous CPU tensor with its own storage."""
+    """The ``data.pkl`` torch.save writes for a contiguous CPU tensor with its own storage
+    (one template per dtype and shape: a many-rank DCP repeats a few thousand times each)."""
+    return _tensor_pickle(str(dtype), tuple(sizes))
+
+
+@functools.lru_cache(maxsize=4096)
+def _tensor_pickle(dtype: str, sizes: tuple[int, ...]) -> bytes:
     storage = STORAGE_OF.get(str(dtype))
     if storage is None:
         raise NotNative(f"no legacy storage class for {dtype}")

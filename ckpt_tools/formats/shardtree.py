@@ -109,11 +109,7 @@ def dtensor_of(node: Any) -> DTensorNode | None:
     mesh, placements = spec_state.get("mesh"), spec_state.get("placements")
     if type(mesh) is not NewObj or mesh.cls is not DEVICE_MESH or type(placements) is not tuple or len(placements) != 1:
         raise NotSimple("a DTensor on a mesh of several dimensions")
-    mstate = _state_dict(mesh)
-    coord = mstate.get("_coordinate_on_dim")
-    world = _mesh_world(mstate)
-    if not set(mstate) <= _MESH_FIELDS or type(coord) is not tuple or len(coord) != 1 or world is None:
-        raise NotSimple("a device mesh pickled in a way this path does not rebuild")
+    coord, world = _mesh_facts(mesh)
     (p,) = placements
     if type(p) is NewObj and p.cls is SHARD and _state_dict(p) == {"dim": 0}:
         sharded = True
@@ -122,6 +118,26 @@ def dtensor_of(node: Any) -> DTensorNode | None:
     else:
         raise NotSimple("a placement other than Shard(0) or Replicate")
     return DTensorNode(node, local, tuple(wrapper[2]), sharded, world, coord[0], mesh)
+
+
+_MESHES: dict[int, tuple[Any, tuple, int]] = {}
+
+
+def _mesh_facts(mesh: NewObj) -> tuple[tuple, int]:
+    """A 1-D mesh node's coordinate and world size. A file's DTensors share one mesh node, and
+    checking its rank map is O(world): done once per node, not once per tensor."""
+    got = _MESHES.get(id(mesh))
+    if got is not None and got[0] is mesh:  # (the cache holds the node: its id is not reused)
+        return got[1], got[2]
+    mstate = _state_dict(mesh)
+    coord = mstate.get("_coordinate_on_dim")
+    world = _mesh_world(mstate)
+    if not set(mstate) <= _MESH_FIELDS or type(coord) is not tuple or len(coord) != 1 or world is None:
+        raise NotSimple("a device mesh pickled in a way this path does not rebuild")
+    if len(_MESHES) >= 4096:
+        _MESHES.clear()
+    _MESHES[id(mesh)] = (mesh, coord, world)
+    return coord, world
 
 
 def _mesh_world(mstate: dict) -> int | None:

@@ -1,0 +1,132 @@
+"""How ckpt's cost grows with ranks and tensors (the same bytes): time and peak RSS of inspect,
+reshard (to 3/4 of the ranks), export and convert, beside ``cp -r`` and torch's
+``dcp_to_torch_save``. Sources are made by torch's own writers (tests/fw_scale.py), never ckpt.
+
+    python bench/scale.py --ranks 8 64 256 1024 --tensors 300 3000 30000 --out docs/scale.md
+
+Writes a markdown table to ``--out`` and, when matplotlib is importable, a PNG beside it.
+Each run is a fresh process (``ckpt ...``); peak RSS is the child's ``ru_maxrss``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+import fw_scale  # noqa: E402
+
+SPLIT = {300: 1, 3000: 11, 30000: 112}  # matrices cut into row blocks: ~291, ~2.2k, ~25k tensors
+
+
+def timed(cmd: list[str], *, cwd: Path) -> tuple[float, float]:
+    """Wall seconds and peak RSS (MB) of one child process. The RSS comes from GNU time where
+    installed: a forked child's ``ru_maxrss`` starts at this process's size (the fixtures')."""
+    gnu = shutil.which("time") or ("/usr/bin/time" if os.path.exists("/usr/bin/time") else None)
+    report = cwd / ".rss"
+    full = [gnu, "-f", "%M", "-o", str(report), *cmd] if gnu else cmd
+    t = time.perf_counter()
+    p = subprocess.Popen(full, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(p.pid, 0)
+    secs = time.perf_counter() - t
+    err = p.stderr.read().decode() if p.stderr else ""
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed: {err[-800:]}")
+    kb = int(report.read_text().split()[-1]) if gnu else usage.ru_maxrss
+    return secs, kb / 1024
+
+
+TORCH_SAVE = ("import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save;"
+              "dcp_to_torch_save(sys.argv[1], sys.argv[2])")
+
+
+def cases(ranks: int, tensors: int, work: Path) -> list[tuple[str, list[str]]]:
+    ckpt = [sys.executable, "-m", "ckpt_tools"]
+    v, d = work / "verl", work / "dcp"
+    m = max(1, ranks * 3 // 4)
+    return [
+        ("cp -r rank files", ["cp", "-r", str(v), str(work / "cp")]),
+        ("inspect rank files", [*ckpt, "inspect", str(v)]),
+        ("reshard rank files", [*ckpt, "reshard", str(v), str(work / "o1"), "--to", str(m), "--quiet"]),
+        ("reshard dcp", [*ckpt, "reshard", str(d), str(work / "o2"), "--to", str(m), "--quiet"]),
+        ("export rank files", [*ckpt, "export", str(v), str(work / "o3"), "--quiet"]),
+        ("convert dcp -> torch", [*ckpt, "convert", str(d), str(work / "o4.pt"), "--to", "torch", "--quiet"]),
+        ("dcp_to_torch_save", [sys.executable, "-c", TORCH_SAVE, str(d), str(work / "o5.pt")]),
+    ]
+
+
+def run(ranks: list[int], tensors: list[int], root: Path) -> list[dict]:
+    rows = []
+    for t in tensors:
+        for w in ranks:
+            work = root / f"w{w}_t{t}"
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
+            fw_scale.make_verl(work / "verl", w, split=SPLIT.get(t, 1))
+            fw_scale.make_dcp(work / "dcp", w, split=SPLIT.get(t, 1))
+            n = len(fw_scale.llama_shapes(split=SPLIT.get(t, 1)))
+            for name, cmd in cases(w, t, work):
+                secs, mb = timed(cmd, cwd=work)
+                rows.append({"case": name, "ranks": w, "tensors": n, "s": secs, "mb": mb})
+                print(f"{name:24s} ranks {w:5d} tensors {n:6d}: {secs:7.2f} s {mb:7.0f} MB", flush=True)
+            shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| case | ranks | tensors | seconds | peak RSS MB |", "| --- | ---: | ---: | ---: | ---: |"]
+    out += [f"| {r['case']} | {r['ranks']} | {r['tensors']} | {r['s']:.2f} | {r['mb']:.0f} |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def plot(rows: list[dict], png: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for case in dict.fromkeys(r["case"] for r in rows):
+        for n in sorted({r["tensors"] for r in rows}):
+            pts = sorted((r["ranks"], r["s"]) for r in rows if r["case"] == case and r["tensors"] == n)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{case} ({n} tensors)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("seconds")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 256, 1024])
+    ap.add_argument("--tensors", type=int, nargs="+", default=[300, 3000, 30000])
+    ap.add_argument("--out", type=Path, default=Path("docs/scale-run.md"))
+    ap.add_argument("--work", type=Path, default=None)
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory(dir=a.work) as tmp:
+        rows = run(a.ranks, a.tensors, Path(tmp))
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(f"# ckpt at scale (bench/scale.py)\n\nload average {os.getloadavg()[0]:.1f}\n\n" + table(rows))
+    if plot(rows, a.out.with_suffix(".png")):
+        print(f"wrote {a.out} and {a.out.with_suffix('.png')}")
+    else:
+        print(f"wrote {a.out} (no matplotlib: no plot)")
+
+
+if __name__ == "__main__":
+    main()

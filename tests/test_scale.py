@@ -1,0 +1,106 @@
+"""Many-rank checkpoints (256 and 1,024 ranks) made by torch's own writers in one process
+(verl rank files under torch's fake process group, DCPs by ``dcp.save``'s own steps rank by
+rank): ckpt's outputs are read back by torch and compared with the saved values and with a
+small-rank path. Speed and memory live in bench/scale.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckpt_tools.cli.main import main as cli
+from fw_scale import make_dcp, make_verl
+
+# small tensors, some with fewer rows than ranks (trailing ranks hold none)
+SHAPES = {"embed.weight": (300, 4), "layers.0.w": (257, 3), "layers.0.norm": (8,), "layers.1.w": (1030, 2),
+          "head.weight": (5, 4)}
+
+
+def _run(*args: str) -> str:
+    r = CliRunner().invoke(cli, [*args], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    return r.output
+
+
+def _rank_files_state(d: Path, ws: int, kind: str = "model") -> dict[str, torch.Tensor]:
+    """The full tensors of verl rank files at ``ws``, as torch loads them, rows concatenated."""
+    parts: dict[str, list] = {}
+    for r in range(ws):
+        sd = torch.load(d / f"{kind}_world_size_{ws}_rank_{r}.pt", weights_only=False)
+        if kind == "optim":
+            sd = {f"{i}.{k}": v for i, s in sd["state"].items() for k, v in s.items() if k != "step"}
+        for k, v in sd.items():
+            parts.setdefault(k, []).append(v.to_local() if hasattr(v, "to_local") else v)
+    return {k: torch.cat(v) for k, v in parts.items()}
+
+
+@pytest.mark.parametrize("src_ws,dst_ws", [(256, 192)])
+def test_reshard_rank_files_many_ranks(tmp_path, src_ws, dst_ws):
+    state = make_verl(tmp_path / "src", src_ws, optim=src_ws <= 256, shapes=SHAPES)
+    _run("reshard", str(tmp_path / "src"), str(tmp_path / "out"), "--to", str(dst_ws), "--quiet")
+    got = _rank_files_state(tmp_path / "out", dst_ws)
+    assert set(got) == set(state)
+    for k, v in state.items():
+        assert torch.equal(got[k], v), k
+    if src_ws <= 256:
+        moments = _rank_files_state(tmp_path / "out", dst_ws, "optim")
+        for i, (k, v) in enumerate(state.items()):
+            assert torch.equal(moments[f"{i}.exp_avg"], v * 0.1), k
+            assert torch.equal(moments[f"{i}.exp_avg_sq"], v.abs() * 0.01), k
+
+
+def test_reshard_many_ranks_equals_small_rank_path(tmp_path):
+    """256 -> 4 ranks gives, as torch loads them, the files 8 -> 4 gives from an 8-rank save of
+    the same values (bytes differ only where records keep their source's page phase)."""
+    make_verl(tmp_path / "big", 256, shapes=SHAPES)
+    make_verl(tmp_path / "small", 8, shapes=SHAPES)
+    _run("reshard", str(tmp_path / "big"), str(tmp_path / "a"), "--to", "4", "--quiet")
+    _run("reshard", str(tmp_path / "small"), str(tmp_path / "b"), "--to", "4", "--quiet")
+    for r in range(4):
+        name = f"model_world_size_4_rank_{r}.pt"
+        a = torch.load(tmp_path / "a" / name, weights_only=False)
+        b = torch.load(tmp_path / "b" / name, weights_only=False)
+        assert list(a) == list(b)
+        for k in a:
+            assert a[k].placements == b[k].placements and a[k].shape == b[k].shape, (name, k)
+            assert torch.equal(a[k].to_local(), b[k].to_local()), (name, k)
+
+
+def test_dcp_many_ranks_to_torch_matches_torch(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    state = make_dcp(tmp_path / "dcp", 256, shapes=SHAPES)
+    _run("convert", str(tmp_path / "dcp"), str(tmp_path / "ours.pt"), "--to", "torch", "--quiet")
+    dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "theirs.pt"))
+    ours = torch.load(tmp_path / "ours.pt", weights_only=True)
+    theirs = torch.load(tmp_path / "theirs.pt", weights_only=True)
+    flat_ours = ours["model"] if "model" in ours else ours
+    assert set(flat_ours) == set(theirs["model"]) == set(state)
+    for k, v in state.items():
+        assert torch.equal(flat_ours[k], v) and torch.equal(theirs["model"][k], v), k
+
+
+def test_reshard_dcp_many_ranks_reads_back(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    state = make_dcp(tmp_path / "dcp", 256, shapes=SHAPES)
+    _run("reshard", str(tmp_path / "dcp"), str(tmp_path / "out"), "--to", "192", "--quiet")
+    names = set(os.listdir(tmp_path / "out"))
+    assert {f"__{r}_0.distcp" for r in range(192)} <= names
+    dcp_to_torch_save(str(tmp_path / "out"), str(tmp_path / "back.pt"))
+    back = torch.load(tmp_path / "back.pt", weights_only=True)["model"]
+    for k, v in state.items():
+        assert torch.equal(back[k], v), k
+
+
+def test_inspect_1024_ranks(tmp_path):
+    make_verl(tmp_path / "src", 1024, shapes=SHAPES)
+    out = json.loads(_run("inspect", str(tmp_path / "src"), "--json"))
+    assert out["world_size"] == 1024 and out["num_tensors"] == len(SHAPES)
+    assert out["total_bytes"] == 4 * sum(math.prod(s) for s in SHAPES.values())
