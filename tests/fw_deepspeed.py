@@ -55,6 +55,15 @@ def _engine(stage: int, bf16: bool, world_size: int, seed: int, width: int, tied
     # DeepSpeed's shared-memory all-reduce is an optional CPU kernel it JIT-compiles with g++ on
     # first use (minutes); marked unavailable, collectives go through the gloo group
     deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+    if fp16:
+        # DeepSpeed's CPU accelerator refuses fp16 unless oneDNN reports the CPU's native fp16
+        # instructions (AVX512-FP16/AMX), a property of the machine, not of the save: torch
+        # computes fp16 on any CPU, and the files DeepSpeed writes are the same
+        from deepspeed.accelerator import get_accelerator
+
+        accel = get_accelerator()
+        accel.is_fp16_supported = lambda: True
+        accel.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
     module = model(seed, width, tied)
     optimizer = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.01)
     config = {
