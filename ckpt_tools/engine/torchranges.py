@@ -25,16 +25,8 @@ class TorchRanges:
         ``file`` (its storage record's bytes from the tensor's offset); None when it is stored
         any other way (a legacy file, a non-contiguous or wrapped tensor)."""
         from ..codecs.tensornodes import NotSimple, local_of
-        from ..security.torchfile import TorchZip
 
-        with self._lock:
-            z = self._zips.get(file, False)
-            if z is False:
-                try:
-                    z = TorchZip(self.base / file)
-                except Exception:  # noqa: BLE001 - not a file this path walks
-                    z = None
-                self._zips[file] = z
+        z = self._zip(file)
         node = z.tree if z is not None else None
         for k in key:
             try:
@@ -50,21 +42,26 @@ class TorchRanges:
             return None
         return rec.offset + local.offset * local.dtype.itemsize, local
 
-    def of(self, file: str, key: tuple[Any, ...]) -> tuple[list[Range], bool]:
-        """The records the value at ``key`` of ``file`` uses, and True; or the whole file and
-        False when its pickle cannot be walked here (a legacy file, a global ckpt does not parse,
-        a key that is not plain containers all the way)."""
+    def _zip(self, file: str):
+        """``file``'s zip, read once (None: not a zip this walks; torch's loader reads or refuses it)."""
         from ..security.torchfile import TorchZip
 
-        path = self.base / file
         with self._lock:
             z = self._zips.get(file, False)
             if z is False:
                 try:
-                    z = TorchZip(path)
-                except Exception:  # noqa: BLE001 - torch's loader reads (or refuses) it, fetched whole
+                    z = TorchZip(self.base / file)
+                except Exception:  # noqa: BLE001 - not a file this path walks: fetched whole
                     z = None
                 self._zips[file] = z
+        return z
+
+    def of(self, file: str, key: tuple[Any, ...]) -> tuple[list[Range], bool]:
+        """The records the value at ``key`` of ``file`` uses, and True; or the whole file and
+        False when its pickle cannot be walked here (a legacy file, a global ckpt does not parse,
+        a key that is not plain containers all the way)."""
+        path = self.base / file
+        z = self._zip(file)
         node = z.tree if z is not None else None
         for k in key:
             try:
