@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..core.dtypes import DType
 from ..core.plan import Computed, Piece
 from ..errors import BadInput
 from ..storage import lowp
@@ -40,23 +41,58 @@ def code_rows(c: Computed, piece: Piece) -> tuple[int, int]:
     return a * per, b * per
 
 
-def values(reader: Reader, piece: Piece, *, spans: bool = False) -> torch.Tensor | lowp.DequantSpan:
+def values(reader: Reader, piece: Piece, *,
+           spans: bool = False) -> torch.Tensor | lowp.DequantSpan | lowp.QuantSpan:
     c = piece.target.computed
     if c.op == "dequant":
         return _dequant(reader, piece, c, spans)
+    scales_only = c.op.endswith("scale")
+    found = _quant_span(reader, piece, c) if spans or scales_only else None
+    if found is not None:
+        return found if not scales_only else _narrowed(found.scales(), piece)
     src = _whole(reader, piece.target.source)
     fp8 = c.param("fp8", "float8_e4m3fn")
     if c.op in ("quant_block_codes", "quant_block_scale"):
-        codes, scale = lowp.quantize_block(src, tuple(c.param("block")), fp8, scales_only=c.op.endswith("scale"))
-        out = scale if c.op.endswith("scale") else codes
+        codes, scale = lowp.quantize_block(src, tuple(c.param("block")), fp8, scales_only=scales_only)
+        out = scale if scales_only else codes
     elif c.op in ("quant_channel_codes", "quant_channel_scale"):
-        codes, scale = lowp.quantize_channel(src, src.dtype, fp8)
-        out = scale if c.op.endswith("scale") else codes
+        codes, scale = lowp.quantize_channel(src, src.dtype, fp8, scales_only=scales_only)
+        out = scale if scales_only else codes
     else:
         raise BadInput(f"tensor {piece.target.source.name!r}: unknown computation {c.op!r}")
+    return _narrowed(out, piece)
+
+
+def _narrowed(out: torch.Tensor, piece: Piece) -> torch.Tensor:
     for d, (o, s) in enumerate(zip(piece.offsets, piece.sizes)):
         out = out.narrow(d, o, s)
     return out.contiguous()
+
+
+def _quant_span(reader: Reader, piece: Piece, c: Computed) -> lowp.QuantSpan | None:
+    """A 2-D weight stored as one contiguous byte range, to be quantized a step of rows at a
+    time: the piece's rows for codes (quantized as they are written), all rows for a scale;
+    None where it must be computed here (a weight in several chunks, a piece that cuts columns
+    or would split a block-row)."""
+    t = piece.target.source
+    if len(t.shape) != 2 or len(t.chunks) != 1 or tuple(t.chunks[0].sizes) != tuple(t.shape):
+        return None
+    rows, cols = t.shape
+    if c.op.endswith("scale"):
+        a, b = 0, rows
+    elif any(piece.offsets[1:]) or tuple(piece.sizes[1:]) != (cols,):
+        return None
+    else:
+        a, b = piece.offsets[0], piece.offsets[0] + piece.sizes[0]
+    block = tuple(c.param("block") or (1, cols))
+    if c.op.startswith("quant_block") and (a % block[0] or (b % block[0] and b != rows)):
+        return None
+    span = reader.span(t, t.chunks[0])
+    if span is None:
+        return None
+    scheme = "block" if c.op.startswith("quant_block") else "channel"
+    return lowp.QuantSpan((span,), t.dtype, DType(c.param("fp8", "float8_e4m3fn")), cols=cols, rows=(a, b),
+                          scheme=scheme, block=block, step=block[0] if scheme == "block" else 128)
 
 
 def _whole(reader: Reader, t) -> torch.Tensor:

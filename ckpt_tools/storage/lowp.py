@@ -258,7 +258,7 @@ def _rounded(np: Any, v: Any, dst: DType) -> Any:
 # -- quantizing ---------------------------------------------------------------------------
 
 def quantize_block(w: Any, block: tuple[int, int] = (128, 128), fp8: str = "float8_e4m3fn", *,
-                   scales_only: bool = False) -> tuple[Any, Any]:
+                   scales_only: bool = False, work: Any = None) -> tuple[Any, Any]:
     """Block FP8 of a [..., rows, cols] weight: ``(codes, scale_inv)``, codes = ``w / s`` rounded
     to ``fp8`` (saturated), ``s`` = the block's absmax / FP8 max (1 for an all-zero block), in
     float32 of shape [..., ceil(rows / bh), ceil(cols / bw)]; edge blocks are partial. Worked a
@@ -270,25 +270,34 @@ def quantize_block(w: Any, block: tuple[int, int] = (128, 128), fp8: str = "floa
     gr, gc = math.ceil(rows / bh), math.ceil(cols / bw)
     top = FP8_MAX[fp8]
     w3 = w.reshape(-1, rows, cols)
-    codes = torch.empty(w3.shape, dtype=getattr(torch, fp8))
+    codes = torch.empty(0 if scales_only else w3.shape, dtype=getattr(torch, fp8))
     inv = torch.empty(w3.shape[0], gr, gc, dtype=torch.float32)
     pad = gc * bw - cols
+    # one float32 block-row, reused: no large temporary a step (glibc keeps freed ones mapped,
+    # and a few hundred of them grew the process by the weight's size)
+    if work is None or work.shape[0] < min(bh, rows) or work.shape[1] != gc * bw:
+        work = torch.zeros(min(bh, rows), gc * bw, dtype=torch.float32)
     for e in range(w3.shape[0]):
         for i in range(gr):
-            x = w3[e, i * bh:(i + 1) * bh].to(torch.float32)
-            h = x.shape[0]
-            xp = torch.nn.functional.pad(x, (0, pad)) if pad else x
-            amax = xp.view(h, gc, bw).abs().amax(dim=(0, 2))
+            src = w3[e, i * bh:(i + 1) * bh]
+            h = src.shape[0]
+            x = work[:h]
+            x[:, :cols].copy_(src)
+            if pad:
+                x[:, cols:].zero_()
+            blocks = x.view(h, gc, bw)
+            amax = torch.maximum(blocks.amax(dim=(0, 2)), blocks.amin(dim=(0, 2)).neg())  # = |x|'s max
             s = torch.where(amax > 0, amax / top, torch.ones_like(amax))
             inv[e, i] = s
             if scales_only:
                 continue
-            q = (xp.view(h, gc, bw) / s.view(1, gc, 1)).clamp(-top, top).view(h, gc * bw)[:, :cols]
-            codes[e, i * bh:(i + 1) * bh] = q.to(codes.dtype)
-    return codes.reshape(w.shape), inv.reshape(*lead, gr, gc)
+            blocks.div_(s.view(1, gc, 1)).clamp_(-top, top)
+            codes[e, i * bh:(i + 1) * bh].copy_(x[:, :cols])
+    return (codes if scales_only else codes.reshape(w.shape)), inv.reshape(*lead, gr, gc)
 
 
-def quantize_channel(w: Any, scale_dtype: Any, fp8: str = "float8_e4m3fn", rows_at_once: int = 128) -> tuple[Any, Any]:
+def quantize_channel(w: Any, scale_dtype: Any, fp8: str = "float8_e4m3fn", rows_at_once: int = 128, *,
+                     scales_only: bool = False) -> tuple[Any, Any]:
     """Per-output-channel FP8 of a [rows, cols] weight, as compressed-tensors quantizes
     FP8_DYNAMIC weights: ``scale`` = row absmax / FP8 max (kept in ``scale_dtype``, the model's
     dtype; an all-zero row's is that dtype's eps), codes = ``w / scale`` divided in that dtype
@@ -298,7 +307,7 @@ def quantize_channel(w: Any, scale_dtype: Any, fp8: str = "float8_e4m3fn", rows_
     rows, cols = w.shape
     top = FP8_MAX[fp8]
     finfo = torch.finfo(scale_dtype)
-    codes = torch.empty(rows, cols, dtype=getattr(torch, fp8))
+    codes = torch.empty(0 if scales_only else (rows, cols), dtype=getattr(torch, fp8))
     scale = torch.empty(rows, 1, dtype=scale_dtype)
     for r0 in range(0, rows, rows_at_once):
         x = w[r0:r0 + rows_at_once]
@@ -308,6 +317,82 @@ def quantize_channel(w: Any, scale_dtype: Any, fp8: str = "float8_e4m3fn", rows_
         s = (amax.to(torch.float32) / top).to(scale_dtype)
         s = torch.where(s == 0, torch.full_like(s, finfo.eps), s)  # an all-zero row: its dtype's eps
         scale[r0:r0 + rows_at_once] = s
+        if scales_only:
+            continue
         q = (x / s).clamp(-top, top)  # in the model dtype, as compressed-tensors divides
         codes[r0:r0 + rows_at_once] = q.to(codes.dtype)
     return codes, scale
+
+
+@dataclass(frozen=True)
+class QuantSpan(CastSpan):
+    """Rows ``rows`` of a 2-D weight of ``cols`` columns stored at ``parts[0]`` (``src``
+    elements, the whole weight's byte range), quantized to FP8 codes (``dst``) as they are
+    written, ``step`` rows at a time: ``scheme`` "block" (:func:`quantize_block` with ``block``;
+    ``rows`` start on a block boundary and ``step`` is a whole number of blocks) or "channel"
+    (:func:`quantize_channel`). No block or row spans two steps, so the codes are those of the
+    whole weight quantized at once, bit for bit; memory is one step's rows."""
+
+    cols: int = 0
+    rows: tuple[int, int] = (0, 0)
+    scheme: str = "block"
+    block: tuple[int, int] = (128, 128)
+    step: int = 128
+
+    @property
+    def numel(self) -> int:
+        return (self.rows[1] - self.rows[0]) * self.cols
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dst.itemsize
+
+    def blocks(self) -> Iterator[memoryview]:
+        import torch
+
+        work = self._work()
+        for w in self._steps():
+            if self.scheme == "block":
+                codes, _ = quantize_block(w, self.block, str(self.dst), work=work)
+            else:
+                codes, _ = quantize_channel(w, w.dtype, str(self.dst), rows_at_once=w.shape[0])
+            data = memoryview(codes.view(torch.uint8).numpy()).cast("B")
+            for at in range(0, len(data), WRITE_BYTES):
+                yield data[at:at + WRITE_BYTES]
+
+    def scales(self) -> Any:
+        """The scales of these rows (block: float32 [row blocks, col blocks]; channel: the
+        weight's dtype [rows, 1]), read a step at a time as :meth:`blocks` reads them."""
+        import torch
+
+        if self.scheme == "block":
+            work = self._work()
+            return torch.cat([quantize_block(w, self.block, str(self.dst), scales_only=True, work=work)[1]
+                              for w in self._steps()])
+        return torch.cat([quantize_channel(w, w.dtype, str(self.dst), rows_at_once=w.shape[0], scales_only=True)[1]
+                          for w in self._steps()])
+
+    def _work(self) -> Any:
+        """The float32 block-row :func:`quantize_block` works in, one for all steps."""
+        import torch
+
+        return torch.zeros(self.step, -(-self.cols // self.block[1]) * self.block[1], dtype=torch.float32)
+
+    def _steps(self) -> Iterator[Any]:
+        """The source rows, ``step`` at a time, as tensors of ``src``, each valid until the next
+        is asked for (read with ``preadv`` into one buffer, not mapped: memory is one step,
+        allocated once, whatever the weight's size)."""
+        import torch
+
+        path, offset, _ = self.parts[0]
+        row_bytes = self.cols * self.src.itemsize
+        raw = bytearray(min(self.step, self.rows[1] - self.rows[0]) * row_bytes)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for r0 in range(self.rows[0], self.rows[1], self.step):
+                r1 = min(r0 + self.step, self.rows[1])
+                view = memoryview(raw)[:(r1 - r0) * row_bytes]
+                _read(fd, view, offset + r0 * row_bytes)
+                yield torch.frombuffer(view, dtype=as_torch(self.src)).view(r1 - r0, self.cols)
+        finally:
+            os.close(fd)
