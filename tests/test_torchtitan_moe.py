@@ -222,18 +222,20 @@ def test_older_torchtitan_moe_names_export_the_same(tt_save, tmp_path, generatio
     _same_bits(_safetensors(tmp_path / "hf"), _safetensors(theirs))
 
 
-def _hub(family: str, folder: Path, seed: int = 1) -> Path:
+def _hub(family: str, folder: Path, seed: int = 1):
+    """``save_pretrained`` of a random HF model (DeepSeek's routing bias random too)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    _randomize(AutoModelForCausalLM.from_config(_hf_config(family)), seed, True).save_pretrained(folder)
-    return folder
+    model = _randomize(AutoModelForCausalLM.from_config(_hf_config(family)), seed, True)
+    model.save_pretrained(folder)
+    return folder, model
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hub_to_torchtitan_is_what_its_own_hf_load_gives(tmp_path, family, world_size):
-    hub = _hub(family, tmp_path / "hub")
+    hub, hf = _hub(family, tmp_path / "hub")
     dst = tmp_path / "initial"
     r = _cli("convert", hub, dst, "--to", "dcp", "--layout", "torchtitan", "--world-size", world_size)
     assert r.exit_code == 0, r.output
@@ -254,12 +256,28 @@ def test_hub_to_torchtitan_is_what_its_own_hf_load_gives(tmp_path, family, world
         assert torch.equal(got[name], t), name
     if family == "qwen3_moe":  # HF's Qwen3-MoE has no routing bias: torchtitan's starts at zeros
         assert not got["layers.1.moe.expert_bias_E"].any()
+    if world_size == 1:  # the same model: HF's logits to bfloat16's precision (torchtitan's experts)
+        with torch.no_grad():
+            assert (_tt_logits(ours) - hf(input_ids=IDS).logits).abs().max() < 0.02
+
+
+def test_a_multi_token_prediction_layer_is_refused(tmp_path):
+    """DeepSeek's hub keeps its MTP layer after the last decoder layer: not mapped (exit 3)."""
+    from safetensors.torch import save_file
+
+    hub, _ = _hub("deepseek_v3", tmp_path / "hub")
+    weights = load_file(hub / "model.safetensors")
+    weights[f"model.layers.{LAYERS}.enorm.weight"] = torch.ones(DIM)
+    save_file(weights, hub / "model.safetensors", metadata={"format": "pt"})
+    r = _cli("convert", hub, tmp_path / "out", "--to", "dcp", "--layout", "torchtitan")
+    assert r.exit_code == 3 and f"model.layers.{LAYERS}.enorm.weight" in r.output, r.output
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_missing_expert_is_refused(tmp_path):
     from safetensors.torch import save_file
 
-    hub = _hub("qwen3_moe", tmp_path / "hub")
+    hub, _ = _hub("qwen3_moe", tmp_path / "hub")
     weights = load_file(hub / "model.safetensors")
     del weights["model.layers.1.mlp.experts.2.up_proj.weight"]
     save_file(weights, hub / "model.safetensors", metadata={"format": "pt"})
@@ -277,7 +295,7 @@ def test_deepseek_without_interleaved_rotary_is_refused(tt_save, tmp_path):
     _hf_config(family, rope_interleave=False).save_pretrained(tmp_path / "cfg")
     r = _cli("export", step, tmp_path / "hf", "--base", tmp_path / "cfg")
     assert r.exit_code == 3 and "rope_interleave" in r.output, r.output
-    hub = _hub(family, tmp_path / "hub")
+    hub, _ = _hub(family, tmp_path / "hub")
     _hf_config(family, rope_interleave=False).save_pretrained(hub)
     r = _cli("convert", hub, tmp_path / "tt", "--to", "dcp", "--layout", "torchtitan")
     assert r.exit_code == 3 and "rope_interleave" in r.output, r.output

@@ -240,6 +240,13 @@ def from_hf_targets(targets: list[Target], config: dict, src: Path, ckpt=None) -
     (torchtitan's ``from_hf`` does the same when ``enable_weight_tying`` is off)."""
     family = _family(config, src, "from")
     table = FROM_HF[family]
+    layers = config.get("num_hidden_layers")
+    for t in targets:
+        m = _HF_LAYER.match(t.name)
+        if m and isinstance(layers, int) and int(m.group(1)) >= layers:
+            raise BadInput(f"{src}: {t.name!r} lies beyond config.json's {layers} layers (DeepSeek's hub keeps its "
+                           "multi-token-prediction layer there); ckpt does not map it to torchtitan's mtp_layers: "
+                           "convert a checkpoint without it")
     out, row_maps = [], {}
     singles = [t for t in targets if not _HF_EXPERT.match(t.name)]
     if len(singles) < len(targets):
