@@ -4,7 +4,8 @@ torchtitan itself (0.3): its ``state_dict_adapter`` and its ``CheckpointManager`
 * A real torchtitan save exports to exactly what torchtitan's own HF save writes
   (``CheckpointManager`` with ``last_save_in_hf``: its adapter's ``to_hf`` and
   ``HuggingFaceStorageWriter``), bit for bit; ``from_pretrained`` loads the export with nothing
-  missing, unexpected or misshapen, and computes torchtitan's logits.
+  missing, unexpected or misshapen, its ``save_pretrained`` writes the same tensors back, and it
+  computes torchtitan's logits.
 * A 2-rank ``fully_shard`` save (each rank holds two of the four experts; the DCP holds the
   global ``[E, ...]`` tensor in pieces, as with expert parallelism) exports the same.
 * The three generations of torchtitan's MoE names (``moe.experts.w1`` with ``moe.expert_bias``,
@@ -168,6 +169,8 @@ def test_export_is_torchtitans_own_hf_save(tt_save, tmp_path):
     hf, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert type(hf).__name__ == _hf_config(family).architectures[0]
+    hf.save_pretrained(tmp_path / "again")  # what transformers itself writes for this model type
+    _same_bits(_safetensors(tmp_path / "again"), got)
     with torch.no_grad():
         ours, theirs_logits = hf(input_ids=IDS).logits, _tt_logits(model)
     # torchtitan's grouped experts compute in bfloat16 (GroupedExperts casts), HF's in float32:
