@@ -316,3 +316,15 @@ def test_a_learned_qwen3_routing_bias_is_dropped_with_a_warning(tmp_path):
     assert "warning:" in r.output and "layers.0.moe.expert_bias_E" in r.output and "route" in r.output, r.output
     sd = {k: v.clone() for k, v in model.state_dict().items()}
     _same_bits(_safetensors(tmp_path / "hf"), _adapter("qwen3_moe").to_hf(sd))
+
+
+def test_torchtitans_multi_token_prediction_layers_are_refused_on_export(tt_save, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    family, _, _, sd, _, root = tt_save
+    if family != "deepseek_v3":
+        pytest.skip("deepseek_v3's multi-token prediction")
+    dcp.save({**sd, "mtp_layers.0.enorm.weight": torch.ones(DIM)}, checkpoint_id=str(tmp_path / "mtp"))
+    r = _cli("export", tmp_path / "mtp", tmp_path / "hf", "--base", root / "hfconfig")
+    assert r.exit_code == 3 and "mtp_layers.0.enorm.weight" in r.output, r.output
+    assert not (tmp_path / "hf").exists()

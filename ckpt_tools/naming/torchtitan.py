@@ -185,8 +185,8 @@ def to_hf_pieces(pieces: list[Piece], config: dict, src: Path) -> list[Piece]:
             out.append(p)
             continue
         if name.startswith("mtp_layers."):
-            raise BadInput(f"{src}: {name!r} belongs to a multi-token-prediction layer; ckpt does not map those "
-                           "(Hugging Face's model ignores them); export with torchtitan's own state_dict_adapter")
+            raise BadInput(f"{src}: {name!r} belongs to a multi-token-prediction layer, which "
+                           "Hugging Face's DeepseekV3ForCausalLM does not hold; ckpt does not map those")
         abstract, layer = _abstract(name, _LAYER, "layers.")
         abstract = _current(abstract, to_hf)
         if abstract == _EXPERT_BIAS and abstract not in to_hf:
