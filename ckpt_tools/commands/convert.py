@@ -123,7 +123,7 @@ def _run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) ->
     piece_of = rows_of
     if out_layout is not None and out_layout.retarget is not None:
         config = hfassets.read_config(hfassets.find_assets(src, opts.base))
-        targets, piece_of = out_layout.retarget(targets, config, src)
+        targets, piece_of = out_layout.retarget(targets, config, src, ckpt)
         objects = ()
 
     def open_reader() -> Reader:

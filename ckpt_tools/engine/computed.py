@@ -1,5 +1,6 @@
 """The values of computed targets (:class:`~ckpt_tools.core.plan.Computed`): a quantized weight
-dequantized with its scales, or a weight quantized into codes and scales. The op names are the
+dequantized with its scales, a weight quantized into codes and scales, or zeros (a state the
+destination's model starts with that the source has no counterpart of). The op names are the
 plan's data; the arithmetic is :mod:`ckpt_tools.storage.lowp`'s.
 
 A dequantized piece whose codes and scales are each one contiguous byte range of a source file
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..core.dtypes import DType
+from ..core.dtypes import DType, as_torch
 from ..core.plan import Computed, Piece
 from ..errors import BadInput
 from ..storage import lowp
@@ -20,7 +21,7 @@ from .reader import Reader
 if TYPE_CHECKING:
     import torch
 
-OPS = ("dequant", "quant_block_codes", "quant_block_scale", "quant_channel_codes", "quant_channel_scale")
+OPS = ("zeros", "dequant", "quant_block_codes", "quant_block_scale", "quant_channel_codes", "quant_channel_scale")
 
 
 def grid_of(c: Computed) -> lowp.Grid:
@@ -44,6 +45,10 @@ def code_rows(c: Computed, piece: Piece) -> tuple[int, int]:
 def values(reader: Reader, piece: Piece, *,
            spans: bool = False) -> torch.Tensor | lowp.DequantSpan | lowp.QuantSpan:
     c = piece.target.computed
+    if c.op == "zeros":  # the source (a small tensor beside it) says only where the target belongs
+        import torch
+
+        return torch.zeros(piece.sizes, dtype=as_torch(piece.target.dtype))
     if c.op == "dequant":
         return _dequant(reader, piece, c, spans)
     scales_only = c.op.endswith("scale")

@@ -212,7 +212,7 @@ def copy_side_files(src: Path, files: tuple[str, ...], tmp: Path) -> None:
 class Output:
     """How ``convert --layout NAME`` writes a framework's layout: the one format it is written
     in (None: any), the device mesh names of rank files, model keys at a DCP's top level, and
-    ``retarget(targets, config, src) -> (targets, piece_of)`` for a layout with names of its own."""
+    ``retarget(targets, config, src, ckpt) -> (targets, piece_of)`` for a layout with names of its own."""
 
     name: str
     to: str | None

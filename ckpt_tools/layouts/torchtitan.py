@@ -52,11 +52,12 @@ WRITES = "dcp"
 TOP_LEVEL_MODEL = True
 
 
-def retarget(targets, config: dict, src) -> tuple[list, object]:
+def retarget(targets, config: dict, src, ckpt=None) -> tuple[list, object]:
     """The model targets under torchtitan's names, and how each rank's rows of them are taken
-    (the rotary row permutation): from a Hugging Face source and its config."""
+    (the rotary row permutation): from a Hugging Face source (``ckpt``, whose per-expert
+    tensors are joined into torchtitan's grouped ones) and its config."""
 
-    renamed, row_maps = names.from_hf_targets([t for t in targets if t.group == "model"], config, src)
+    renamed, row_maps = names.from_hf_targets([t for t in targets if t.group == "model"], config, src, ckpt)
     return renamed, names.rank_piece(row_maps)
 
 
