@@ -108,7 +108,7 @@ def _randomize(model, seed: int, bias: bool):
 
 def _tt_model(family: str, seed: int, bias: bool | None = None):
     # qwen3's HF model has no routing bias: a trained one cannot be exported as it routes (see
-    # test_a_learned_qwen3_routing_bias_is_dropped_with_a_warning)
+    # test_a_learned_qwen3_routing_bias_is_refused_unless_asked)
     return _randomize(_tt_config(family).build(), seed, family == "deepseek_v3" if bias is None else bias)
 
 
@@ -304,14 +304,18 @@ def test_deepseek_without_interleaved_rotary_is_refused(tt_save, tmp_path):
     assert r.exit_code == 3 and "rope_interleave" in r.output, r.output
 
 
-def test_a_learned_qwen3_routing_bias_is_dropped_with_a_warning(tmp_path):
+def test_a_learned_qwen3_routing_bias_is_refused_unless_asked(tmp_path):
     """torchtitan's qwen3 MoE learns ``expert_bias_E`` (load balancing), which HF's Qwen3-MoE has
-    no tensor for: the export is torchtitan's own ``to_hf`` (bias left out), with a warning
-    that the exported model routes differently."""
+    no tensor for: without it the model routes differently, so the export is exit 3 naming the
+    tensor; ``--no-arch-check`` writes torchtitan's own ``to_hf`` (bias left out) with a warning."""
     model = _tt_model("qwen3_moe", 0, bias=True)
     _manager(model, tmp_path / "job", last_save_model_only=True).save(curr_step=1, last_step=True)
     _hf_config("qwen3_moe").save_pretrained(tmp_path / "cfg")
-    r = _cli("export", tmp_path / "job" / "checkpoint" / "step-1", tmp_path / "hf", "--base", tmp_path / "cfg")
+    src = tmp_path / "job" / "checkpoint" / "step-1"
+    r = _cli("export", src, tmp_path / "hf", "--base", tmp_path / "cfg")
+    assert r.exit_code == 3 and "layers.0.moe.expert_bias_E" in r.output and "--no-arch-check" in r.output, r.output
+    assert not (tmp_path / "hf").exists()
+    r = _cli("export", src, tmp_path / "hf", "--base", tmp_path / "cfg", "--no-arch-check")
     assert r.exit_code == 0, r.output
     assert "warning:" in r.output and "layers.0.moe.expert_bias_E" in r.output and "route" in r.output, r.output
     sd = {k: v.clone() for k, v in model.state_dict().items()}

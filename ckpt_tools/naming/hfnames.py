@@ -113,7 +113,7 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
         pieces = [whole(target(t, n, cast, quantized)) for n, t in names.items()]
     notes: list[str] = []
     if torchtitan.detect(p.target.name for p in pieces):
-        notes = torchtitan.dropped_bias(ckpt, pieces, config, src)
+        notes = torchtitan.dropped_bias(ckpt, pieces, config, src, refuse=arch_check)
         pieces = torchtitan.to_hf_pieces(pieces, config, src)
     pieces = untie(ckpt, pieces, config, src)
     return ExportPlan(ckpt, pieces, None, lambda: check(pieces, config, src, arch_check) + notes,

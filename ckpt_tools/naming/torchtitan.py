@@ -209,12 +209,14 @@ def to_hf_pieces(pieces: list[Piece], config: dict, src: Path) -> list[Piece]:
     return out
 
 
-def dropped_bias(ckpt, pieces: list[Piece], config: dict, src: Path) -> list[str]:
-    """``warning:`` lines for routing biases :func:`to_hf_pieces` leaves out that are not zeros.
+def dropped_bias(ckpt, pieces: list[Piece], config: dict, src: Path, *, refuse: bool = True) -> list[str]:
+    """Routing biases :func:`to_hf_pieces` leaves out that are not zeros: refused (exit 3), or
+    with ``refuse=False`` (``--no-arch-check``) ``warning:`` lines.
 
     torchtitan's qwen3 MoE learns a load-balancing bias (``expert_bias_E``) that changes which
     experts a token is sent to; Hugging Face's Qwen3-MoE has no such tensor, and torchtitan's own
-    ``to_hf`` drops it. ckpt writes what torchtitan writes, and says when that changes the model."""
+    ``to_hf`` drops it silently. The export would then not be the trained model, so ckpt
+    refuses unless asked to write names the architecture cannot check."""
     from ..engine.stream import materialize
 
     family = _family(config, src, "to")
@@ -227,9 +229,14 @@ def dropped_bias(ckpt, pieces: list[Piece], config: dict, src: Path) -> list[str
         nonzero = [p.target.name for p in dropped if bool(materialize(reader, p).any())]
     if not nonzero:
         return []
-    return [f"warning: {src}: {nonzero[0]} ({len(nonzero)} layers) holds a learned routing bias that "
-            f"{(config.get('architectures') or [family])[0]} has no tensor for; it is left out, as torchtitan's own "
-            "to_hf does, so the export routes some tokens to other experts than the trained model did"]
+    what = (f"{src}: {nonzero[0]} ({len(nonzero)} layers) holds a learned routing bias that "
+            f"{(config.get('architectures') or [family])[0]} has no tensor for")
+    if refuse:
+        raise BadInput(f"{what}: without it the export routes some tokens to other experts than the trained "
+                       "model did; --no-arch-check writes it anyway, the bias left out as torchtitan's own to_hf "
+                       "does")
+    return [f"warning: {what}; it is left out (--no-arch-check), as torchtitan's own to_hf does, so the export "
+            "routes some tokens to other experts than the trained model did"]
 
 
 def from_hf_targets(targets: list[Target], config: dict, src: Path, ckpt=None) -> tuple[list[Target], dict[str, list[int]]]:
