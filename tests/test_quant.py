@@ -519,3 +519,29 @@ def test_quantize_memory_stays_flat(tmp_path, scheme):
         assert (tmp_path / f"out{rows}" / "model.safetensors").stat().st_size > rows * 8192
         shutil.rmtree(src)
     assert peaks[1] - peaks[0] < 40 << 20, peaks
+
+
+@pytest.mark.parametrize("to", ["hf", "dcp"])
+def test_dequantize_from_a_bucket_is_what_a_local_source_gives(fp8_block, tmp_path, monkeypatch, to):
+    """A block-FP8 checkpoint in a bucket (a real S3 server on 127.0.0.1) dequantizes to the same
+    bytes as its local copy: the scales a computed weight needs are fetched with its codes."""
+    from s3server import make_bucket, start_server
+    from test_objstore import ckpt, upload
+
+    server = start_server(tmp_path / "s3")
+    try:
+        make_bucket(server, "ckpt")
+        for k, v in server.env().items():
+            monkeypatch.setenv(k, v)
+        src = upload(fp8_block, "s3://ckpt/fp8")
+        r = ckpt("convert", src, tmp_path / "remote", "--to", to, "--dtype", "bf16", "--quiet")
+        assert r.returncode == 0, r.stderr
+    finally:
+        server.stop()
+    run("convert", fp8_block, tmp_path / "local", "--to", to, "--dtype", "bf16", "--quiet")
+    data = sorted(p.relative_to(tmp_path / "local") for p in (tmp_path / "local").rglob("*")
+                  if p.is_file() and p.suffix in (".safetensors", ".distcp"))
+    assert data and data == sorted(p.relative_to(tmp_path / "remote") for p in (tmp_path / "remote").rglob("*")
+                                   if p.is_file() and p.suffix in (".safetensors", ".distcp"))
+    for f in data:
+        assert (tmp_path / "remote" / f).read_bytes() == (tmp_path / "local" / f).read_bytes(), f
