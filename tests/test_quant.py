@@ -333,6 +333,13 @@ def test_rank_files_of_a_quantized_checkpoint_reshard_and_dequantize(fp8_block, 
     run("export", tmp_path / "w3", tmp_path / "b", "--dtype", "bf16", "--base", fp8_block)
     a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
+    # rows of 2 ranks from codes and scales held by 3 (each step reads only the chunks' rows it needs)
+    run("convert", tmp_path / "w3", tmp_path / "d2", "--to", "sharded", "--world-size", "2", "--dtype", "bf16",
+        "--base", fp8_block)
+    parts = [torch.load(tmp_path / "d2" / f"model_world_size_2_rank_{r}.pt", weights_only=True) for r in range(2)]
+    assert set(parts[0]) == set(a)
+    for name, value in a.items():
+        assert torch.equal(torch.cat([p[name].to_local() for p in parts]), value), name
 
 
 # -- fp8-block out --------------------------------------------------------------------------

@@ -120,7 +120,47 @@ def _dequant(reader: Reader, piece: Piece, c: Computed, spans: bool) -> torch.Te
     if g.transposed:
         out = lowp.dequantize(_whole(reader, codes_t), _whole(reader, scale_t), g, piece.target.dtype,
                               (r0 // g.rows, r1 // g.rows))
+    elif len(codes_t.shape) == 2 and len(scale_t.shape) == 2:
+        out = _dequant_rows(reader, codes_t, scale_t, g, (r0, r1), piece.target.dtype)
     else:
         full = lowp.dequantize(_whole(reader, codes_t), _whole(reader, scale_t), g, piece.target.dtype)
         out = full.reshape(g.lead * g.rows, g.cols)[r0:r1]
     return out.reshape(piece.sizes)
+
+
+def _dequant_rows(reader: Reader, codes_t, scale_t, g: lowp.Grid, rows: tuple[int, int], dtype: DType) -> torch.Tensor:
+    """Rows ``rows`` of a 2-D quantized weight stored in several chunks (a DCP or rank-file
+    copy), dequantized a few block-rows at a time: only the chunks' rows each step needs are
+    read, so memory is the result plus one step in float32, not the whole weight."""
+    import torch
+
+    r0, r1 = rows
+    out = torch.empty(r1 - r0, g.cols, dtype=as_torch(dtype))
+    step = max(g.block[0], (1 << 20) // max(g.row_bytes, 1) // g.block[0] * g.block[0])
+    start = r0
+    while start < r1:
+        stop = min(r1, (start // g.block[0]) * g.block[0] + step)
+        a, b = g.scale_rows(start, stop)
+        values = lowp.dequant_rows(_rows(reader, codes_t, start, stop),
+                                   lowp.scales_f32(_rows(reader, scale_t, a, b)), g, start)
+        out[start - r0:stop - r0] = values
+        start = stop
+    return out
+
+
+def _rows(reader: Reader, t, r0: int, r1: int) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of tensor ``t`` (whole along its other dimensions), from the chunks
+    that hold them."""
+    import torch
+
+    out = torch.empty(r1 - r0, *t.shape[1:], dtype=as_torch(t.dtype))
+    for c in t.chunks:
+        lo, hi = max(r0, c.offsets[0]), min(r1, c.offsets[0] + c.sizes[0])
+        if lo >= hi:
+            continue
+        src = reader.chunk(t, c).narrow(0, lo - c.offsets[0], hi - lo)
+        region = out.narrow(0, lo - r0, hi - lo)
+        for d in range(1, len(t.shape)):
+            region = region.narrow(d, c.offsets[d], c.sizes[d])
+        region.copy_(src)
+    return out
