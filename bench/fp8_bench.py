@@ -5,7 +5,8 @@
 Makes a DeepSeek/Qwen-style block-FP8 checkpoint of Llama-7B layer shapes (vocab 8000) (float8_e4m3fn codes,
 float32 ``weight_scale_inv`` per 128x128 block, bf16 embeddings and norms) of about ``--gb``
 GB, then times, ``--repeat`` times each, ``cp -r`` of it and ckpt's dequantization, and reports
-medians, their ratio and ckpt's peak RSS. The output holds twice the source's bytes (bf16 is
+medians, their ratio and ckpt's peak RSS, and the same for DeepSeek-V3's ``fp8_cast_bf16.py``
+logic run on CPU (``bench/deepseek_cast_cpu.py``), the tool people use for this today. The output holds twice the source's bytes (bf16 is
 two bytes an element), so the ratio is against a copy of half what ckpt writes.
 Page cache is not dropped between runs (no root assumed).
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
 import statistics
 import subprocess
@@ -75,6 +75,16 @@ def timed(cmd: list[str]) -> float:
     return time.perf_counter() - t
 
 
+def timed_rss(cmd: list[str]) -> tuple[float, int]:
+    """Wall seconds and the child's peak RSS, from ``/usr/bin/time`` (whose own small process is
+    what the child forks from: this process's ``ru_maxrss`` of children would count a forked copy
+    of this one)."""
+    t = time.perf_counter()
+    done = subprocess.run(["/usr/bin/time", "-f", "maxrss_kb %M", *cmd], check=True, stderr=subprocess.PIPE, text=True)
+    peak = [int(line.split()[1]) * 1024 for line in done.stderr.splitlines() if line.startswith("maxrss_kb")]
+    return time.perf_counter() - t, (peak[-1] if peak else 0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=1.0)
@@ -85,18 +95,23 @@ def main() -> None:
     try:
         src = make_source(root, args.gb)
         size = sum(f.stat().st_size for f in src.iterdir())
-        cp, ckpt = [], []
+        cp, ckpt, peer, rss = [], [], [], {}
+        peer_script = Path(__file__).with_name("deepseek_cast_cpu.py")
         for r in range(args.repeat):
             cp.append(timed(["cp", "-r", str(src), str(root / f"cp{r}")]))
             shutil.rmtree(root / f"cp{r}")
-            ckpt.append(timed([sys.executable, "-m", "ckpt_tools", "convert", str(src), str(root / f"bf16_{r}"),
-                               "--to", "hf", "--dtype", "bf16", "--quiet"]))
+            t, rss["ckpt"] = timed_rss([sys.executable, "-m", "ckpt_tools", "convert", str(src),
+                                        str(root / f"bf16_{r}"), "--to", "hf", "--dtype", "bf16", "--quiet"])
+            ckpt.append(t)
             out = sum(f.stat().st_size for f in (root / f"bf16_{r}").iterdir())
             shutil.rmtree(root / f"bf16_{r}")
-        rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-        print(json.dumps({"source_bytes": size, "output_bytes": out, "cp_s": statistics.median(cp),
-                          "ckpt_s": statistics.median(ckpt), "ratio": statistics.median(ckpt) / statistics.median(cp),
-                          "peak_rss_bytes": rss, "runs": {"cp": cp, "ckpt": ckpt}}, indent=2))
+            t, rss["deepseek_cpu"] = timed_rss([sys.executable, str(peer_script), str(src), str(root / f"ds_{r}")])
+            peer.append(t)
+            shutil.rmtree(root / f"ds_{r}")
+        med = {k: statistics.median(v) for k, v in (("cp", cp), ("ckpt", ckpt), ("deepseek_cpu", peer))}
+        print(json.dumps({"source_bytes": size, "output_bytes": out, **{f"{k}_s": v for k, v in med.items()},
+                          "ratio": med["ckpt"] / med["cp"], "ratio_deepseek_cpu": med["deepseek_cpu"] / med["cp"],
+                          "peak_rss_bytes": rss, "runs": {"cp": cp, "ckpt": ckpt, "deepseek_cpu": peer}}, indent=2))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
