@@ -56,11 +56,12 @@ def dcp_dir(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInfo, 
     source_dcp = ckpt.format == "dcp" and keep_parts
     # every entry is on rank 0's files; their pieces' copies are not needed to choose the writer
     probe = [] if ranks is None else jobs(extras.values, ranks=(0,), piece_of=_unplanned)
-    writer = dcpnative.native_writer(ckpt, probe + jobs(extras.values), param_order=ckpt.param_order,
+    planned = jobs(extras.values)
+    writer = dcpnative.native_writer(ckpt, probe + planned, param_order=ckpt.param_order,
                                      extras=extras.native, verbatim=source_dcp, top_level_model=top_level_model,
                                      keys=keys)
     if writer is not None:
-        return writer, jobs(extras.values)
+        return writer, planned
     return (dcp.Writer(param_order=ckpt.param_order, source=ckpt.base_dir() if source_dcp else None,
                        top_level_model=top_level_model, keys=keys), jobs(extras.for_torch()))
 
