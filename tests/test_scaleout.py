@@ -139,3 +139,18 @@ def test_a_process_plans_only_its_own_files(kind: str, many_ranks) -> None:
     assert type(w_part) is type(w_all) and w_part.accepts_spans == w_all.accepts_spans
     # the whole plan's other files (rank 0's .metadata entries included) are nowhere in it
     assert not any(j.rank == 0 for j in part)
+
+
+@pytest.mark.parametrize("name", ["llama_dcp", "llama_accelerate"])
+def test_torchrun_dcp_metadata_from_the_processes_reports(name: str, fixtures_dir: Path, tmp_path: Path) -> None:
+    """A DCP (and accelerate's two DCP part directories, each with its own .metadata) resharded
+    by 3 processes, each planning one output rank: rank 0's .metadata, built from what the
+    others report, is the single process's, byte for byte, as is every other file."""
+    one = tmp_path / "one"
+    ckpt_tools.reshard(fixtures_dir / name, one, to=3, progress=False)
+    three = tmp_path / "three"
+    proc = _torchrun(3, "reshard", str(fixtures_dir / name), str(three), "--to", "3", "--quiet", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = _files(three), _files(one)
+    assert got.keys() == want.keys() and sum(k.endswith(".metadata") for k in got) == (2 if "accelerate" in name else 1)
+    assert [k for k in got if got[k] != want[k]] == []
