@@ -91,8 +91,9 @@ def test_reshard_dcp_many_ranks_reads_back(tmp_path):
 
     state = make_dcp(tmp_path / "dcp", 256, shapes=SHAPES)
     _run("reshard", str(tmp_path / "dcp"), str(tmp_path / "out"), "--to", "192", "--quiet")
-    names = set(os.listdir(tmp_path / "out"))
-    assert {f"__{r}_0.distcp" for r in range(192)} <= names
+    names = {n for n in os.listdir(tmp_path / "out") if n.endswith(".distcp")}
+    # the ranks with rows, from 0 (trailing ranks that hold nothing get no empty file)
+    assert names == {f"__{r}_0.distcp" for r in range(len(names))} and 100 < len(names) <= 192
     dcp_to_torch_save(str(tmp_path / "out"), str(tmp_path / "back.pt"))
     back = torch.load(tmp_path / "back.pt", weights_only=True)["model"]
     for k, v in state.items():
@@ -104,3 +105,32 @@ def test_inspect_1024_ranks(tmp_path):
     out = json.loads(_run("inspect", str(tmp_path / "src"), "--json"))
     assert out["world_size"] == 1024 and out["num_tensors"] == len(SHAPES)
     assert out["total_bytes"] == 4 * sum(math.prod(s) for s in SHAPES.values())
+
+
+@pytest.mark.parametrize("dst_ws", [192, 64])
+def test_reshard_dcp_writes_only_files_its_metadata_names(tmp_path, dst_ws):
+    """A source whose trailing ranks hold no rows (dcp.save wrote them empty ``__r_0.distcp``
+    files, which its .metadata names none of): the resharded DCP has no such file, neither the
+    source's carried over nor empty ones of its own, and torch's dcp.load fills a state dict
+    from it."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    state = make_dcp(tmp_path / "dcp", 256, optim=True, shapes=SHAPES)
+    assert [p for p in (tmp_path / "dcp").glob("*.distcp") if p.stat().st_size == 0]  # the case
+    _run("reshard", str(tmp_path / "dcp"), str(tmp_path / "out"), "--to", str(dst_ws), "--quiet")
+    out = tmp_path / "out"
+    with open(out / ".metadata", "rb") as f:
+        meta = pickle.load(f)  # noqa: S301 - written by this test's own run
+    named = {info.relative_path for info in meta.storage_data.values()}
+    on_disk = {p.name for p in out.glob("*.distcp")}
+    assert on_disk == named
+    assert all((out / n).stat().st_size > 0 for n in on_disk)
+    assert not [p.name for p in out.iterdir() if p.is_file() and p.name not in named | {".metadata", ".ckpt-manifest.json"}]
+    sd = {"model": {k: torch.zeros(v.shape) for k, v in state.items()}}
+    dcp.load(sd, checkpoint_id=str(out), no_dist=True)
+    for k, v in state.items():
+        assert torch.equal(sd["model"][k], v), k
+    side = json.loads(_run("inspect", str(tmp_path / "dcp"), "--json"))["side_files"]
+    assert not [f for f in side if f.endswith(".distcp")]

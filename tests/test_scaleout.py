@@ -66,3 +66,91 @@ def test_torchrun_refuses_existing_destination_on_every_process(fixtures_dir: Pa
     assert proc.stderr.count("error: ") >= 1 and "exists" in proc.stderr
     assert list(dst.iterdir()) == []
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+
+
+# -- many ranks: each process plans only its own files --------------------------------------
+
+def _torchrun(nproc: int, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+         "-m", "ckpt_tools", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def many_ranks(tmp_path_factory) -> dict[str, Path]:
+    """256-rank verl rank files (model, optimizer, extra state) and a 256-rank DCP (model and
+    optimizer), made by torch's own writers (tests/fw_scale.py); some tensors have fewer rows
+    than ranks, so trailing ranks hold none."""
+    from fw_scale import make_dcp, make_verl
+    from test_scale import SHAPES
+
+    root = tmp_path_factory.mktemp("many")
+    make_verl(root / "verl", 256, optim=True, shapes=SHAPES)
+    make_dcp(root / "dcp", 256, optim=True, shapes=SHAPES)
+    return {"verl": root / "verl", "dcp": root / "dcp"}
+
+
+@pytest.mark.parametrize("kind", ["verl", "dcp"])
+def test_torchrun_four_processes_256_ranks_same_bytes(kind: str, many_ranks, tmp_path: Path) -> None:
+    """A 256 -> 192 reshard by 4 processes of a torchrun launch (each planning and writing only
+    its quarter of the output ranks; rank 0 writes .metadata from what the others report) is
+    byte for byte, every file, the single process's output."""
+    src = many_ranks[kind]
+    one = tmp_path / "one"
+    ckpt_tools.reshard(src, one, to=192, progress=False)
+    four = tmp_path / "four"
+    proc = _torchrun(4, "reshard", str(src), str(four), "--to", "192", "--quiet", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = _files(four), _files(one)
+    assert len(want) > 150 and got.keys() == want.keys()
+    assert [k for k in got if got[k] != want[k]] == []
+    assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp-" in p.name], "staging left behind"
+
+
+@pytest.mark.parametrize("kind", ["verl", "dcp"])
+def test_a_process_plans_only_its_own_files(kind: str, many_ranks) -> None:
+    """The plan of process 1 of 4 (output ranks 48-95 of 192) holds those ranks' files and no
+    other, each the same job (pieces, copies, objects) as in the whole plan, and the same writer."""
+    from ckpt_tools.core.plan import share_of, targets_from
+    from ckpt_tools.engine.reader import Reader
+    from ckpt_tools.formats import writers
+    from ckpt_tools.layouts import describe
+
+    ckpt = describe(many_ranks[kind])
+    targets = targets_from(ckpt.tensors)
+    mine = share_of(192, 4, 1)
+    assert mine == range(48, 96)
+    common = dict(rank_local="drop", open_reader=lambda: Reader(ckpt))
+    if kind == "verl":
+        def plan(ranks):
+            return writers.rank_files(ckpt, targets, ckpt.objects, 192, keep=True, ranks=ranks, **common)
+    else:
+        def plan(ranks):
+            return writers.dcp_dir(ckpt, targets, ckpt.objects, 192, keep_parts=True, ranks=ranks, **common)
+    w_part, part = plan(mine)
+    w_all, whole = plan(None)
+    assert {j.rank for j in part} == set(mine)
+    assert {j.path for j in part} == {j.path for j in whole if j.rank in mine}
+    assert all(j.pieces for j in part if j.kind != "extra")
+    by_path = {j.path: j for j in whole}
+    for j in part:
+        assert j == by_path[j.path] and j.meta == by_path[j.path].meta, j.path
+    assert type(w_part) is type(w_all) and w_part.accepts_spans == w_all.accepts_spans
+    # the whole plan's other files (rank 0's .metadata entries included) are nowhere in it
+    assert not any(j.rank == 0 for j in part)
+
+
+@pytest.mark.parametrize("name", ["llama_dcp", "llama_accelerate"])
+def test_torchrun_dcp_metadata_from_the_processes_reports(name: str, fixtures_dir: Path, tmp_path: Path) -> None:
+    """A DCP (and accelerate's two DCP part directories, each with its own .metadata) resharded
+    by 3 processes, each planning one output rank: rank 0's .metadata, built from what the
+    others report, is the single process's, byte for byte, as is every other file."""
+    one = tmp_path / "one"
+    ckpt_tools.reshard(fixtures_dir / name, one, to=3, progress=False)
+    three = tmp_path / "three"
+    proc = _torchrun(3, "reshard", str(fixtures_dir / name), str(three), "--to", "3", "--quiet", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = _files(three), _files(one)
+    assert got.keys() == want.keys() and sum(k.endswith(".metadata") for k in got) == (2 if "accelerate" in name else 1)
+    assert [k for k in got if got[k] != want[k]] == []

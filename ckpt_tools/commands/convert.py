@@ -16,7 +16,7 @@ from typing import Any
 
 from .. import layouts
 from ..core.describe import Checkpoint
-from ..core.plan import rows_of, targets_from
+from ..core.plan import rows_of, share_of, targets_from
 from ..engine.execute import execute
 from ..engine.reader import Reader
 from ..errors import BadInput, UsageError, count
@@ -130,19 +130,21 @@ def _run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) ->
         return Reader(ckpt)
 
     common = dict(rank_local=opts.rank_local, open_reader=open_reader)
+    # under torchrun each process plans only the output ranks it writes (a dry run plans them all)
+    ranks = share_of(ws, env.world(), env.rank()) if ranked and env.world() > 1 and not opts.dry_run else None
     if opts.to == "torch":
         writer, jobs = writers.torch_file(ckpt, targets, objects, dst.name, **common)
     elif opts.to == "dcp":
         writer, jobs = writers.dcp_dir(ckpt, targets, objects, ws, keep_parts=carry is not None, piece_of=piece_of,
                                        top_level_model=bool(out_layout and out_layout.top_level_model),
-                                       keys=dict(opts.keys), **common)
+                                       keys=dict(opts.keys), ranks=ranks, **common)
     else:
         # rank files' device mesh names: the layout's when asked; else a rank-file source's own
         # (kept also where torch's writer rebuilds its files, as for --to 1); else unnamed
         names = (out_layout.mesh_names if out_layout is not None and out_layout.mesh_names
                  else ckpt.details.get("mesh_dim_names") if ckpt.format == "sharded" else None)
         writer, jobs = writers.rank_files(ckpt, targets, objects, ws, mesh_names=tuple(names) if names else None,
-                                          keep=carry is not None, **common)
+                                          keep=carry is not None, ranks=ranks, **common)
 
     extra: list[str] = []  # what a dry run says it would copy beside the plan's files
     if carry is not None:
@@ -167,7 +169,8 @@ def _run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) ->
 
     if not opts.dry_run:
         execute(ckpt, writer, jobs, dst, overwrite=opts.overwrite, progress=opts.progress,
-                desc=f"{ckpt.format} → {opts.to}", fmt=opts.to, workers=opts.workers, after=after)
+                desc=f"{ckpt.format} → {opts.to}", fmt=opts.to, workers=opts.workers, after=after,
+                own_share=ranks is not None)
     if left_out:
         note(f"note: left out {', '.join(left_out)} state (model only)")
     if opts.to == "sharded" and carry is None and writers.fsdp1_files(ckpt):

@@ -138,6 +138,13 @@ class FileJob:
         return sum(p.nbytes for p in self.pieces)
 
 
+def share_of(n: int, parts: int, i: int) -> range:
+    """Part ``i`` of ``parts`` contiguous, near-equal parts of ``range(n)``: the output ranks a
+    process of a launch of ``parts`` plans and writes (neighbouring ranks read neighbouring
+    source files)."""
+    return range(i * n // parts, (i + 1) * n // parts)
+
+
 def targets_from(tensors: Iterable[TensorInfo], *, dtype: DType | None = None,
                  rename=lambda t: t.name) -> list[Target]:
     """Targets for ``tensors``: renamed by ``rename``, floating-point ones cast to ``dtype``

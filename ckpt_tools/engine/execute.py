@@ -24,9 +24,11 @@ from .stream import Writer, run_jobs
 
 def execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path, *,
             overwrite: bool = False, progress: bool = True, desc: str = "writing", fmt: str = "",
-            workers: int = 1, after: Callable[[Path], None] | None = None) -> None:
+            workers: int = 1, after: Callable[[Path], None] | None = None, own_share: bool = False) -> None:
     """Carry out ``jobs`` into ``dst`` atomically: staged in a temporary sibling, fsynced,
-    renamed into place. ``after(staging)`` adds files (HF assets, manifest) before the commit."""
+    renamed into place. ``after(staging)`` adds files (HF assets, manifest) before the commit.
+    ``own_share``: under torchrun, ``jobs`` are this process's files only (it planned no others);
+    otherwise each process takes its share of the whole plan."""
     dst = Path(dst)
     sealed: dict[Path, tuple[int, str]] = {}
 
@@ -52,7 +54,7 @@ def execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path,
     fetch.side_files(src)  # a remote source's files no plan reads but layouts copy (nothing when local)
     if env.world() > 1 and not writer.single_file:
         parallel.execute_torchrun(src, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=desc,
-                                  complete=complete)
+                                  complete=complete, own_share=own_share)
         return
     check_destination(src.root, dst, overwrite=overwrite)
     with staged(dst, overwrite=overwrite, is_dir=not writer.single_file) as tmp:

@@ -73,9 +73,12 @@ def run_parallel(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: 
 
 
 def execute_torchrun(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path, *, overwrite: bool,
-                     progress: bool, desc: str, complete: Callable[[Path, dict[str, Any]], None]) -> None:
-    """Every process of the launch writes its share of ``jobs`` into one staging directory;
-    rank 0 then writes the describing files and commits. Any process's error fails all."""
+                     progress: bool, desc: str, complete: Callable[[Path, dict[str, Any]], None],
+                     own_share: bool = False) -> None:
+    """Every process of the launch writes its share of ``jobs`` (``own_share``: ``jobs`` are its
+    share, the only files it planned) into one staging directory; rank 0 then writes the
+    describing files from what every process reports it wrote, and commits. Any process's error
+    fails all."""
     import torch.distributed as dist
 
     # a process of the launch ends with torchrun's agent: killed, it can no longer stop us
@@ -84,10 +87,12 @@ def execute_torchrun(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], d
     if own:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    mine = list(jobs) if own_share else balance(jobs, world)[rank]
     dest = remote.destination(dst)
     if dest is not None:
         try:
-            _execute_to_store(src, writer, jobs, dst, dest, rank=rank, world=world, progress=progress, desc=desc,
+            _same_writer(writer)
+            _execute_to_store(src, writer, mine, dst, dest, rank=rank, world=world, progress=progress, desc=desc,
                               complete=complete)
         finally:
             if own:
@@ -95,6 +100,12 @@ def execute_torchrun(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], d
         return
     launched = env.launch()
     run_id = launched.run_id if launched else "none"
+    try:
+        _same_writer(writer)
+    except CkptError:
+        if own:
+            dist.destroy_process_group()
+        raise
     tmp = dst.parent / f".{dst.name}{TMP_MARK}run-{run_id}"
     lock = contextlib.ExitStack()
     try:
@@ -113,7 +124,7 @@ def execute_torchrun(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], d
             raise error
         written, error = {}, None
         try:
-            written = run_jobs(src, writer, balance(jobs, world)[rank], tmp, progress=progress and rank == 0, desc=desc)
+            written = run_jobs(src, writer, mine, tmp, progress=progress and rank == 0, desc=desc)
         except Exception as e:  # reported to every process, raised everywhere
             error = CkptError(f"process {rank} of the torchrun launch failed: {e}")
             error.exit_code = getattr(e, "exit_code", 5)
@@ -167,8 +178,7 @@ def _execute_to_store(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], 
     sealed: dict[Path, tuple[int, str]] = {}
     uploaded: list[str] = []
     try:
-        written = run_jobs(src, writer, balance(jobs, world)[rank], dst, progress=progress and rank == 0, desc=desc,
-                           sealed=sealed)
+        written = run_jobs(src, writer, jobs, dst, progress=progress and rank == 0, desc=desc, sealed=sealed)
         uploaded = dest.upload_data(dst)
     except Exception as e:  # reported to every process, raised everywhere
         error = CkptError(f"process {rank} of the torchrun launch failed: {e}")
@@ -194,6 +204,20 @@ def _execute_to_store(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], 
     dest.published = final is None
     if final is not None:
         raise final
+
+
+def _same_writer(writer: Writer) -> None:
+    """Every process chose the same writer (each chose it from its own files: the same bytes need
+    the same writer), else every process stops before writing (nothing is published)."""
+    import torch.distributed as dist
+
+    kind = (type(writer).__module__, type(writer).__qualname__, getattr(writer, "accepts_spans", None),
+            getattr(writer, "accepts_casts", None))
+    kinds: list = [None] * dist.get_world_size()
+    dist.all_gather_object(kinds, kind)
+    if len(set(kinds)) > 1:
+        raise CkptError("the processes of the torchrun launch chose different writers for their files "
+                        f"({sorted(set(map(str, kinds)))}); run it as one process (plain `ckpt ...`)")
 
 
 def _bcast(value: Any) -> list:

@@ -272,6 +272,21 @@ def canonical(path, canon: dict) -> tuple:
     return tuple(canon.setdefault(p, p) if isinstance(p, str) else p for p in path)
 
 
+def tensor_record(p) -> tuple:
+    """What ``.metadata`` says of piece ``p``, as plain data: its nesting path, dtype, the
+    tensor's shape, the piece's offsets and sizes."""
+    return dcp_key(p.target), p.target.dtype, p.target.shape, p.offsets, p.sizes
+
+
+def by_part(written: dict) -> dict[str, list]:
+    """The files a DCP writer wrote (``written``: path -> (order, records)) in the plan's order
+    (``FileJob.meta["order"]``, set by the layout), grouped by part directory (``""``: the root)."""
+    parts: dict[str, list] = {}
+    for rel, (_, records) in sorted(written.items(), key=lambda kv: kv[1][0]):
+        parts.setdefault(rel.rpartition("/")[0], []).append((rel, records))
+    return parts
+
+
 def dcp_key(target) -> tuple:
     """The nesting path of a tensor in the DCP written: its DCP source's own path, unchanged
     (a reshard never renames, nests or un-nests a key); else the path ``dcp.save`` gives a
@@ -349,17 +364,15 @@ class Writer:
             for i, (_, values) in enumerate(pieces):
                 start = f.tell()
                 torch.save(compact(values), f)
-                # the piece's index, not the piece: finish() builds metadata from the plan it
-                # holds, so the bytes do not depend on which process wrote the file
-                records.append(("tensor", i, start, f.tell() - start))
+                # what .metadata says of it, as plain data: finish() needs no plan (the
+                # processes of a torchrun launch each plan only their own files)
+                records.append(("tensor", tensor_record(job.pieces[i]), start, f.tell() - start))
             blobs = [(o, self._blob(o)) for o in job.objects]
             for i, (o, blob) in enumerate(blobs):
                 if blob is not None:
                     start = f.tell()
                     f.write(blob)
-                    # the object's index, not its path: finish() takes the path from the plan, so
-                    # .metadata does not depend on which process wrote the file
-                    records.append(("object", i, start, len(blob)))
+                    records.append(("object", o.path, start, len(blob)))
             rest = tuple(o for o, blob in blobs if blob is None)
             if rest or job.meta.get("extra"):
                 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -376,16 +389,13 @@ class Writer:
                     start = f.tell()
                     f.write(buf.getbuffer())
                     records.append(("bytes", (key, mapping[key]), start, f.tell() - start))
-        return records
+        return job.meta.get("order", ()), records
 
     def finish(self, out: Path, jobs, written: dict) -> None:
-        parts: dict[str, list] = {}
-        for job in jobs:
-            parts.setdefault(job.path.rpartition("/")[0], []).append(job)
-        for part, part_jobs in parts.items():
-            self._metadata(out / part if part else out, part_jobs, written)
+        for part, files in by_part(written).items():
+            self._metadata(out / part if part else out, files)
 
-    def _metadata(self, out: Path, jobs, written: dict) -> None:
+    def _metadata(self, out: Path, files: list) -> None:
         import pickle
 
         import torch
@@ -399,23 +409,22 @@ class Writer:
         planner: dict = {}
         storage: dict = {}
         canon: dict = {}
-        for job in jobs:
-            file = job.path.rpartition("/")[2]
-            for kind, what, start, length in written.get(job.path) or []:
+        for rel, records in files:
+            file = rel.rpartition("/")[2]
+            for kind, what, start, length in records:
                 if kind == "tensor":
-                    p = job.pieces[what]
-                    path_ = dcp_key(p.target)
+                    path_, dtype, shape, offsets, sizes = what
                     if self.top_level_model and path_[0] == "model":
                         path_ = path_[1:]
                     path_ = canonical(path_, canon)
                     fqn = ".".join(map(str, path_))
                     md = state.setdefault(fqn, TensorStorageMetadata(
-                        properties=TensorProperties(dtype=as_torch(p.target.dtype)), size=torch.Size(p.target.shape), chunks=[]))
-                    md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=torch.Size(p.sizes)))
-                    storage[MetadataIndex(fqn, torch.Size(p.offsets))] = _StorageInfo(file, start, length)
+                        properties=TensorProperties(dtype=as_torch(dtype)), size=torch.Size(shape), chunks=[]))
+                    md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+                    storage[MetadataIndex(fqn, torch.Size(offsets))] = _StorageInfo(file, start, length)
                 else:
                     if kind == "object":
-                        path_ = canonical(job.objects[what].path, canon)
+                        path_ = canonical(what, canon)
                         fqn = ".".join(map(str, path_))
                     else:
                         fqn, path_ = what[0], canonical(what[1], canon)

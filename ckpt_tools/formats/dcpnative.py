@@ -39,7 +39,7 @@ from ..errors import BadInput, Damaged
 from ..security.torchfile import Global, NewObj, Reduce, StorageRef, loads_blob
 from ..storage.castio import CastSpan, blocks
 from ..storage.diskio import Flusher, copy_range
-from .dcp import METADATA, canonical, dcp_key, renamed_keys
+from .dcp import METADATA, by_part, canonical, renamed_keys, tensor_record
 from .hf import tensor_bytes
 from .shardtree import parsed
 
@@ -327,15 +327,14 @@ class Writer:
                 else:
                     z.write_record("data/0", tensor_bytes(values))
                 z.close(name_hash=TENSOR_NAME_HASH)
-            records.append(("tensor", i, start, os.lseek(fd, 0, os.SEEK_CUR) - start))
+            records.append(("tensor", tensor_record(p), start, os.lseek(fd, 0, os.SEEK_CUR) - start))
         for i, o in enumerate(job.objects):
             if self._as_saved(o):
                 start = os.lseek(fd, 0, os.SEEK_CUR)
                 loc = o.location
                 with open(self.root / loc.file, "rb") as src:
                     copy_range(src.fileno(), fd, loc.offset, loc.length, what=self.root / loc.file, flusher=flusher)
-                # the object's index: finish() takes its path from the plan
-                records.append(("object", i, start, loc.length))
+                records.append(("object", o.path, start, loc.length))
         for key, obj_path, leaf in self._rest(job):
             start = os.lseek(fd, 0, os.SEEK_CUR)
             if leaf.blob is not None:
@@ -348,40 +347,38 @@ class Writer:
                         z.write_record(name, data)
                     z.close(name_hash=OBJECT_NAME_HASH)
             records.append(("bytes", (key, obj_path), start, os.lseek(fd, 0, os.SEEK_CUR) - start))
-        return records
+        # plain data, the plan's order beside it: finish() needs no plan (the processes of a
+        # torchrun launch each plan only their own files)
+        return job.meta.get("order", ()), records
 
     def finish(self, out: Path, jobs, written: dict) -> None:
-        parts: dict[str, list] = {}  # a part directory (accelerate's pytorch_model_fsdp_0/) each
-        for job in jobs:
-            parts.setdefault(job.path.rpartition("/")[0], []).append(job)
-        for part, part_jobs in parts.items():
-            self._metadata(out / part if part else out, part_jobs, written)
+        for part, files in by_part(written).items():  # a part directory (accelerate's) each
+            self._metadata(out / part if part else out, files)
 
-    def _metadata(self, out: Path, jobs, written: dict) -> None:
+    def _metadata(self, out: Path, files: list) -> None:
         # the same steps as the torch writer's, over stand-ins of DCP's classes, so the pickle
         # shares strings and tuples as that one does (the pickle memoizes by identity)
         state: dict = {}
         planner: dict = {}
         storage: dict = {}
         canon: dict = {}
-        for job in jobs:
-            file = job.path.rpartition("/")[2]
-            for kind, what, start, length in written.get(job.path) or []:
+        for rel, records in files:
+            file = rel.rpartition("/")[2]
+            for kind, what, start, length in records:
                 if kind == "tensor":
-                    p = job.pieces[what]
-                    path_ = dcp_key(p.target)
+                    path_, dtype, shape, offsets, sizes = what
                     if self.top_level_model and path_[0] == "model":
                         path_ = path_[1:]
                     path_ = canonical(path_, canon)
                     fqn = ".".join(map(str, path_))
                     md = state.setdefault(fqn, mp.TensorStorageMetadata(
-                        properties=mp.TensorProperties(dtype=mp.dtype(p.target.dtype)), size=mp.Size(p.target.shape),
+                        properties=mp.TensorProperties(dtype=mp.dtype(dtype)), size=mp.Size(shape),
                         chunks=[]))
-                    md.chunks.append(mp.ChunkStorageMetadata(offsets=mp.Size(p.offsets), sizes=mp.Size(p.sizes)))
-                    storage[mp.MetadataIndex(fqn, mp.Size(p.offsets))] = mp.StorageInfo(file, start, length)
+                    md.chunks.append(mp.ChunkStorageMetadata(offsets=mp.Size(offsets), sizes=mp.Size(sizes)))
+                    storage[mp.MetadataIndex(fqn, mp.Size(offsets))] = mp.StorageInfo(file, start, length)
                 else:
                     if kind == "object":
-                        path_ = canonical(job.objects[what].path, canon)
+                        path_ = canonical(what, canon)
                         fqn = ".".join(map(str, path_))
                     else:
                         fqn, path_ = what[0], canonical(what[1], canon)

@@ -10,12 +10,12 @@ import the engine.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 from ..core.describe import Checkpoint, ObjectInfo, TensorInfo
-from ..core.plan import FileJob, Target, rows_of, whole
+from ..core.plan import FileJob, Piece, Target, rows_of, whole
 from ..core.state import per_rank_extras
 from ..errors import BadInput
 from . import dcp, dcpnative, flatparams, sharded, shardedtensor, shardsynth, shardtree, torchnative, torchsave
@@ -39,36 +39,44 @@ def torch_file(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInf
 
 def dcp_dir(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInfo, ...], ws: int, *,
             rank_local: str, open_reader: OpenReader, keep_parts: bool, piece_of=rows_of,
-            top_level_model: bool = False, keys: dict[str, str] | None = None) -> tuple[Any, list[FileJob]]:
+            top_level_model: bool = False, keys: dict[str, str] | None = None,
+            ranks: Sequence[int] | None = None) -> tuple[Any, list[FileJob]]:
     """A DCP directory at ``ws`` ranks: ckpt's own writer where it covers the plan, else torch's.
     Either keeps a layout the same way: ``keep_parts`` keeps a DCP source's part directories
     (accelerate's) and copies its items as saved; ``top_level_model`` writes the model's keys
-    without their ``model.`` prefix; ``keys`` renames top-level keys (``{"optimizer": "optim"}``)."""
+    without their ``model.`` prefix; ``keys`` renames top-level keys (``{"optimizer": "optim"}``).
+    ``ranks``: plan only these ranks' files (a process of a torchrun launch); the writer is
+    chosen as for the whole plan (rank 0's files, which hold every entry, checked without a plan)."""
     extras = _OneCopy(ckpt, objects, rank_local, open_reader)
 
-    def jobs(merged: dict) -> list[FileJob]:
+    def jobs(merged: dict, ranks=ranks, piece_of=piece_of) -> list[FileJob]:
         return layout_dcp(targets, extras.shared, ws, merged, part_of=dcp_part if keep_parts else None,
-                          piece_of=piece_of)
+                          piece_of=piece_of, ranks=ranks)
 
     source_dcp = ckpt.format == "dcp" and keep_parts
-    writer = dcpnative.native_writer(ckpt, jobs(extras.values), param_order=ckpt.param_order,
+    # every entry is on rank 0's files; their pieces' copies are not needed to choose the writer
+    probe = [] if ranks is None else jobs(extras.values, ranks=(0,), piece_of=_unplanned)
+    planned = jobs(extras.values)
+    writer = dcpnative.native_writer(ckpt, probe + planned, param_order=ckpt.param_order,
                                      extras=extras.native, verbatim=source_dcp, top_level_model=top_level_model,
                                      keys=keys)
     if writer is not None:
-        return writer, jobs(extras.values)
+        return writer, planned
     return (dcp.Writer(param_order=ckpt.param_order, source=ckpt.base_dir() if source_dcp else None,
                        top_level_model=top_level_model, keys=keys), jobs(extras.for_torch()))
 
 
 def rank_files(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInfo, ...], ws: int, *,
                rank_local: str, open_reader: OpenReader, mesh_names: tuple[str, ...] | None = None,
-               keep: bool = False) -> tuple[sharded.Writer, list[FileJob]]:
+               keep: bool = False, ranks: Sequence[int] | None = None) -> tuple[sharded.Writer, list[FileJob]]:
     """The sharded writer and its jobs. From a sharded source read without torch, each new file
     is its source's pickle rebuilt for the new ranks (its mesh kept), records copied by the
     kernel; else (or if the dry run finds something only torch can write) tensors go through
     torch.save, on a mesh of dimensions ``mesh_names`` (None: unnamed, as ``fully_shard``'s
     default mesh is). ``keep``: a reshard, which keeps what a sharded source holds (FSDP1
-    ShardedTensors stay ShardedTensors) and its ``FSDP_version``; otherwise FSDP2 files."""
+    ShardedTensors stay ShardedTensors) and its ``FSDP_version``; otherwise FSDP2 files. ``ranks``:
+    plan only these ranks' files (a process of a torchrun launch); every rank's files have the
+    same entries, so a dry run of these chooses the writer the whole plan's would."""
     keyed = "fqn" if ckpt.format == "sharded" and ckpt.details.get("optimizer_keyed") == "fqn" else "int"
     version = {}
     if keep and ckpt.format == "sharded":
@@ -85,7 +93,7 @@ def rank_files(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInf
         with open_reader() as reader:
             extras = per_rank_extras(extra_objs, reader.object, src_world=ckpt.world_size, dst_world=ws,
                                      policy=rank_local)
-        return writer, layout_sharded(ckpt, targets, ws, extras, flat_units=flat)
+        return writer, layout_sharded(ckpt, targets, ws, extras, flat_units=flat, ranks=ranks)
     if ckpt.format == "sharded" and _all_raw(ckpt) and all(t.dtype == t.source.dtype for t in targets) \
             and not ckpt.details.get("rank_files"):  # templates are found by verl's file names
         writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed, template=ckpt.root,
@@ -97,7 +105,7 @@ def rank_files(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInf
         try:
             extras = per_rank_extras(extra_objs, _entry, src_world=ckpt.world_size, dst_world=ws,
                                      policy=rank_local, equal=equal)
-            return writer, _dry_run(writer, layout_sharded(ckpt, targets, ws, extras))
+            return writer, _dry_run(writer, layout_sharded(ckpt, targets, ws, extras, ranks=ranks), extras)
         except shardtree.NotSimple:
             pass
     elif ckpt.format != "sharded" and shardsynth.available():
@@ -108,7 +116,8 @@ def rank_files(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInf
             if any(o.rank is not None for o in extra_objs):
                 raise shardtree.NotSimple("rank-local extra state")
             shared = shardsynth.object_values(ckpt.base_dir(), extra_objs)
-            return writer, _dry_run(writer, layout_sharded(ckpt, targets, ws, [shared] * ws if shared else None))
+            extras = [shared] * ws if shared else None
+            return writer, _dry_run(writer, layout_sharded(ckpt, targets, ws, extras, ranks=ranks), extras)
         except shardtree.NotSimple:
             pass
     config = sharded.read_config(ckpt.root) if ckpt.format == "sharded" else {}
@@ -117,15 +126,16 @@ def rank_files(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInf
     with open_reader() as reader:
         extras = per_rank_extras(extra_objs, reader.object, src_world=ckpt.world_size, dst_world=ws,
                                  policy=rank_local)
-    return writer, layout_sharded(ckpt, targets, ws, extras)
+    return writer, layout_sharded(ckpt, targets, ws, extras, ranks=ranks)
 
 
 # -- layouts (pure) ------------------------------------------------------------------------
 
 def layout_sharded(src: Checkpoint, targets: list[Target], world_size: int, extras: list[dict] | None,
-                   flat_units: tuple | None = None) -> list[FileJob]:
+                   flat_units: tuple | None = None, ranks: Sequence[int] | None = None) -> list[FileJob]:
     """Per-rank model/optim/extra_state jobs at ``world_size``, FSDP2's ``Shard(0)`` split
-    (optimizer state in FSDP1's flat parameters instead, when ``flat_units`` are given)."""
+    (optimizer state in FSDP1's flat parameters instead, when ``flat_units`` are given); those
+    of ``ranks`` only, when given."""
     plain = {t.key for t in src.tensors if _replicated(t, src)}
     model = [t for t in targets if t.group == "model"]
     optim = [t for t in targets if t.group == "optimizer"]
@@ -134,7 +144,7 @@ def layout_sharded(src: Checkpoint, targets: list[Target], world_size: int, extr
     mobj = tuple(o for o in objects if o.group == "model" and o.rank in (None, 0))
     oobj = tuple(o for o in objects if o.group == "optimizer" and o.rank in (None, 0) and o.path[:2] == ("optimizer", "param_groups"))
     jobs = []
-    for r in range(world_size):
+    for r in range(world_size) if ranks is None else ranks:
         def pieces(ts):
             return tuple(whole(t) if (t.group, t.name) in plain_targets else rows_of(t, world_size, r) for t in ts)
         jobs.append(FileJob(sharded.file_name("model", world_size, r), pieces(model), mobj, r, "model",
@@ -163,9 +173,13 @@ def _replicated(t: TensorInfo, src: Checkpoint) -> bool:
 
 
 def layout_dcp(targets: list[Target], objects: tuple[ObjectInfo, ...], world_size: int,
-               extra: dict | None = None, part_of=None, *, piece_of=rows_of) -> list[FileJob]:
+               extra: dict | None = None, part_of=None, *, piece_of=rows_of,
+               ranks: Sequence[int] | None = None) -> list[FileJob]:
     """``__{r}_0.distcp`` per rank: rank r's rows of every tensor with rows; scalars and
-    objects once, on rank 0 (as dcp.save deduplicates replicated entries).
+    objects once, on rank 0 (as dcp.save deduplicates replicated entries). A rank past 0 that
+    holds no rows of anything gets no file (``.metadata`` would name none of its; a source with
+    fewer rows than ranks). ``ranks``: those ranks' jobs only. Each job's ``meta["order"]`` is
+    its place in the whole plan (the DCP writers order ``.metadata`` by it).
 
     ``part_of(target or object)`` names the part directory an entry belongs to (accelerate's
     ``pytorch_model_fsdp_0``, ``optimizer_0``; ``""`` for the root): each part is a DCP of its own.
@@ -174,17 +188,27 @@ def layout_dcp(targets: list[Target], objects: tuple[ObjectInfo, ...], world_siz
     parts = list(dict.fromkeys([part_of(t) for t in targets] + [part_of(o) for o in objects])) or [""]
     home = "" if "" in parts else parts[0]  # where merged extra state goes
     jobs = []
-    for part in parts:
+    for i, part in enumerate(parts):
         mine = [t for t in targets if part_of(t) == part]
         objs = tuple(o for o in objects if part_of(o) == part)
         prefix = f"{part}/" if part else ""
-        for r in range(world_size):
+        for r in range(world_size) if ranks is None else ranks:
             pieces = tuple(p for t in mine if t.shape for p in [piece_of(t, world_size, r)] if p.numel)
             if r == 0:
                 pieces += tuple(whole(t) for t in mine if not t.shape)
+            elif not pieces:
+                continue
+            meta = {"extra": extra or {}} if r == 0 and part == home else {}
             jobs.append(FileJob(f"{prefix}__{r}_0.distcp", pieces, objs if r == 0 else (), r,
-                                meta={"extra": extra or {}} if r == 0 and part == home else {}))
+                                meta={**meta, "order": (i, r)}))
     return jobs
+
+
+def _unplanned(target: Target, world_size: int, rank: int) -> Piece:
+    """``target`` whole as a piece with no copies: what choosing a writer looks at (its dtype,
+    its key), without planning where its bytes come from."""
+    shape = target.shape
+    return Piece(target, (0,) * len(shape), shape, ())
 
 
 def dcp_part(item: Target | ObjectInfo) -> str:
@@ -266,8 +290,15 @@ def _all_raw(ckpt: Checkpoint) -> bool:
     return all(c.location.kind == "raw" for t in ckpt.tensors for c in t.chunks)
 
 
-def _dry_run(writer: sharded.Writer, jobs: list[FileJob]) -> list[FileJob]:
-    """Each file's tree built before a byte is written: anything unusual (NotSimple) falls back."""
+def _dry_run(writer: sharded.Writer, jobs: list[FileJob], extras: list[dict] | None = None) -> list[FileJob]:
+    """Each file's tree built before a byte is written: anything unusual (NotSimple) falls back.
+    A plan of some ranks only: every rank's extra state is tried too (it differs by rank, and
+    needs no plan), so that each process of a launch chooses the writer the whole plan would."""
     for job in jobs:
         writer.tree_for(job)
+    planned = {j.path for j in jobs}
+    for r, extra in enumerate(extras or ()):
+        name = sharded.file_name("extra_state", writer.world_size, r)
+        if extra and name not in planned:
+            writer.tree_for(FileJob(name, (), (), r, "extra", {"extra": extra}))
     return jobs

@@ -129,9 +129,14 @@ def _format_files(ckpt: Checkpoint) -> set[str]:
     files = {c.location.file for t in ckpt.tensors for c in t.chunks}
     files |= {o.location.file for o in ckpt.objects if o.location.kind != "pickled" or "/" in o.location.file}
     if ckpt.format == "dcp":
-        # every file of a DCP part directory belongs to it
+        # every file of a DCP part directory belongs to it, and so does every data file there
+        # its .metadata names none of (dcp.save's empty file of a rank that held nothing):
+        # never carried into a copy, whose own .metadata would not name it either
         parts = {f.rpartition("/")[0] for f in files}
         files |= {f.path for f in ckpt.files if f.path.rpartition("/")[0] in parts}
+        for part in parts:
+            base = ckpt.root / part if part else ckpt.root
+            files |= {(f"{part}/{p.name}" if part else p.name) for p in base.glob("*.distcp")}
     if ckpt.format == "hf":
         files |= {p.name for p in ckpt.root.glob("*.index.json")}
     if ckpt.format == "sharded":
