@@ -203,3 +203,111 @@ def llama_args(tied: bool = False, qkv_bias: bool = False) -> dict:
             "num_experts": None, "add_qkv_bias": qkv_bias, "add_bias_linear": False,
             "untie_embeddings_and_output_weights": not tied, "padded_vocab_size": VOCAB,
             "params_dtype": torch.float32, "attention_backend": AttnBackend.auto, "iteration": 1}
+
+
+# -- Mixture-of-Experts (qwen3_moe: QK-norm; mixtral: none): Megatron-Core's MoE layer, local spec
+# (SequentialMLP), 4 experts, top 2, saved at expert parallel 2 on the 2 ranks
+MOE = {"hidden": 64, "heads": 4, "groups": 2, "head_dim": 16, "ffn": 128, "expert_ffn": 32, "experts": 4, "topk": 2}
+
+
+def _moe_cpu() -> None:
+    """Megatron-Core 0.16.1's router calls ``te_general_gemm`` by name when Transformer Engine is
+    not installed, where the name was never bound (its import failed): bound to None, which is
+    what its own check then tests for, so the router's matmul runs in torch."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _moe_model(family: str, ep: int):
+    import torch
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    qk = family == "qwen3_moe"
+    config = TransformerConfig(**LLAMA, activation_func=torch.nn.functional.silu, num_layers=2,
+                               hidden_size=MOE["hidden"], ffn_hidden_size=MOE["ffn"], num_attention_heads=MOE["heads"],
+                               num_query_groups=MOE["groups"], kv_channels=MOE["head_dim"], qk_layernorm=qk,
+                               num_moe_experts=MOE["experts"], moe_router_topk=MOE["topk"],
+                               moe_ffn_hidden_size=MOE["expert_ffn"], moe_grouped_gemm=False,
+                               expert_model_parallel_size=ep, moe_token_dispatcher_type="allgather",
+                               moe_router_load_balancing_type="none", pipeline_dtype=torch.float32,
+                               use_cpu_initialization=True, bias_dropout_fusion=False, masked_softmax_fusion=False,
+                               persist_layer_norm=False, gradient_accumulation_fusion=False, hidden_dropout=0.0,
+                               attention_dropout=0.0)
+    spec = get_gpt_layer_local_spec(num_experts=MOE["experts"], moe_grouped_gemm=False, qk_layernorm=qk,
+                                    normalization="RMSNorm")
+    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=64, position_embedding_type="rope")
+
+
+def moe_args(family: str) -> dict:
+    """The Megatron-LM arguments that train :func:`_moe_model` (``pretrain_gpt.py`` flags)."""
+    return {**llama_args(), "hidden_size": MOE["hidden"], "ffn_hidden_size": MOE["ffn"], "kv_channels": MOE["head_dim"],
+            "qk_layernorm": family == "qwen3_moe", "num_experts": MOE["experts"], "moe_router_topk": MOE["topk"],
+            "moe_ffn_hidden_size": MOE["expert_ffn"], "moe_router_pre_softmax": False,
+            "moe_router_score_function": "softmax", "moe_shared_expert_intermediate_size": None,
+            "moe_router_enable_expert_bias": False, "moe_router_topk_scaling_factor": None,
+            "moe_router_num_groups": None, "moe_layer_freq": 1, "moe_grouped_gemm": False,
+            "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"}
+
+
+def moe_job(rank: int, world_size: int, out: str, family: str = "qwen3_moe", ep: int = 2) -> dict:
+    """A tiny MoE GPT at expert parallel ``ep`` (rank r holds experts ``r*E/ep ..``), its weights
+    drawn (the experts differently on each rank, the replicated ones alike), saved with
+    ``dist_checkpointing`` (torch_dist) and Megatron-LM's ``args``; every rank returns its
+    parameters, its experts by global number and :func:`moe_probe`."""
+    _cpu()
+    _moe_cpu()
+    import argparse
+    import zlib
+
+    import torch
+    from megatron.core import dist_checkpointing, parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+    torch.manual_seed(0)
+    model = _moe_model(family, ep)
+    local = MOE["experts"] // ep
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # norms away from 1, experts different on each rank
+            expert = "local_experts" in name
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + (1000 * rank if expert else 0))
+            p.add_(torch.randn(p.shape, generator=g) * (0.3 if "norm" in name else 0.05))
+    os.makedirs(out, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save({"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": 1,
+                             "args": argparse.Namespace(**moe_args(family))}, out)
+    torch.distributed.barrier()
+    experts = {}
+    for i, layer in enumerate(model.decoder.layers):
+        for j, mlp in enumerate(layer.mlp.experts.local_experts):
+            experts[(i, rank * local + j)] = {"fc1": mlp.linear_fc1.weight.detach().clone(),
+                                              "fc2": mlp.linear_fc2.weight.detach().clone()}
+    held = {"model": {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)},
+            "experts": experts, "probe": moe_probe(model, rank, local)}
+    parallel_state.destroy_model_parallel()
+    return held
+
+
+def moe_probe(model, rank: int, local: int) -> dict:
+    """:func:`probe`'s attention pieces, plus per layer Megatron's MoE modules on the normed
+    input: the router's logits (``gating``) and its top-k weights (``forward``: ``[tokens, E]``,
+    zero where an expert is not chosen), each local expert's MLP on every token (by global
+    number), and the whole MoE layer's forward (router, allgather dispatch across the expert
+    parallel ranks, experts, combine)."""
+    import torch
+
+    model.eval()
+    out = probe(model)
+    x = out["x"]
+    with torch.no_grad():
+        for i, layer in enumerate(model.decoder.layers):
+            moe_in = layer.pre_mlp_layernorm(x)
+            probs, routing = layer.mlp.router(moe_in)
+            out[i].update({"moe_in": moe_in, "router_logits": layer.mlp.router.gating(moe_in), "router_probs": probs,
+                           "routing_map": routing,
+                           "experts": {rank * local + j: e(moe_in.view(-1, moe_in.shape[-1]))[0]
+                                       for j, e in enumerate(layer.mlp.experts.local_experts)}})
+    return out
