@@ -220,9 +220,9 @@ def _moe_cpu() -> None:
         moe_utils.te_general_gemm = None
 
 
-def _moe_model(family: str, ep: int):
+def _moe_model(family: str, ep: int, moe_layer_freq=1):
     import torch
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -233,12 +233,16 @@ def _moe_model(family: str, ep: int):
                                num_moe_experts=MOE["experts"], moe_router_topk=MOE["topk"],
                                moe_ffn_hidden_size=MOE["expert_ffn"], moe_grouped_gemm=False,
                                expert_model_parallel_size=ep, moe_token_dispatcher_type="allgather",
-                               moe_router_load_balancing_type="none", pipeline_dtype=torch.float32,
+                               moe_router_load_balancing_type="none", moe_layer_freq=moe_layer_freq,
+                               pipeline_dtype=torch.float32,
                                use_cpu_initialization=True, bias_dropout_fusion=False, masked_softmax_fusion=False,
                                persist_layer_norm=False, gradient_accumulation_fusion=False, hidden_dropout=0.0,
                                attention_dropout=0.0)
-    spec = get_gpt_layer_local_spec(num_experts=MOE["experts"], moe_grouped_gemm=False, qk_layernorm=qk,
-                                    normalization="RMSNorm")
+    if moe_layer_freq == 1:
+        spec = get_gpt_layer_local_spec(num_experts=MOE["experts"], moe_grouped_gemm=False, qk_layernorm=qk,
+                                        normalization="RMSNorm")
+    else:  # a spec per layer: dense where moe_layer_freq says 0
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=64, position_embedding_type="rope")
 
 
@@ -311,3 +315,44 @@ def moe_probe(model, rank: int, local: int) -> dict:
                            "experts": {rank * local + j: e(moe_in.view(-1, moe_in.shape[-1]))[0]
                                        for j, e in enumerate(layer.mlp.experts.local_experts)}})
     return out
+
+
+def moe_resave(rank: int, world_size: int, src: str, out: str, family: str = "qwen3_moe") -> None:
+    """Megatron-Core's own resharding of experts: the MoE model at expert parallel 1 (every expert
+    on this one rank) loads the expert-parallel save at ``src`` with ``dist_checkpointing.load``
+    and saves it again to ``out``, with the same training arguments."""
+    _cpu()
+    _moe_cpu()
+    import argparse
+
+    import torch
+    from megatron.core import dist_checkpointing, parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    model = _moe_model(family, 1)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, src)
+    model.load_state_dict(loaded["model"])
+    os.makedirs(out, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save({"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": 1,
+                             "args": argparse.Namespace(**{**moe_args(family), "expert_model_parallel_size": 1})}, out)
+    torch.distributed.barrier()
+    parallel_state.destroy_model_parallel()
+
+
+def moe_uneven_job(rank: int, world_size: int, out: str) -> None:
+    """A qwen3_moe-style GPT whose first layer is dense (``moe_layer_freq=[0, 1]``): Megatron saves
+    layers that are not homogeneous under per-layer keys (``decoder.layers.1.mlp.router.weight``)."""
+    _cpu()
+    _moe_cpu()
+    import torch
+    from megatron.core import dist_checkpointing, parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(0)
+    model = _moe_model("qwen3_moe", 1, moe_layer_freq=[0, 1])
+    os.makedirs(out, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save({"model": model.sharded_state_dict()}, out)
+    torch.distributed.barrier()
+    parallel_state.destroy_model_parallel()

@@ -186,9 +186,10 @@ def _check_experts(part: str, shape: tuple[int, ...], config: dict, name: str) -
     against config.json's expert count and expert width, naming the Megatron tensor."""
     count = experts.num_experts(config)
     if shape[0] != count:
+        key = next((k for k in experts.COUNT_KEYS if config.get(k) == count), "/".join(experts.COUNT_KEYS))
         raise BadInput(f"{name}: holds {shape[0]} experts (its axis after the layer) but config.json says "
-                       f"{count if count is not None else 'none'} ({'/'.join(experts.COUNT_KEYS)}); pass --base "
-                       "with a config that describes this model")
+                       f"{count if count is not None else 'none'} ({key}); pass --base with a config that "
+                       "describes this model")
     if part == "router":
         return
     key = "moe_intermediate_size" if "moe_intermediate_size" in config else "intermediate_size"
