@@ -9,7 +9,9 @@ tensors as Megatron's own ``FP32Optimizer.sharded_state_dict`` maps it
 (``get_param_id_to_sharded_param_map`` + ``optim_state_to_sharding_state``).
 
 CPU (fair in tests only): Megatron-Core calls ``torch.cuda.synchronize`` and
-``torch.cuda.current_device`` unconditionally; those two, and only those, are stubbed.
+``torch.cuda.current_device`` unconditionally; those two, and only those, are stubbed. The MoE
+jobs (:func:`moe_job`) also bind the name ``te_general_gemm`` that Megatron-Core 0.16.1's router
+reads but never binds without Transformer Engine (:func:`_moe_cpu`).
 """
 
 from __future__ import annotations
@@ -299,8 +301,8 @@ def moe_probe(model, rank: int, local: int) -> dict:
     """:func:`probe`'s attention pieces, plus per layer Megatron's MoE modules on the normed
     input: the router's logits (``gating``) and its top-k weights (``forward``: ``[tokens, E]``,
     zero where an expert is not chosen), each local expert's MLP on every token (by global
-    number), and the whole MoE layer's forward (router, allgather dispatch across the expert
-    parallel ranks, experts, combine)."""
+    number); :func:`probe`'s ``"mlp"`` is here the whole MoE layer's forward (router, allgather
+    dispatch across the expert-parallel ranks, experts, combine), which runs on CPU."""
     import torch
 
     model.eval()

@@ -1,4 +1,4 @@
-"""Megatron-Core GPT names -> Hugging Face names, for the Llama-style families.
+"""Megatron-Core GPT names -> Hugging Face names, for the Llama-style families and two MoE ones.
 
 Families mapped (HF ``model_type``): ``llama``, ``mistral`` (the same names) and ``qwen2``
 (``llama`` plus q/k/v biases): a Megatron-Core ``GPTModel`` with RMSNorm, a gated MLP (SwiGLU),
