@@ -251,6 +251,7 @@ def _moe_model(family: str, ep: int, moe_layer_freq=1):
 def moe_args(family: str) -> dict:
     """The Megatron-LM arguments that train :func:`_moe_model` (``pretrain_gpt.py`` flags)."""
     return {**llama_args(), "hidden_size": MOE["hidden"], "ffn_hidden_size": MOE["ffn"], "kv_channels": MOE["head_dim"],
+            "num_attention_heads": MOE["heads"], "num_query_groups": MOE["groups"],
             "qk_layernorm": family == "qwen3_moe", "num_experts": MOE["experts"], "moe_router_topk": MOE["topk"],
             "moe_ffn_hidden_size": MOE["expert_ffn"], "moe_router_pre_softmax": False,
             "moe_router_score_function": "softmax", "moe_shared_expert_intermediate_size": None,
