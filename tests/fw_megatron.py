@@ -222,7 +222,7 @@ def _moe_cpu() -> None:
         moe_utils.te_general_gemm = None
 
 
-def _moe_model(family: str, ep: int, moe_layer_freq=1):
+def _moe_model(family: str, ep: int, moe_layer_freq=1, etp: int = 1, vocab: int = VOCAB):
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -235,6 +235,7 @@ def _moe_model(family: str, ep: int, moe_layer_freq=1):
                                num_moe_experts=MOE["experts"], moe_router_topk=MOE["topk"],
                                moe_ffn_hidden_size=MOE["expert_ffn"], moe_grouped_gemm=False,
                                expert_model_parallel_size=ep, moe_token_dispatcher_type="allgather",
+                               expert_tensor_parallel_size=etp,
                                moe_router_load_balancing_type="none", moe_layer_freq=moe_layer_freq,
                                pipeline_dtype=torch.float32,
                                use_cpu_initialization=True, bias_dropout_fusion=False, masked_softmax_fusion=False,
@@ -245,7 +246,7 @@ def _moe_model(family: str, ep: int, moe_layer_freq=1):
                                         normalization="RMSNorm")
     else:  # a spec per layer: dense where moe_layer_freq says 0
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=64, position_embedding_type="rope")
+    return GPTModel(config, spec, vocab_size=vocab, max_sequence_length=64, position_embedding_type="rope")
 
 
 def moe_args(family: str) -> dict:
@@ -260,11 +261,13 @@ def moe_args(family: str) -> dict:
             "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"}
 
 
-def moe_job(rank: int, world_size: int, out: str, family: str = "qwen3_moe", ep: int = 2) -> dict:
+def moe_job(rank: int, world_size: int, out: str, family: str = "qwen3_moe", ep: int = 2, etp: int = 1) -> dict:
     """A tiny MoE GPT at expert parallel ``ep`` (rank r holds experts ``r*E/ep ..``), its weights
     drawn (the experts differently on each rank, the replicated ones alike), saved with
     ``dist_checkpointing`` (torch_dist) and Megatron-LM's ``args``; every rank returns its
-    parameters, its experts by global number and :func:`moe_probe`."""
+    parameters, its experts by global number and :func:`moe_probe`. ``etp``: the experts' own
+    tensor parallel (Megatron's ``expert_tensor_parallel_size``; tensor parallel > 1 for the rest
+    of an MoE model needs sequence parallel, which torch's norms refuse); no probe then."""
     _cpu()
     _moe_cpu()
     import argparse
@@ -273,10 +276,10 @@ def moe_job(rank: int, world_size: int, out: str, family: str = "qwen3_moe", ep:
     import torch
     from megatron.core import dist_checkpointing, parallel_state
 
-    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     torch.manual_seed(0)
-    model = _moe_model(family, ep)
-    local = MOE["experts"] // ep
+    model = _moe_model(family, ep, etp=etp)
+    local, first = MOE["experts"] // ep, parallel_state.get_expert_model_parallel_rank() * (MOE["experts"] // ep)
     with torch.no_grad():
         for name, p in model.named_parameters():  # norms away from 1, experts different on each rank
             expert = "local_experts" in name
@@ -285,20 +288,21 @@ def moe_job(rank: int, world_size: int, out: str, family: str = "qwen3_moe", ep:
     os.makedirs(out, exist_ok=True)
     torch.distributed.barrier()
     dist_checkpointing.save({"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": 1,
-                             "args": argparse.Namespace(**moe_args(family))}, out)
+                             "args": argparse.Namespace(**{**moe_args(family), "expert_model_parallel_size": ep,
+                                                           "expert_tensor_parallel_size": etp})}, out)
     torch.distributed.barrier()
     experts = {}
     for i, layer in enumerate(model.decoder.layers):
         for j, mlp in enumerate(layer.mlp.experts.local_experts):
-            experts[(i, rank * local + j)] = {"fc1": mlp.linear_fc1.weight.detach().clone(),
+            experts[(i, first + j)] = {"fc1": mlp.linear_fc1.weight.detach().clone(),
                                               "fc2": mlp.linear_fc2.weight.detach().clone()}
     held = {"model": {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)},
-            "experts": experts, "probe": moe_probe(model, rank, local)}
+            "experts": experts, "probe": moe_probe(model, first) if etp == 1 else None}
     parallel_state.destroy_model_parallel()
     return held
 
 
-def moe_probe(model, rank: int, local: int) -> dict:
+def moe_probe(model, first: int) -> dict:
     """:func:`probe`'s attention pieces, plus per layer Megatron's MoE modules on the normed
     input: the router's logits (``gating``) and its top-k weights (``forward``: ``[tokens, E]``,
     zero where an expert is not chosen), each local expert's MLP on every token (by global
@@ -315,12 +319,12 @@ def moe_probe(model, rank: int, local: int) -> dict:
             probs, routing = layer.mlp.router(moe_in)
             out[i].update({"moe_in": moe_in, "router_logits": layer.mlp.router.gating(moe_in), "router_probs": probs,
                            "routing_map": routing,
-                           "experts": {rank * local + j: e(moe_in.view(-1, moe_in.shape[-1]))[0]
+                           "experts": {first + j: e(moe_in.view(-1, moe_in.shape[-1]))[0]
                                        for j, e in enumerate(layer.mlp.experts.local_experts)}})
     return out
 
 
-def moe_resave(rank: int, world_size: int, src: str, out: str, family: str = "qwen3_moe") -> None:
+def moe_resave(rank: int, world_size: int, src: str, out: str, family: str = "qwen3_moe", vocab: int = VOCAB) -> None:
     """Megatron-Core's own resharding of experts: the MoE model at expert parallel 1 (every expert
     on this one rank) loads the expert-parallel save at ``src`` with ``dist_checkpointing.load``
     and saves it again to ``out``, with the same training arguments."""
@@ -332,13 +336,14 @@ def moe_resave(rank: int, world_size: int, src: str, out: str, family: str = "qw
     from megatron.core import dist_checkpointing, parallel_state
 
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
-    model = _moe_model(family, 1)
+    model = _moe_model(family, 1, vocab=vocab)
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, src)
     model.load_state_dict(loaded["model"])
     os.makedirs(out, exist_ok=True)
     torch.distributed.barrier()
     dist_checkpointing.save({"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": 1,
-                             "args": argparse.Namespace(**{**moe_args(family), "expert_model_parallel_size": 1})}, out)
+                             "args": argparse.Namespace(**{**moe_args(family), "expert_model_parallel_size": 1,
+                                                           "padded_vocab_size": vocab})}, out)
     torch.distributed.barrier()
     parallel_state.destroy_model_parallel()
 

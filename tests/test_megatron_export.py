@@ -497,3 +497,24 @@ def test_moe_save_of_layers_not_homogeneous_is_refused(tmp_path):
     assert result.exit_code == 3, result.output
     assert "not homogeneous" in result.output and "decoder.layers.0." in result.output, result.output
     assert not (tmp_path / "hf").exists()
+
+
+def test_moe_expert_tensor_parallel_save_exports_as_megatrons_own_reshard(tmp_path):
+    """A qwen3_moe save at expert tensor parallel 2 (each expert's ``[gate; up]`` split in both
+    halves across the ranks, its ``linear_fc2`` split on its columns) exports to exactly what
+    Megatron's own reshard to one rank exports to."""
+    import functools
+
+    import torch
+    from safetensors.torch import load_file
+
+    save, again = tmp_path / "save", tmp_path / "etp1"
+    run_ranks(functools.partial(fw_megatron.moe_job, ep=1, etp=2), 2, tmp_path, str(save), "qwen3_moe")
+    run_ranks(fw_megatron.moe_resave, 1, tmp_path, str(save), str(again), "qwen3_moe")
+    base = _moe_base(tmp_path / "base", "qwen3_moe")
+    for src, dst in ((save, tmp_path / "hf"), (again, tmp_path / "hf_etp1")):
+        result = _export(src, dst, "--base", base)
+        assert result.exit_code == 0, result.output
+    got, want = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "hf_etp1" / "model.safetensors")
+    assert got.keys() == want.keys() and "model.layers.1.mlp.experts.3.down_proj.weight" in got
+    assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
