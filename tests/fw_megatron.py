@@ -348,19 +348,30 @@ def moe_resave(rank: int, world_size: int, src: str, out: str, family: str = "qw
     parallel_state.destroy_model_parallel()
 
 
-def moe_uneven_job(rank: int, world_size: int, out: str) -> None:
-    """A qwen3_moe-style GPT whose first layer is dense (``moe_layer_freq=[0, 1]``): Megatron saves
-    layers that are not homogeneous under per-layer keys (``decoder.layers.1.mlp.router.weight``)."""
+def moe_uneven_job(rank: int, world_size: int, out: str) -> dict | None:
+    """A qwen3_moe-style GPT whose first layer is dense (``moe_layer_freq=[0, 1]``, Qwen3-MoE's
+    ``mlp_only_layers=[0]``), saved at expert parallel 2: Megatron saves layers that are not
+    homogeneous under one key per layer (``decoder.layers.1.mlp.router.weight`` ``[E, H]``).
+    Rank r returns its parameters and its experts by global number."""
     _cpu()
     _moe_cpu()
+    import argparse
+
     import torch
     from megatron.core import dist_checkpointing, parallel_state
 
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
     torch.manual_seed(0)
-    model = _moe_model("qwen3_moe", 1, moe_layer_freq=[0, 1])
+    model = _moe_model("qwen3_moe", 2, moe_layer_freq=[0, 1])
     os.makedirs(out, exist_ok=True)
     torch.distributed.barrier()
-    dist_checkpointing.save({"model": model.sharded_state_dict()}, out)
+    dist_checkpointing.save({"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": 1,
+                             "args": argparse.Namespace(**{**moe_args("qwen3_moe"), "moe_layer_freq": [0, 1]})}, out)
     torch.distributed.barrier()
+    local = MOE["experts"] // 2
+    held = {"model": {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)},
+            "experts": {(1, rank * local + j): {"fc1": e.linear_fc1.weight.detach().clone(),
+                                                "fc2": e.linear_fc2.weight.detach().clone()}
+                        for j, e in enumerate(model.decoder.layers[1].mlp.experts.local_experts)}}
     parallel_state.destroy_model_parallel()
+    return held

@@ -489,14 +489,43 @@ def test_moe_expert_parallel_save_exports_as_megatrons_own_reshard(moe_save, tmp
     assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
 
 
-def test_moe_save_of_layers_not_homogeneous_is_refused(tmp_path):
-    """``moe_layer_freq=[0, 1]`` (a dense first layer): Megatron saves per-layer keys, which the map
-    does not read; exit 3 saying so, nothing written."""
-    run_ranks(fw_megatron.moe_uneven_job, 1, tmp_path, str(tmp_path / "save"))
-    result = _export(tmp_path / "save", tmp_path / "hf", "--base", _moe_base(tmp_path / "base", "qwen3_moe"))
-    assert result.exit_code == 3, result.output
-    assert "not homogeneous" in result.output and "decoder.layers.0." in result.output, result.output
-    assert not (tmp_path / "hf").exists()
+def test_moe_save_of_layers_not_homogeneous_exports(tmp_path):
+    """``moe_layer_freq=[0, 1]`` (a dense first layer) at expert parallel 2: Megatron saves one key
+    per layer (``decoder.layers.1.mlp.router.weight`` ``[E, H]``). With a qwen3_moe config whose
+    ``mlp_only_layers`` is ``[0]`` the export loads with no missing or unexpected keys, is what
+    ``save_pretrained`` writes, and holds Megatron's dense MLP and experts bit for bit; a config
+    that says every layer is MoE is exit 3 (the architecture check), nothing written."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    held = run_ranks(fw_megatron.moe_uneven_job, 2, tmp_path, str(tmp_path / "save"))
+    info = json.loads(CliRunner().invoke(cli, ["inspect", str(tmp_path / "save"), "--json", "--tensors"]).output)
+    assert [t["shape"] for t in info["tensors"] if t["name"] == "decoder.layers.1.mlp.router.weight"] == [[4, 64]]
+    result = _export(tmp_path / "save", tmp_path / "all_moe", "--base", _moe_base(tmp_path / "b1", "qwen3_moe"))
+    assert result.exit_code == 3 and "model.layers.0.mlp" in result.output, result.output
+    assert not (tmp_path / "all_moe").exists()
+    base = _moe_base(tmp_path / "b2", "qwen3_moe", mlp_only_layers=[0])
+    result = _export(tmp_path / "save", tmp_path / "hf", "--base", base)
+    assert result.exit_code == 0, result.output
+    model, loading = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"] and not loading["mismatched_keys"], loading
+    written = load_file(tmp_path / "hf" / "model.safetensors")
+    model.save_pretrained(tmp_path / "resaved")
+    resaved = load_file(tmp_path / "resaved" / "model.safetensors")
+    assert written.keys() == resaved.keys() and all(torch.equal(written[k], resaved[k]) for k in written)
+    dense, ffn, inter = held[0]["model"], fw_megatron.MOE["ffn"], fw_megatron.MOE["expert_ffn"]
+    assert torch.equal(written["model.layers.0.mlp.gate_proj.weight"], dense["decoder.layers.0.mlp.linear_fc1.weight"][:ffn])
+    assert torch.equal(written["model.layers.0.mlp.up_proj.weight"], dense["decoder.layers.0.mlp.linear_fc1.weight"][ffn:])
+    assert torch.equal(written["model.layers.0.mlp.down_proj.weight"], dense["decoder.layers.0.mlp.linear_fc2.weight"])
+    assert torch.equal(written["model.layers.1.mlp.gate.weight"], dense["decoder.layers.1.mlp.router.weight"])
+    experts = {k: w for rank in held for k, w in rank["experts"].items()}
+    assert sorted(e for _, e in experts) == [0, 1, 2, 3]
+    for (layer, e), w in experts.items():
+        at = f"model.layers.{layer}.mlp.experts.{e}."
+        assert torch.equal(written[at + "gate_proj.weight"], w["fc1"][:inter])
+        assert torch.equal(written[at + "up_proj.weight"], w["fc1"][inter:])
+        assert torch.equal(written[at + "down_proj.weight"], w["fc2"])
 
 
 def test_moe_expert_tensor_parallel_save_exports_as_megatrons_own_reshard(tmp_path):

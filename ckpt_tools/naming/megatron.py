@@ -26,8 +26,11 @@ layer: ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` ``[L, E, 2F, H]`
 transformers 5 holds in memory (``mlp.experts.gate_up_proj`` ``[E, 2F, H]``, ``down_proj``
 ``[E, H, F]``), so the map names it so, and :mod:`.experts` then writes what ``save_pretrained``
 writes for the config's model type (per expert for both families), from transformers' own
-registry: every output is still row ranges of the stacked tensor. The per-layer keys of a save
-whose layers are not homogeneous (``moe_layer_freq``, ``singleton_local_shards``) are refused.
+registry: every output is still row ranges of the stacked tensor. A save whose layers are not
+homogeneous (``moe_layer_freq`` with dense layers: Qwen3-MoE's ``mlp_only_layers``) has one key
+per layer (``decoder.layers.1.mlp.router.weight`` ``[E, H]``): read the same way, without the
+layer axis; which layers are dense is then checked by the architecture check against the config.
+One key per expert (``singleton_local_shards``) is refused.
 DeepSeek-V3 (multi-latent attention, shared experts) is refused by name.
 
 Refused (exit 3, naming what is missing): any name outside the family's table (LayerNorm biases,
@@ -68,7 +71,8 @@ _REFUSED = {"deepseek_v3": "multi-latent attention (linear_q_down_proj, linear_k
             "deepseek_v2": "multi-latent attention and shared experts are not mapped",
             "qwen2_moe": "shared experts (mlp.shared_experts) are not mapped"}
 STACKED = "decoder.layers."
-_PER_LAYER = re.compile(r"^decoder\.layers\.\d+\.")
+_PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_PER_EXPERT = re.compile(r"\.experts\.experts\.\d+\.")  # singleton_local_shards: one key per expert
 
 # Megatron name (below ``decoder.layers.`` for the stacked ones) -> (HF name, part) pairs; the
 # part says which rows of the layer the HF weight takes (None: all of them)
@@ -123,15 +127,20 @@ def _table(family: str) -> dict:
     return _FAMILY_TABLE.get(family, _LAYER_TABLE)
 
 
-def _known(name: str, family: str) -> bool:
+def _known(name: str, family: str, per_layer: bool) -> bool:
+    m = _PER_LAYER.match(name)
+    if m:
+        return per_layer and name[m.end():] in _table(family)
     return name in _TOP_TABLE or name.startswith(STACKED) and name[len(STACKED):] in _table(family)
 
 
-def _why(name: str) -> str:
-    if _PER_LAYER.match(name):
-        return ("per-layer names, as model.state_dict() or a legacy checkpoint spells them, or a torch_dist save "
-                "whose layers are not homogeneous (moe_layer_freq, singleton_local_shards): the map reads "
-                "dist_checkpointing's torch_dist save with its layers stacked")
+def _why(name: str, per_layer: bool) -> str:
+    if _PER_EXPERT.search(name):
+        return "one key per expert (singleton_local_shards)"
+    if _PER_LAYER.match(name) and not per_layer:
+        return ("per-layer names, as model.state_dict() or a legacy checkpoint spells them: the map reads "
+                "dist_checkpointing's torch_dist save (layers stacked, or one key per layer where they are not "
+                "homogeneous), whose tensors are global at any parallelism")
     return next((what for mark, what in _WHY if mark in name), "no counterpart")
 
 
@@ -257,11 +266,12 @@ def to_hf_pieces(ckpt: Checkpoint, names: dict[str, TensorInfo], config: dict, s
     in 2 groups) -> ``model.layers.{0,1}.self_attn.{q,k,v}_proj.weight`` of 32, 16, 16 rows.
     """
     family = _family(config, src)
-    unknown = sorted(n for n in names if not _known(n, family))
+    per_layer = ckpt.format == "dcp"  # a torch_dist save: its per-layer keys are global tensors too
+    unknown = sorted(n for n in names if not _known(n, family, per_layer))
     if unknown:
         by_why: dict[str, list[str]] = {}
         for n in unknown:
-            by_why.setdefault(_why(n), []).append(n)
+            by_why.setdefault(_why(n, per_layer), []).append(n)
         listed = "; ".join(f"{why}: {', '.join(ns[:3])}{' ...' if len(ns) > 3 else ''}" for why, ns in by_why.items())
         raise BadInput(f"{src}: Megatron-Core names with no Hugging Face counterpart in ckpt's map ({listed}; "
                        f"{len(unknown)} in all); the map covers "
@@ -278,6 +288,12 @@ def to_hf_pieces(ckpt: Checkpoint, names: dict[str, TensorInfo], config: dict, s
                     rows = vocab  # Megatron-LM's padded vocabulary: the padding rows are dropped
                 view = _view(reader, t, None, [(0, rows)], _TOP_TABLE[name])
                 pieces.append(_whole(view, cast))
+                continue
+            m = _PER_LAYER.match(name)
+            if m:  # layers not homogeneous (moe_layer_freq): one key per layer, no layer axis
+                for hf, part in _table(family)[name[m.end():]]:
+                    view = _view(reader, t, None, _rows(part, tuple(t.shape), config, name), hf.format(m.group(1)))
+                    pieces.append(_whole(view, cast))
                 continue
             if len(t.shape) < 2:
                 raise BadInput(f"{name}: {list(t.shape)} is not stacked on a layer axis")
@@ -312,7 +328,7 @@ _MOE_ASSUMED = {"moe_router_score_function": ("softmax", "a softmax router"),
                 "moe_shared_expert_intermediate_size": (None, "no shared experts"),
                 "moe_router_enable_expert_bias": (False, "no router expert bias"),
                 "moe_router_topk_scaling_factor": (None, "unscaled routing weights"),
-                "moe_router_num_groups": (None, "no group-limited routing"), "moe_layer_freq": (1, "MoE in every layer")}
+                "moe_router_num_groups": (None, "no group-limited routing")}
 _QK = {"qwen3_moe": (True, "QK-norm (Qwen3)")}
 # how the family's router weighs the top-k experts: normalized always (True), or as a config key says;
 # Megatron's normalizes unless moe_router_pre_softmax (softmax over all experts, then top-k)
