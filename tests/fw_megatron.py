@@ -297,7 +297,8 @@ def moe_job(rank: int, world_size: int, out: str, family: str = "qwen3_moe", ep:
             experts[(i, first + j)] = {"fc1": mlp.linear_fc1.weight.detach().clone(),
                                               "fc2": mlp.linear_fc2.weight.detach().clone()}
     held = {"model": {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)},
-            "experts": experts, "probe": moe_probe(model, first) if etp == 1 else None}
+            "experts": experts, "probe": moe_probe(model, first) if etp == 1 else None,
+            "tokens": TOKENS, "logits": logits(model, TOKENS) if etp == 1 else None}
     parallel_state.destroy_model_parallel()
     return held
 
@@ -375,3 +376,27 @@ def moe_uneven_job(rank: int, world_size: int, out: str) -> dict | None:
                         for j, e in enumerate(model.decoder.layers[1].mlp.experts.local_experts)}}
     parallel_state.destroy_model_parallel()
     return held
+
+
+TOKENS = [[3, 14, 15, 92, 65, 35, 89, 79]]  # one fixed sequence of token ids < VOCAB
+
+
+def logits(model, tokens: list[list[int]]):
+    """Megatron-Core's own whole-model forward on CPU: ``GPTModel(tokens, positions,
+    attention_mask)`` -> logits ``[batch, seq, vocab]``. Two things stand in for a GPU: the causal
+    mask is passed in (Megatron builds its default one on ``cuda``), and the dropout around
+    attention forks the CUDA RNG tracker, which reads the CUDA RNG state: ``torch.cuda.random.
+    get_rng_state`` returns the CPU's and the tracker is given that state (in eval with dropout 0
+    no random number is drawn). Every rank must call it (the MoE layer's dispatch is collective)."""
+    import torch
+    import torch.cuda.random
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.cuda.random.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    get_cuda_rng_tracker().set_states({"model-parallel-rng": torch.get_rng_state()})
+    ids = torch.tensor(tokens)
+    seq = ids.shape[1]
+    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]  # True: masked
+    model.eval()
+    with torch.no_grad():
+        return model(ids, torch.arange(seq)[None].expand_as(ids), attention_mask=causal)

@@ -327,7 +327,8 @@ def test_moe_export_is_what_save_pretrained_writes_and_computes_what_megatron_co
     Megatron's parameters bit for bit (each rank's experts by their global number); and HF's
     modules on Megatron's inputs give what Megatron's gave: Q/K/V (after QK-norm), rotary,
     ``o_proj``, the router's logits and top-k weights, each expert's MLP, the whole MoE block
-    (Megatron's forward across the two expert-parallel ranks), the final norm."""
+    (Megatron's forward across the two expert-parallel ranks), the final norm; and HF's logits
+    equal those of Megatron's own whole-model forward on the same tokens."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -397,6 +398,11 @@ def test_moe_export_is_what_save_pretrained_writes_and_computes_what_megatron_co
                     _close(one, out, f"layer {i} expert {e}")
             _close(block(moe_in[None])[0], want["mlp"][:, 0], f"layer {i} MoE block")
         _close(model.model.norm(x), probe["final_norm"][:, 0], "final norm")
+        # and the whole model: HF's logits on the tokens Megatron's own forward ran on
+        tokens = torch.tensor(held[0]["tokens"])
+        want = held[0]["logits"]
+        assert all(torch.equal(rank["logits"], want) for rank in held)  # both expert-parallel ranks agree
+        _close(model(tokens).logits, want, "logits")
 
 
 @pytest.mark.parametrize("changes, named", [
