@@ -11,7 +11,9 @@ tensors as Megatron's own ``FP32Optimizer.sharded_state_dict`` maps it
 CPU (fair in tests only): Megatron-Core calls ``torch.cuda.synchronize`` and
 ``torch.cuda.current_device`` unconditionally; those two, and only those, are stubbed. The MoE
 jobs (:func:`moe_job`) also bind the name ``te_general_gemm`` that Megatron-Core 0.16.1's router
-reads but never binds without Transformer Engine (:func:`_moe_cpu`).
+reads but never binds without Transformer Engine (:func:`_moe_cpu`). The whole-model forward
+(:func:`logits`) passes its causal mask in and answers ``torch.cuda.random.get_rng_state`` with
+the CPU's state.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ def job(rank: int, world_size: int, out: str, *, steps: int = 1, seed: int = 0, 
             "optimizer": optimizer.state_dict()}
     if llama and tp == pp == 1:
         held["probe"] = probe(model)
+        held["logits"] = logits(model, TOKENS)
     parallel_state.destroy_model_parallel()
     return held if rank == 0 else None
 
@@ -113,8 +116,7 @@ def probe(model) -> dict:
     """Megatron-Core's own modules run on a fixed input, per layer: the input norm, Q/K/V as
     ``get_query_key_value_tensors`` splits ``linear_qkv``'s output ([seq, batch, heads, head
     dim]), the same after Megatron's rotary embedding, ``linear_proj`` and the MLP (after its
-    norm); plus the final norm. (The whole model's forward does not run on CPU: its attention
-    forks the CUDA RNG tracker.)"""
+    norm); plus the final norm. (The whole model's forward: :func:`logits`.)"""
     import torch
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 

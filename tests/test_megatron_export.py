@@ -2,13 +2,14 @@
 
 ``fw_megatron.llama_job`` saves a tiny ``GPTModel`` (RMSNorm, SwiGLU, no biases, RoPE, 4 heads in
 2 query groups; untied and tied embeddings) with Megatron-Core 0.16.1's ``dist_checkpointing``
-on 2 CPU ranks, and runs Megatron's own modules on a fixed input (``fw_megatron.probe``: the
-whole model's forward does not run on CPU, its attention forks the CUDA RNG tracker). The
+on 2 CPU ranks, and runs Megatron's own modules on a fixed input (``fw_megatron.probe``). The
 export, with ``--base`` a LlamaConfig of matching shapes built here, must load in
 ``from_pretrained`` with no missing or unexpected keys, and HF's modules on the same input must
 give what Megatron's gave: Q/K/V (``linear_qkv`` + ``get_query_key_value_tensors``) and the
 same after each side's rotary embedding, ``o_proj``, the MLP, the norms; the embeddings and the
-head bit-equal to Megatron's parameters.
+head bit-equal to Megatron's parameters; and HF's logits equal those of Megatron's own
+whole-model forward on the same tokens (``fw_megatron.logits``: it runs on CPU when given the
+causal mask and the CPU's RNG state for its CUDA RNG tracker).
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ def test_export_loads_and_computes_what_megatron_computes(save, tmp_path):
             _close(att.o_proj(want["context"][:, 0]), want["proj"][:, 0], f"layer {i} o_proj")
             _close(layer.mlp(layer.post_attention_layernorm(x)), want["mlp"][:, 0], f"layer {i} mlp")
         _close(model.model.norm(x), probe["final_norm"][:, 0], "final norm")
+        # the whole model: HF's logits on the tokens Megatron's own forward ran on
+        _close(model(torch.tensor(fw_megatron.TOKENS)).logits, held["logits"], "logits")
 
 
 def test_export_drops_padded_vocabulary_rows_and_casts(save, tmp_path):
