@@ -1,4 +1,4 @@
-"""Megatron-Core GPT names -> Hugging Face names, for the Llama-style families.
+"""Megatron-Core GPT names -> Hugging Face names, for the Llama-style families and two MoE ones.
 
 Families mapped (HF ``model_type``): ``llama``, ``mistral`` (the same names) and ``qwen2``
 (``llama`` plus q/k/v biases): a Megatron-Core ``GPTModel`` with RMSNorm, a gated MLP (SwiGLU),
@@ -17,8 +17,25 @@ weight is described as those byte ranges (the stored items' headers are read, no
 so the engine streams it like any copy (no whole-model buffer). Megatron-LM pads the vocabulary
 (``make_vocab_size_divisible_by``): embedding rows beyond the config's ``vocab_size`` are left out.
 
-Refused (exit 3, naming what is missing): any name outside the table (LayerNorm biases, linear
-biases, MoE experts and router, QK-norm, MLA), a ``linear_fc1`` that is not ``2 x
+Mixture-of-Experts families (``qwen3_moe``, with QK-norm; ``mixtral``): Megatron-Core's MoE layer
+with the router ``decoder.layers.mlp.router.weight`` ``[L, E, H]`` and the experts of all layers
+as one global tensor per key, whatever the expert- or tensor-parallel degree
+(``SequentialMLP``/``TEGroupedMLP.sharded_state_dict`` put the expert on the axis after the
+layer: ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` ``[L, E, 2F, H]``, each expert
+``[gate; up]``, and ``linear_fc2`` ``[L, E, H, F]``). One layer of it is exactly the tensor
+transformers 5 holds in memory (``mlp.experts.gate_up_proj`` ``[E, 2F, H]``, ``down_proj``
+``[E, H, F]``), so the map names it so, and :mod:`.experts` then writes what ``save_pretrained``
+writes for the config's model type (per expert for both families), from transformers' own
+registry: every output is still row ranges of the stacked tensor. A save whose layers are not
+homogeneous (``moe_layer_freq`` with dense layers: Qwen3-MoE's ``mlp_only_layers``) has one key
+per layer (``decoder.layers.1.mlp.router.weight`` ``[E, H]``): read the same way, without the
+layer axis; which layers are dense is then checked by the architecture check against the config.
+One key per expert (``singleton_local_shards``) is refused.
+DeepSeek-V3 (multi-latent attention, shared experts) is refused by name.
+
+Refused (exit 3, naming what is missing): any name outside the family's table (LayerNorm biases,
+linear biases, MoE experts and router in a dense family, shared experts, the router's expert
+bias, QK-norm, MLA), an expert count or width that is not config.json's, a ``linear_fc1`` that is not ``2 x
 intermediate_size`` rows (a non-gated MLP), a config of another family, and chunks that do not
 tile a tensor (a hole, or overlaps). Saves made at tensor or pipeline parallel > 1 are read as
 they are stored: ``sharded_state_dict`` gives each rank's slice its place in the global tensor
@@ -44,11 +61,18 @@ from ..core.dtypes import DType
 from ..core.plan import Piece, Target, whole
 from ..engine.reader import Reader
 from ..errors import BadInput
+from . import experts
 
 _MARKS = ("decoder.layers.", "embedding.word_embeddings.weight", "output_layer.weight")
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3_moe", "mixtral")
+# families asked for by name that the map does not cover, and why
+_REFUSED = {"deepseek_v3": "multi-latent attention (linear_q_down_proj, linear_kv_down_proj, ...), shared experts and "
+                           "DeepSeek's sigmoid router are not mapped",
+            "deepseek_v2": "multi-latent attention and shared experts are not mapped",
+            "qwen2_moe": "shared experts (mlp.shared_experts) are not mapped"}
 STACKED = "decoder.layers."
-_PER_LAYER = re.compile(r"^decoder\.layers\.\d+\.")
+_PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_PER_EXPERT = re.compile(r"\.experts\.experts\.\d+\.")  # singleton_local_shards: one key per expert
 
 # Megatron name (below ``decoder.layers.`` for the stacked ones) -> (HF name, part) pairs; the
 # part says which rows of the layer the HF weight takes (None: all of them)
@@ -68,6 +92,18 @@ _LAYER_TABLE = {
                               ("model.layers.{}.mlp.up_proj.weight", "up")),
     "mlp.linear_fc2.weight": (("model.layers.{}.mlp.down_proj.weight", None),),
 }
+_QK_NORM = {
+    "self_attention.q_layernorm.weight": (("model.layers.{}.self_attn.q_norm.weight", None),),
+    "self_attention.k_layernorm.weight": (("model.layers.{}.self_attn.k_norm.weight", None),),
+}
+# one layer of the stacked experts is the tensor transformers 5 holds in memory ([E, 2F, H] with
+# each expert's [gate; up], [E, H, F]); naming/experts.py writes it as save_pretrained does
+_MOE = {
+    "mlp.router.weight": (("model.layers.{}.mlp.gate.weight", "router"),),
+    "mlp.experts.experts.linear_fc1.weight": (("model.layers.{}.mlp.experts.gate_up_proj", "experts_fc1"),),
+    "mlp.experts.experts.linear_fc2.weight": (("model.layers.{}.mlp.experts.down_proj", "experts_fc2"),),
+}
+_FAMILY_TABLE = {"qwen3_moe": {**_LAYER_TABLE, **_QK_NORM, **_MOE}, "mixtral": {**_LAYER_TABLE, **_MOE}}
 _TOP_TABLE = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
     "decoder.final_layernorm.weight": "model.norm.weight",
@@ -75,7 +111,9 @@ _TOP_TABLE = {
 }
 # what an unmapped name most likely means, for the refusal
 _WHY = (("layer_norm_bias", "LayerNorm (the map is for RMSNorm)"), ("layernorm.bias", "LayerNorm (the map is for RMSNorm)"),
-        ("experts", "MoE experts"), ("router", "an MoE router"), ("q_layernorm", "QK-norm"),
+        ("shared_experts", "shared experts"), ("expert_bias", "the router's expert bias (aux-loss-free balancing)"),
+        ("experts", "MoE experts (mapped for qwen3_moe and mixtral)"),
+        ("router", "an MoE router (mapped for qwen3_moe and mixtral)"), ("q_layernorm", "QK-norm"),
         ("k_layernorm", "QK-norm"), ("linear_q_", "multi-latent attention"), ("linear_kv_", "multi-latent attention"),
         (".bias", "linear biases"), ("position_embeddings", "learned absolute positions (the map is for RoPE)"))
 
@@ -85,14 +123,24 @@ def detect(names: Iterable[str]) -> bool:
     return any(n.startswith(_MARKS) for n in names)
 
 
-def _known(name: str) -> bool:
-    return name in _TOP_TABLE or name.startswith(STACKED) and name[len(STACKED):] in _LAYER_TABLE
+def _table(family: str) -> dict:
+    return _FAMILY_TABLE.get(family, _LAYER_TABLE)
 
 
-def _why(name: str) -> str:
-    if _PER_LAYER.match(name):
+def _known(name: str, family: str, per_layer: bool) -> bool:
+    m = _PER_LAYER.match(name)
+    if m:
+        return per_layer and name[m.end():] in _table(family)
+    return name in _TOP_TABLE or name.startswith(STACKED) and name[len(STACKED):] in _table(family)
+
+
+def _why(name: str, per_layer: bool) -> str:
+    if _PER_EXPERT.search(name):
+        return "one key per expert (singleton_local_shards)"
+    if _PER_LAYER.match(name) and not per_layer:
         return ("per-layer names, as model.state_dict() or a legacy checkpoint spells them: the map reads "
-                "dist_checkpointing's torch_dist save, whose layers are stacked")
+                "dist_checkpointing's torch_dist save (layers stacked, or one key per layer where they are not "
+                "homogeneous), whose tensors are global at any parallelism")
     return next((what for mark, what in _WHY if mark in name), "no counterpart")
 
 
@@ -101,15 +149,22 @@ def _family(config: dict, src: Path) -> str:
         raise BadInput(f"{src}: Megatron-Core names to Hugging Face need the model's config.json (heads, query "
                        "groups, intermediate size); pass --base MODEL with a config of matching shapes")
     family = config.get("model_type")
+    if family in _REFUSED:
+        raise BadInput(f"{src}: Megatron-Core names for model_type {family!r}: {_REFUSED[family]} (ckpt maps "
+                       f"{', '.join(FAMILIES)}); convert --to dcp keeps the save under Megatron's own names")
     if family not in FAMILIES:
         raise BadInput(f"{src}: Megatron-Core names for model_type {family!r} are not mapped (ckpt maps "
                        f"{', '.join(FAMILIES)}: RMSNorm, SwiGLU, RoPE); pass --base with a config of one of those")
     return family
 
 
-def _rows(part: str | None, rows: int, config: dict, name: str) -> list[tuple[int, int]]:
-    """The row ranges of one layer of ``name`` (``rows`` long) that HF's ``part`` takes."""
+def _rows(part: str | None, shape: tuple[int, ...], config: dict, name: str) -> list[tuple[int, int]]:
+    """The row ranges of one layer of ``name`` (``shape``) that HF's ``part`` takes."""
+    rows = shape[0]
     if part is None:
+        return [(0, rows)]
+    if part in ("router", "experts_fc1", "experts_fc2"):
+        _check_experts(part, shape, config, name)
         return [(0, rows)]
     if part in ("gate", "up"):
         inter = config.get("intermediate_size")
@@ -133,6 +188,28 @@ def _rows(part: str | None, rows: int, config: dict, name: str) -> list[tuple[in
     start, size = {"q": (0, per_group * head_dim), "k": (per_group * head_dim, head_dim),
                    "v": ((per_group + 1) * head_dim, head_dim)}[part]
     return [(g * block + start, g * block + start + size) for g in range(groups)]
+
+
+def _check_experts(part: str, shape: tuple[int, ...], config: dict, name: str) -> None:
+    """One layer of the router (``[E, H]``) or of the stacked experts (``[E, 2F, H]``, ``[E, H, F]``)
+    against config.json's expert count and expert width, naming the Megatron tensor."""
+    count = experts.num_experts(config)
+    if shape[0] != count:
+        key = next((k for k in experts.COUNT_KEYS if config.get(k) == count), "/".join(experts.COUNT_KEYS))
+        raise BadInput(f"{name}: holds {shape[0]} experts (its axis after the layer) but config.json says "
+                       f"{count if count is not None else 'none'} ({key}); pass --base with a config that "
+                       "describes this model")
+    if part == "router":
+        return
+    key = "moe_intermediate_size" if "moe_intermediate_size" in config else "intermediate_size"
+    inter, hidden = config.get(key), config.get("hidden_size")
+    if not isinstance(inter, int):
+        raise BadInput(f"{name}: config.json has no expert width ({key})")
+    want = [count, 2 * inter, hidden] if part == "experts_fc1" else [count, hidden, inter]
+    if list(shape) != want:
+        raise BadInput(f"{name}: one layer is {list(shape)}, but {count} gated experts (SwiGLU: [gate; up]) of "
+                       f"config.json's {key} {inter} and hidden_size {hidden} are {want}: a non-gated expert MLP is "
+                       "not mapped, or config.json does not describe this model")
 
 
 def _view(reader: Reader, src: TensorInfo, layer: int | None, ranges: list[tuple[int, int]], name: str) -> TensorInfo:
@@ -188,16 +265,18 @@ def to_hf_pieces(ckpt: Checkpoint, names: dict[str, TensorInfo], config: dict, s
     Example: ``decoder.layers.self_attention.linear_qkv.weight`` ``[2, 64, 32]`` (4 heads of 8
     in 2 groups) -> ``model.layers.{0,1}.self_attn.{q,k,v}_proj.weight`` of 32, 16, 16 rows.
     """
-    _family(config, src)
-    unknown = sorted(n for n in names if not _known(n))
+    family = _family(config, src)
+    per_layer = ckpt.format == "dcp"  # a torch_dist save: its per-layer keys are global tensors too
+    unknown = sorted(n for n in names if not _known(n, family, per_layer))
     if unknown:
         by_why: dict[str, list[str]] = {}
         for n in unknown:
-            by_why.setdefault(_why(n), []).append(n)
+            by_why.setdefault(_why(n, per_layer), []).append(n)
         listed = "; ".join(f"{why}: {', '.join(ns[:3])}{' ...' if len(ns) > 3 else ''}" for why, ns in by_why.items())
         raise BadInput(f"{src}: Megatron-Core names with no Hugging Face counterpart in ckpt's map ({listed}; "
                        f"{len(unknown)} in all); the map covers "
-                       f"{'/'.join(FAMILIES)}-style GPTs (RMSNorm, SwiGLU, RoPE, no linear biases but Qwen2's q/k/v); "
+                       f"{'/'.join(FAMILIES)}-style GPTs (RMSNorm, SwiGLU, RoPE, no linear biases but Qwen2's q/k/v; "
+                       f"model_type {family!r} here); "
                        "convert --to dcp keeps the save under Megatron's own names")
     vocab = config.get("vocab_size")
     pieces = []
@@ -210,11 +289,17 @@ def to_hf_pieces(ckpt: Checkpoint, names: dict[str, TensorInfo], config: dict, s
                 view = _view(reader, t, None, [(0, rows)], _TOP_TABLE[name])
                 pieces.append(_whole(view, cast))
                 continue
+            m = _PER_LAYER.match(name)
+            if m:  # layers not homogeneous (moe_layer_freq): one key per layer, no layer axis
+                for hf, part in _table(family)[name[m.end():]]:
+                    view = _view(reader, t, None, _rows(part, tuple(t.shape), config, name), hf.format(m.group(1)))
+                    pieces.append(_whole(view, cast))
+                continue
             if len(t.shape) < 2:
                 raise BadInput(f"{name}: {list(t.shape)} is not stacked on a layer axis")
             for layer in range(t.shape[0]):
-                for hf, part in _LAYER_TABLE[name.removeprefix(STACKED)]:
-                    view = _view(reader, t, layer, _rows(part, t.shape[1], config, name), hf.format(layer))
+                for hf, part in _table(family)[name.removeprefix(STACKED)]:
+                    view = _view(reader, t, layer, _rows(part, tuple(t.shape[1:]), config, name), hf.format(layer))
                     pieces.append(_whole(view, cast))
     seen = set()
     for p in pieces:
@@ -222,7 +307,11 @@ def to_hf_pieces(ckpt: Checkpoint, names: dict[str, TensorInfo], config: dict, s
             raise BadInput(f"{src}: two Megatron-Core tensors become {p.target.name!r} (a local-spec and a "
                            "Transformer-Engine norm name both saved?)")
         seen.add(p.target.name)
-    return pieces
+    if family not in _FAMILY_TABLE:
+        return pieces
+    # MoE: each layer's experts, named as transformers holds them, as save_pretrained writes them
+    views = experts.hub_tensors(ckpt, {p.target.name: p.target.source for p in pieces}, config, src)
+    return [_whole(v, cast) for v in views.values()]
 
 
 # Megatron-LM's argument -> (what the map assumes, or a config.json key whose value it must equal)
@@ -234,6 +323,16 @@ _ASSUMED = {"swiglu": (True, "a gated MLP with SiLU (SwiGLU)"), "normalization":
 _EQUAL = {"num_attention_heads": "num_attention_heads", "num_layers": "num_hidden_layers",
           "hidden_size": "hidden_size", "ffn_hidden_size": "intermediate_size", "kv_channels": "head_dim",
           "norm_epsilon": "rms_norm_eps", "rotary_base": "rope_theta"}
+# what an MoE family's arguments must say besides: Megatron's router as Hugging Face's computes it
+_MOE_ASSUMED = {"moe_router_score_function": ("softmax", "a softmax router"),
+                "moe_shared_expert_intermediate_size": (None, "no shared experts"),
+                "moe_router_enable_expert_bias": (False, "no router expert bias"),
+                "moe_router_topk_scaling_factor": (None, "unscaled routing weights"),
+                "moe_router_num_groups": (None, "no group-limited routing")}
+_QK = {"qwen3_moe": (True, "QK-norm (Qwen3)")}
+# how the family's router weighs the top-k experts: normalized always (True), or as a config key says;
+# Megatron's normalizes unless moe_router_pre_softmax (softmax over all experts, then top-k)
+_NORMALIZED = {"qwen3_moe": "norm_topk_prob", "mixtral": True}
 
 
 def check_args(ckpt: Checkpoint, config: dict, src: Path) -> list[str]:
@@ -242,17 +341,38 @@ def check_args(ckpt: Checkpoint, config: dict, src: Path) -> list[str]:
     difference is exit 3 naming the argument. Without them (a Megatron-Core save of the model
     alone) the shapes are all that is checked: a note says what was taken from config.json."""
     args = ckpt.details.get("run_args")
+    family = config.get("model_type")
+    moe = family in _NORMALIZED
     if not isinstance(args, dict):
         why = ckpt.details.get("run_args_unread")
         return [f"{src}: " + (f"its training arguments could not be read ({why}); " if why else
                                     "the save records no training arguments (no Megatron-LM args in common.pt); ")
-                + "SwiGLU, RMSNorm and the rotary convention of config.json are assumed, only the shapes are checked"]
-    wrong = [f"{k}={args[k]!r} ({what} expected)" for k, (want, what) in _ASSUMED.items()
+                + "SwiGLU, RMSNorm and the rotary convention of config.json are assumed"
+                + (", and its router's top-k weighing (Megatron's default, moe_router_pre_softmax=False, "
+                   "normalizes the top-k weights)" if moe else "") + "; only the shapes are checked"]
+    assumed = {**_ASSUMED, "qk_layernorm": _QK.get(family, _ASSUMED["qk_layernorm"])}
+    if moe:
+        del assumed["num_experts"]  # compared with config.json's count below
+        assumed.update(_MOE_ASSUMED)
+    wrong = [f"{k}={args[k]!r} ({what} expected)" for k, (want, what) in assumed.items()
              if k in args and args[k] != want and not (want is False and args[k] in (None, 0))
              and not (want is None and args[k] in (0, 1))]
     groups = args.get("num_query_groups") if args.get("group_query_attention") else args.get("num_attention_heads")
     pairs = [*((k, c) for k, c in _EQUAL.items()), ("num_query_groups", "num_key_value_heads")]
     values = {**args, "num_query_groups": groups}
+    if moe:
+        width = "moe_intermediate_size" if "moe_intermediate_size" in config else "intermediate_size"
+        pairs = [(k, c) for k, c in pairs if k != "ffn_hidden_size"]  # the dense width: no weight of this model
+        pairs += [("num_experts", "num_experts"), ("moe_router_topk", "num_experts_per_tok"),
+                  ("moe_ffn_hidden_size", width)]
+        values["moe_ffn_hidden_size"] = args.get("moe_ffn_hidden_size") or args.get("ffn_hidden_size")
+        config = {**config, "num_experts": experts.num_experts(config)}
+        normalized = _NORMALIZED[family] if isinstance(_NORMALIZED[family], bool) else bool(
+            config.get(_NORMALIZED[family]))
+        if bool(args.get("moe_router_pre_softmax")) == normalized:
+            wrong.append(f"moe_router_pre_softmax={args.get('moe_router_pre_softmax')!r} but "
+                         + (f"config.json's {_NORMALIZED[family]} is {config.get(_NORMALIZED[family])!r}"
+                            if isinstance(_NORMALIZED[family], str) else f"{family} always normalizes the top-k weights"))
     rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
     config = {**config, "rope_theta": config.get("rope_theta", rope.get("rope_theta")),
               "rope_scaling": config.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default")
