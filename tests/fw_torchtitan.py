@@ -154,18 +154,20 @@ def _dataloader(dp_rank: int, dp_world_size: int):
                                    batch_size=ds.per, num_workers=0), ds
 
 
-def build_model(cfg, parallel_dims, training, parallelism):
-    """The model as torchtitan's Trainer.__init__ makes it: meta init, ``parallelize_llama``,
-    materialize on CPU, init weights."""
+def build_model(cfg, parallel_dims, training, parallelism, parallelize=None):
+    """The model as torchtitan's Trainer.__init__ makes it: meta init, its ``parallelize``
+    function (default ``parallelize_llama``), materialize on CPU, init weights."""
     import torch
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import CompileConfig
-    from torchtitan.models.llama3 import parallelize_llama
+
+    if parallelize is None:
+        from torchtitan.models.llama3 import parallelize_llama as parallelize
 
     with torch.device("meta"):
         model = cfg.build()
-    model = parallelize_llama(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
-                              compile_config=CompileConfig(), ac_config=None, dump_folder="")
+    model = parallelize(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+                        compile_config=CompileConfig(), ac_config=None, dump_folder="")
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)  # CPU workaround: gloo has no PREMUL_SUM
@@ -173,6 +175,39 @@ def build_model(cfg, parallel_dims, training, parallelism):
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     return model
+
+
+def optimizer_parts(model):
+    """torchtitan's AdamW (one param group, the for-loop implementation) and its linear-decay LR
+    schedule over ``TOTAL_STEPS``, as the tests' jobs build them."""
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
+
+    optimizers = OptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={
+            "lr": LR, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1})],
+        implementation="for-loop").build(model_parts=[model])
+    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=WARMUP_STEPS, decay_type="linear").build(
+        optimizers=optimizers, training_steps=TOTAL_STEPS)
+    return optimizers, lr_schedulers
+
+
+def initial_load(src: str, model, optimizers, lr_schedulers, train_state) -> None:
+    """Resume from the DCP ``src`` as torchtitan's ``checkpoint.initial_load_path`` does (model,
+    optimizer, LR schedule and train state; not the dataloader); raise if nothing was loaded."""
+    import os
+
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    ck = CheckpointManager.Config(enable=True, keep_latest_k=0, interval=10**9, last_save_model_only=False,
+                                  folder=os.path.join(src, "no-such-folder"), initial_load_path=os.path.abspath(src),
+                                  initial_load_model_only=False, exclude_from_loading=["dataloader"]).build(
+        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
+        states={"train_state": train_state}, sd_adapter=None, base_folder="")
+    try:
+        if not ck.load(step=-1):
+            raise RuntimeError(f"torchtitan loaded nothing from {src}")
+    finally:
+        ck.close()
 
 
 def job(rank: int, world_size: int, out: str | None, *, save_at: int | tuple[int, ...] | None, load: str | None,

@@ -232,16 +232,9 @@ def _tt_build(world_size: int, dp_shard: int, tp: int):
 
 
 def _tt_parts(model):
-    from fw_torchtitan import LR, TOTAL_STEPS, WARMUP_STEPS
-    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
+    from fw_torchtitan import optimizer_parts
 
-    optimizers = OptimizersContainer.Config(
-        param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={
-            "lr": LR, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1})],
-        implementation="for-loop").build(model_parts=[model])
-    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=WARMUP_STEPS, decay_type="linear").build(
-        optimizers=optimizers, training_steps=TOTAL_STEPS)
-    return optimizers, lr_schedulers
+    return optimizer_parts(model)
 
 
 def _full(sd: dict) -> dict:
@@ -309,24 +302,13 @@ def tt_load_job(rank: int, world_size: int, src: str, *, dp_shard: int, tp: int)
     """A torchtitan job at dp_shard x tp resuming from the DCP ``src`` with its ``CheckpointManager``
     (``initial_load_path``, model + optimizer + lr_scheduler + train_state); returns rank 0's full
     model state and flattened optimizer state."""
-    from fw_torchtitan import TrainState, _cpu_device_patch
+    from fw_torchtitan import TrainState, _cpu_device_patch, initial_load
 
     _cpu_device_patch()  # before any torchtitan import
-    from torchtitan.components.checkpoint import CheckpointManager
-
     model, _, _ = _tt_build(world_size, dp_shard=dp_shard, tp=tp)
     optimizers, lr_schedulers = _tt_parts(model)
     train_state = TrainState()
-    ck = CheckpointManager.Config(enable=True, keep_latest_k=0, interval=10**9, last_save_model_only=False,
-                                  folder=os.path.join(src, "no-such-folder"), initial_load_path=os.path.abspath(src),
-                                  initial_load_model_only=False, exclude_from_loading=["dataloader"]).build(
-        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
-        states={"train_state": train_state}, sd_adapter=None, base_folder="")
-    try:
-        if not ck.load(step=-1):
-            raise RuntimeError(f"torchtitan loaded nothing from {src}")
-    finally:
-        ck.close()
+    initial_load(src, model, optimizers, lr_schedulers, train_state)
     assert train_state.step == STEPS
     full, full_optim = _full(model.state_dict()), _full_optim(optimizers)
     return (full, full_optim) if rank == 0 else None

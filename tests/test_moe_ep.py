@@ -64,14 +64,12 @@ def _config():
 
 def _build(world_size: int, ep: int):
     """The model as torchtitan's Trainer makes it (meta init, ``parallelize_qwen3``, materialize,
-    init weights), its AdamW and LR schedule."""
-    from fw_torchtitan import LR, TOTAL_STEPS, WARMUP_STEPS, _cpu_device_patch
+    init weights), its AdamW and LR schedule (``fw_torchtitan``'s, as the 2-D mesh tests use)."""
+    from fw_torchtitan import TOTAL_STEPS, _cpu_device_patch, build_model, optimizer_parts
 
     _cpu_device_patch()
     import torch
-    from torch.distributed.fsdp import FSDPModule
-    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.qwen3 import parallelize_qwen3
@@ -87,22 +85,8 @@ def _build(world_size: int, ep: int):
     pd.build_mesh()
     cfg = _config()
     set_qwen3_sharding_config(cfg, enable_sp=False, enable_ep=ep > 1)
-    with torch.device("meta"):
-        model = cfg.build()
-    model = parallelize_qwen3(model, parallel_dims=pd, training=training, parallelism=parallelism,
-                              compile_config=CompileConfig(), ac_config=None, dump_folder="")
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM; the loss is pre-scaled
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    optimizers = OptimizersContainer.Config(
-        param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={
-            "lr": LR, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1})],
-        implementation="for-loop").build(model_parts=[model])
-    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=WARMUP_STEPS, decay_type="linear").build(
-        optimizers=optimizers, training_steps=TOTAL_STEPS)
+    model = build_model(cfg, pd, training, parallelism, parallelize=parallelize_qwen3)
+    optimizers, lr_schedulers = optimizer_parts(model)
     return model, optimizers, lr_schedulers
 
 
@@ -166,19 +150,12 @@ def ep_save_job(rank: int, world_size: int, out: str):
 def ep_load_job(rank: int, world_size: int, src: str, *, ep: int):
     """A torchtitan job at ``world_size`` ranks and ``ep`` resuming from the DCP ``src``; rank 0
     returns the restored full model and optimizer state and the losses of the next steps."""
-    from fw_torchtitan import TrainState, _cpu_device_patch
+    from fw_torchtitan import TrainState, _cpu_device_patch, initial_load
 
     _cpu_device_patch()
     model, optimizers, lr_schedulers = _build(world_size, ep=ep)
     train_state = TrainState()
-    ck = _manager(model, optimizers, lr_schedulers, train_state, interval=10**9,
-                  folder=os.path.join(src, "no-such-folder"), initial_load_path=os.path.abspath(src),
-                  initial_load_model_only=False, exclude_from_loading=["dataloader"])
-    try:
-        if not ck.load(step=-1):
-            raise RuntimeError(f"torchtitan loaded nothing from {src}")
-    finally:
-        ck.close()
+    initial_load(src, model, optimizers, lr_schedulers, train_state)
     assert train_state.step == STEPS
     full, full_optim = _full(model.state_dict()), _full_optim(optimizers)
     model.train()
