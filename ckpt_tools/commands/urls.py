@@ -49,7 +49,7 @@ from typing import Any
 from ..errors import CkptError, DestinationError, UsageError
 from ..formats.probe import fill_headers
 from ..runtime import env
-from ..storage import manifest, remote
+from ..storage import manifest, remote, streamup
 from ..storage.objstore import Store, is_remote, local_path
 
 
@@ -96,7 +96,7 @@ def _run_remote(fn: Callable, bound: pyinspect.BoundArguments, remote_names: lis
     with ExitStack() as stack:
         work = remote.staging_dir("ckpt-remote-")
         stack.callback(shutil.rmtree, work, True)
-        out_store = out_local = out_dest = None
+        out_store = out_local = out_dest = out_stream = None
         if dest in remote_names:
             url = bound.arguments[dest]
             out_store = Store(url, role="destination")
@@ -114,6 +114,8 @@ def _run_remote(fn: Callable, bound: pyinspect.BoundArguments, remote_names: lis
                 out_dest = stack.enter_context(remote.Destination(
                     out_store, out_local, overwrite=overwrite,
                     prepare=lambda out: _manifests_name_urls(out, shown)))
+            elif not dry_run:  # the engine sends each file's parts as it writes them
+                out_stream = stack.enter_context(streamup.Streaming(out_store, out_local))
         for i, n in enumerate(x for x in remote_names if x != dest):
             url = bound.arguments[n]
             (work / f"src{i}").mkdir()
@@ -135,7 +137,7 @@ def _run_remote(fn: Callable, bound: pyinspect.BoundArguments, remote_names: lis
                                  "(plain `ckpt ...`)")
             if out_store is not None and out_dest is None and not dry_run:
                 _manifests_name_urls(out_local, shown)
-                remote.publish(out_local, out_store, overwrite=overwrite)
+                remote.publish(out_local, out_store, overwrite=overwrite, streamed=out_stream)
         except CkptError as e:
             if e.args and isinstance(e.args[0], str):
                 e.args = (_as_urls(e.args[0], shown), *e.args[1:])
