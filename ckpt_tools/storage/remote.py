@@ -321,7 +321,11 @@ def publish(local: Path, store: Store, *, overwrite: bool, streamed: Streaming |
     else:
         files = [""]
         pairs = [(local, "")]
+    if streamed is not None:
+        streamed.settle(local)  # every part in (a refused one raises here, nothing changed yet)
     existing = check_destination(store, overwrite=overwrite, ours=streamed is not None and streamed.leased)
+    if streamed is not None:
+        streamed.publishing = True  # from here a failure leaves the lease for `ckpt clean`, as before
     old = {x.rel for x in existing}
     # the old checkpoint stops being complete before any of its objects is replaced
     store.delete(sorted((r for r in old if marker_rank(r)), key=marker_rank, reverse=True))
@@ -329,7 +333,7 @@ def publish(local: Path, store: Store, *, overwrite: bool, streamed: Streaming |
         write_lease(store)
     for rank in (0, 1, 2):
         mine = [(p, rel) for p, rel in pairs if marker_rank(rel or local.name) == rank]
-        done = streamed.complete(local, [rel for _, rel in mine]) if streamed is not None else set()
+        done = streamed.complete([rel for _, rel in mine]) if streamed is not None else set()
         store.upload([(p, rel) for p, rel in mine if rel not in done])
     if files != [""]:
         store.delete(sorted(old - set(files) - {LEASE}))

@@ -6,12 +6,14 @@ output overlaps the download of the source and the writing.
 Nothing of it is visible before the checkpoint is published: a multipart upload is invisible
 to listings until it is completed, and :func:`~ckpt_tools.storage.remote.publish` completes
 them in its marker-last order, after its checks (an existing DST refused, old markers removed
-first), as it uploaded the files before. Every part is exact: at publish each part is hashed
-again from the finished file (xxh3-128) and sent again if the file changed under it (a writer
-that patched a header after writing); a file whose final size does not fit the parts sent is
-uploaded whole instead. On any failure, Ctrl-C or SIGTERM the uploads begun are aborted (the
-store drops their parts) and the lease removed; a killed process leaves them to ``ckpt clean``,
-which its lease (``"phase": "parts"``: nothing published yet) tells to keep what was there.
+first), as it uploaded the files before. Every part is exact: before publish changes anything
+(:meth:`Streaming.settle`) every part is in, hashed again from the finished file (xxh3-128) and
+sent again if the file changed under it (a writer that patched a header after writing); a file
+whose final size does not fit the parts sent is uploaded whole instead. On any failure before
+publishing, Ctrl-C or SIGTERM the uploads begun are aborted (the store drops their parts) and
+the lease removed; a killed process leaves them to ``ckpt clean``, which its lease (``"phase":
+"parts"``: nothing published yet) tells to keep what was there. A publish cut short leaves its
+lease, as before.
 
 Memory: at most ``PART_CONCURRENCY`` parts read and in flight, whatever the number of files.
 Files under one part and stores without multipart uploads are uploaded at publish, as before.
@@ -67,7 +69,9 @@ class Streaming:
         self.active = store.can_stream()
         self.leased = False
         self.published = False
+        self.publishing = False
         self._uploads: dict[str, _Upload] = {}
+        self._ready: dict[str, tuple[str, list[tuple[int, str]]]] = {}  # settled: upload id, parts
         self._slots = threading.BoundedSemaphore(PART_CONCURRENCY)
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -174,30 +178,31 @@ class Streaming:
                 self.leased = True
 
     # -- publishing --------------------------------------------------------------------------------
-    def complete(self, local: Path, rels: list[str]) -> set[str]:
-        """Complete the uploads of files ``rels`` of the finished tree ``local`` (the parts
-        checked against the files as they are now, any that changed sent again); the names
-        completed. The others (small, never streamed, or no longer fitting their parts) are the
-        caller's to upload."""
-        ready = []
-        for rel in rels:
-            up = self._uploads.get(rel)
-            if up is None:
-                continue
+    def settle(self, local: Path) -> None:
+        """Before publishing changes anything: wait until every part of the finished tree
+        ``local`` is in, each checked against the file as it is now (any that changed sent
+        again); a failed part raises here (nothing under DST changed yet but the lease)."""
+        for rel, up in list(self._uploads.items()):
             if up.thread is not None:
                 up.thread.join()
             if up.error is not None:
                 raise up.error
             if up.upload_id is None:
                 continue
-            path = local / rel if rel else local
-            parts = self._checked(up, path)
+            parts = self._checked(up, local / rel if rel else local)
             if parts is None:
-                self._discard(up)
-                continue
-            ready.append((rel, up.upload_id, parts))
+                self._discard(up)  # uploaded whole by publish
+            else:
+                self._ready[rel] = (up.upload_id, parts)
+
+    def complete(self, rels: list[str]) -> set[str]:
+        """Complete the settled uploads of files ``rels``: each object appears whole, at once;
+        the names completed. The others (small, never streamed, or no longer fitting their
+        parts) are the caller's to upload."""
+        ready = [(rel, *self._ready[rel]) for rel in rels if rel in self._ready]
         self.store.complete_uploads(ready)
         for rel, _, _ in ready:
+            self._ready.pop(rel)
             self._uploads.pop(rel)
         return {rel for rel, _, _ in ready}
 
@@ -206,7 +211,10 @@ class Streaming:
         None when the file no longer fits the parts sent (not given up: uploaded whole)."""
         if up.given_up:
             return None
-        size = path.stat().st_size
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:  # not part of the finished tree
+            return None
         if not up.parts or up.parts[-1].start + up.parts[-1].length != size:
             return None
         out = []
@@ -237,7 +245,8 @@ class Streaming:
         self._uploads.pop(up.rel, None)
 
     def abort(self) -> None:
-        """Stop following, abort every upload not completed, remove the lease unless published."""
+        """Stop following, abort every upload not completed; remove the lease unless publishing
+        began (a publish cut short leaves it, for ``ckpt clean`` to remove what it made visible)."""
         self._stop.set()
         for up in list(self._uploads.values()):
             up.done.set()
@@ -252,7 +261,7 @@ class Streaming:
 
             print(f"note: {len(left)} unfinished upload(s) under {self.store.url} could not be aborted; "
                   f"`ckpt clean {self.store.url}` removes them", file=sys.stderr)
-        if self.leased and not self.published:
+        if self.leased and not self.publishing:  # nothing published: the prefix is as it was
             with contextlib.suppress(CkptError, OSError):
                 self.store.delete([LEASE])
             self.leased = False
