@@ -415,8 +415,9 @@ def _files(local: Path) -> list[str]:
 def clean(url: str) -> dict[str, list[str]]:
     """``ckpt clean URL``: abort the unfinished multipart uploads under the prefix (the store
     drops their parts) and, when an interrupted ckpt run left objects there without publishing
-    its markers (its lease names a process of this host that is gone), remove them. A prefix
-    whose writer is alive, or on another host, is kept."""
+    its markers (its lease names a process of this host that is gone), remove them; a lease of
+    ``"phase": "parts"`` (killed while sending parts, before publishing) leaves the prefix as
+    it was, so only the lease goes. A prefix whose writer is alive, or on another host, is kept."""
     import json
     import socket
 

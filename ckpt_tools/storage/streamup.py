@@ -267,7 +267,7 @@ class Streaming:
             self.leased = False
 
 
-LEASE = ".ckpt-writing"  # present under a prefix while ckpt publishes into it
+LEASE = ".ckpt-writing"  # present under a prefix from the first part ckpt sends there until it has published
 
 
 def write_lease(store: Store, *, phase: str | None = None) -> None:
