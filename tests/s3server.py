@@ -208,6 +208,94 @@ class CountingProxy:
         self.sock.close()
 
 
+class LoggingProxy(CountingProxy):
+    """A proxy that also records every request the client sends: ``(seconds since start, method,
+    target)`` in the order they reach it (HTTP/1.1 parsed on the way through: a body by its
+    Content-Length, or chunked)."""
+
+    def __init__(self, target_port: int, refuse=None) -> None:
+        self.requests: list[tuple[float, str, str]] = []
+        self.refuse = refuse  # (method, target) -> True: answered 403 AccessDenied, never forwarded
+        self.refused = 0
+        self._t0 = time.monotonic()
+        super().__init__(target_port)
+
+    def _pipe(self, a: socket.socket, b: socket.socket, field: str) -> None:
+        if field != "to_server":
+            return super()._pipe(a, b, field)
+        f = a.makefile("rb")
+        try:
+            while True:
+                line = f.readline()
+                if not line:
+                    break
+                head = [line]
+                while head[-1] not in (b"\r\n", b"\n", b""):
+                    head.append(f.readline())
+                method, target = (line.decode("latin-1").split(" ") + ["", ""])[:2]
+                headers = {}
+                for h in head[1:]:
+                    k, _, v = h.decode("latin-1").partition(":")
+                    headers[k.strip().lower()] = v.strip()
+                with self._lock:
+                    self.requests.append((time.monotonic() - self._t0, method, target))
+                    self.to_server += sum(map(len, head))
+                if self.refuse is not None and self.refuse(method, target):
+                    self._refuse(a, f, headers)
+                    break
+                b.sendall(b"".join(head))
+                if "chunked" in headers.get("transfer-encoding", "").lower():
+                    while True:
+                        size_line = f.readline()
+                        b.sendall(size_line)
+                        n = int(size_line.split(b";")[0].strip() or b"0", 16)
+                        if n == 0:
+                            while True:  # trailers, then the blank line
+                                t = f.readline()
+                                b.sendall(t)
+                                if t in (b"\r\n", b"\n", b""):
+                                    break
+                            break
+                        self._forward(f, b, n + 2)
+                else:
+                    self._forward(f, b, int(headers.get("content-length", "0") or 0))
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def _refuse(self, a: socket.socket, f, headers: dict) -> None:
+        """Answer the request (its body read, unless the client waits for ``100 Continue``)
+        with S3's ``403 AccessDenied`` (not retried by a client), and close the connection."""
+        if "100-continue" not in headers.get("expect", "").lower():
+            n = int(headers.get("content-length", "0") or 0)
+            while n > 0:
+                data = f.read(min(n, 1 << 16))
+                if not data:
+                    break
+                n -= len(data)
+        xml = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
+               b"<Message>Access Denied</Message></Error>")
+        with self._lock:
+            self.refused += 1
+        a.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nConnection: close\r\n"
+                  b"Content-Length: " + str(len(xml)).encode() + b"\r\n\r\n" + xml)
+
+    def _forward(self, f, b: socket.socket, n: int) -> None:
+        while n > 0:
+            data = f.read(min(n, 1 << 16))
+            if not data:
+                raise OSError("the client closed mid-body")
+            with self._lock:
+                self.to_server += len(data)
+            b.sendall(data)
+            n -= len(data)
+
+
 class ThrottlingProxy(CountingProxy):
     """A proxy that answers the first ``throttle`` requests (or all, with -1) with S3's
     ``503 SlowDown``, each on a connection it then closes, and forwards the rest."""

@@ -13,8 +13,10 @@ URL; ``file://`` is a local path) wherever it takes a path, and works unchanged 
   the chunk it reads. One that checks files byte for byte (``verify``, ``latest --verify``:
   ``need="data"``) downloads the objects whole, in parallel;
 - a remote destination is checked first (exit 4 when it exists without ``overwrite``), written
-  to a private local staging tree by the command as usual, then published marker-last
-  (:func:`~ckpt_tools.storage.remote.publish`);
+  to a private local staging tree by the command as usual (scratch: never fsynced), each file
+  the engine writes sent as multipart parts while it is written
+  (:class:`~ckpt_tools.storage.streamup.Streaming`), then published marker-last
+  (:func:`~ckpt_tools.storage.remote.publish`: those uploads completed, the rest uploaded);
 - under ``torchrun`` every process does the above in its own ``$TMPDIR`` (no shared filesystem):
   it describes the source, fetches the rows of its share of the output files, writes and
   uploads them; rank 0 checks DST before any process writes and uploads the markers after every
@@ -22,7 +24,7 @@ URL; ``file://`` is a local path) wherever it takes a path, and works unchanged 
   no marker;
 - paths in the result and in error messages are shown as the URLs the user gave.
 
-Limits: the staging tree takes local disk for the whole output before it is uploaded (the
+Limits: the staging tree takes local disk for the whole output until it is published (the
 stand-in only for the ranges fetched ahead of the writer: the engine punches out what it has
 written, where the filesystem can). Whole objects are still fetched for: files of the source
 that no chunk names (side files, configs: layouts copy them), a ``torch.save`` file whose pickle
@@ -49,7 +51,7 @@ from typing import Any
 from ..errors import CkptError, DestinationError, UsageError
 from ..formats.probe import fill_headers
 from ..runtime import env
-from ..storage import manifest, remote
+from ..storage import diskio, manifest, remote, streamup
 from ..storage.objstore import Store, is_remote, local_path
 
 
@@ -96,7 +98,7 @@ def _run_remote(fn: Callable, bound: pyinspect.BoundArguments, remote_names: lis
     with ExitStack() as stack:
         work = remote.staging_dir("ckpt-remote-")
         stack.callback(shutil.rmtree, work, True)
-        out_store = out_local = out_dest = None
+        out_store = out_local = out_dest = out_stream = None
         if dest in remote_names:
             url = bound.arguments[dest]
             out_store = Store(url, role="destination")
@@ -114,6 +116,9 @@ def _run_remote(fn: Callable, bound: pyinspect.BoundArguments, remote_names: lis
                 out_dest = stack.enter_context(remote.Destination(
                     out_store, out_local, overwrite=overwrite,
                     prepare=lambda out: _manifests_name_urls(out, shown)))
+            elif not dry_run:  # the engine sends each file's parts as it writes them
+                out_stream = stack.enter_context(streamup.Streaming(out_store, out_local))
+                stack.enter_context(diskio.scratch())  # the staging is uploaded, never flushed to disk
         for i, n in enumerate(x for x in remote_names if x != dest):
             url = bound.arguments[n]
             (work / f"src{i}").mkdir()
@@ -135,7 +140,7 @@ def _run_remote(fn: Callable, bound: pyinspect.BoundArguments, remote_names: lis
                                  "(plain `ckpt ...`)")
             if out_store is not None and out_dest is None and not dry_run:
                 _manifests_name_urls(out_local, shown)
-                remote.publish(out_local, out_store, overwrite=overwrite)
+                remote.publish(out_local, out_store, overwrite=overwrite, streamed=out_stream)
         except CkptError as e:
             if e.args and isinstance(e.args[0], str):
                 e.args = (_as_urls(e.args[0], shown), *e.args[1:])

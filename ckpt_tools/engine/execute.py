@@ -16,7 +16,7 @@ from ..core.plan import FileJob
 from ..errors import UsageError
 from ..runtime import env
 from ..security import safefs
-from ..storage import manifest, remote
+from ..storage import manifest, remote, streamup
 from ..storage.atomic import check_destination, staged
 from . import fetch, parallel
 from .stream import Writer, run_jobs
@@ -63,6 +63,7 @@ def execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path,
                 ahead.all()  # the workers read the stand-in this process filled
             written = parallel.run_parallel(src, writer, jobs, tmp, workers=workers, progress=progress, desc=desc)
         else:
+            # a remote DST: each file's parts are uploaded as it is written (nothing when local)
             written = run_jobs(src, writer, jobs, tmp, progress=progress, desc=desc,
-                               sealed=None if writer.single_file else sealed)
+                               sealed=None if writer.single_file else sealed, upload=streamup.follower(dst))
         complete(tmp, written)

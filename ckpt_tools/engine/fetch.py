@@ -194,6 +194,7 @@ class Ahead:
         self._pending: deque = deque()  # (job, last piece index, output bytes, future), in order
         self._next = 0
         self._ahead = 0
+        self._upto = (-1, 0)  # (job, last piece) of the last slice present
         self._lock = threading.Lock()  # the writer and the engine's read thread both wait
         self._fill()
 
@@ -210,15 +211,14 @@ class Ahead:
         if not self.active:
             return
         with self._lock:
-            # the slices before the one that holds the piece, then that one (if it is job i's)
-            while self._pending and ((self._pending[0][0], self._pending[0][1]) < (i, piece)
-                                     or self._pending[0][0] == i):
+            # the slices up to the one that holds the piece (none when that one is present
+            # already: waiting for the next would keep the writer a slice behind the fetch)
+            while self._pending and (i, piece) > self._upto:
                 j, last, nbytes, fut = self._pending.popleft()
                 self.moved += fut.result()
                 self._ahead -= nbytes
+                self._upto = (j, last)
                 self._fill()
-                if (j, last) >= (i, piece):
-                    break
 
     def done(self, i: int) -> None:
         """Job ``i`` is written: the stand-in's disk of what only it read is given back."""

@@ -14,6 +14,7 @@ import math
 import sys
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -196,11 +197,14 @@ def progress_bar(total: int, desc: str, enabled: bool) -> tqdm | _NoBar:
 
 
 def run_jobs(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path, *,
-             progress: bool, desc: str, sealed: dict[Path, tuple[int, str]] | None = None) -> dict[str, Any]:
+             progress: bool, desc: str, sealed: dict[Path, tuple[int, str]] | None = None,
+             upload: Callable[[Path, str, int], AbstractContextManager] | None = None) -> dict[str, Any]:
     """Write ``jobs`` under ``out`` (a staging directory, or the staging file itself).
 
     With ``sealed``, each file is hashed and fsynced in the background as soon as it is
-    written, and its (size, digest) recorded there for the manifest."""
+    written, and its (size, digest) recorded there for the manifest. With ``upload`` (a
+    remote DST: :func:`ckpt_tools.storage.streamup.follower`), each file is written inside
+    ``upload(path, name, expected size)``, which sends its parts as they are written."""
     total = sum(j.nbytes for j in jobs)
     written = {}
     # a remote source's ranges are fetched a few files ahead of the writer (nothing for a local one)
@@ -213,7 +217,8 @@ def run_jobs(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path
             pieces = stream(reader, job.pieces, bar, spans=getattr(writer, "accepts_spans", False),
                             casts=getattr(writer, "accepts_casts", False),
                             ready=functools.partial(ahead.wait, i) if ahead.active else None)
-            written[job.path] = writer.write(path, job, pieces, reader.object)
+            with upload(path, "" if writer.single_file else job.path, job.nbytes) if upload else nullcontext():
+                written[job.path] = writer.write(path, job, pieces, reader.object)
             ahead.done(i)  # the stand-in's disk stays near what is fetched ahead of the writer
             if sealed is not None:
                 # a writer that hashed its file as it wrote it returns the digest

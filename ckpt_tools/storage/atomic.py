@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..errors import BadInput, DestinationError, one_line
 from ..runtime import env
+from .diskio import durable
 
 TMP_MARK = ".ckpt-tmp-"
 
@@ -355,6 +356,8 @@ def remove_path(path: Path) -> None:
 
 
 def fsync_tree(path: Path) -> None:
+    if not durable():  # a remote DST's scratch staging
+        return
     if path.is_file():
         _fsync_file(path)
         return
@@ -373,6 +376,8 @@ def _fsync_file(path: Path) -> None:
 
 
 def fsync_dir(path: Path) -> None:
+    if not durable():
+        return
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:

@@ -12,8 +12,10 @@ a flush that follows the file while it grows.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import os
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 from ..errors import BadInput
@@ -21,6 +23,27 @@ from ..errors import BadInput
 WRITE_BYTES = 256 << 10  # one write() at most
 COPY_BYTES = 32 << 20  # one copy_file_range() at most: a flush can follow each step
 _NO_KERNEL_COPY = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP)
+
+
+_scratch = 0  # > 0 while the files written are scratch (see scratch())
+
+
+@contextlib.contextmanager
+def scratch() -> Iterator[None]:
+    """While the body runs, the files this process writes are scratch: the local staging of a
+    remote DST, uploaded from the page cache, whose durable copy is the object store's. No
+    flush or fsync waits for the disk (:func:`durable` is False); its atomic rename stays."""
+    global _scratch
+    _scratch += 1
+    try:
+        yield
+    finally:
+        _scratch -= 1
+
+
+def durable() -> bool:
+    """Whether written files are to reach the disk (flushes, fsyncs): not inside :func:`scratch`."""
+    return _scratch == 0
 
 
 class Follower(Protocol):
@@ -44,7 +67,7 @@ class Flusher:
     def wrote(self, n: int) -> None:
         """``n`` more bytes were written."""
         self._unflushed += n
-        if self._unflushed >= self._every and (self._sync is None or self._sync.done()):
+        if self._unflushed >= self._every and (self._sync is None or self._sync.done()) and durable():
             self.flush()
 
     def flush(self) -> concurrent.futures.Future:
@@ -54,7 +77,7 @@ class Flusher:
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-sync")
         self._unflushed = 0
-        self._sync = self._pool.submit(os.fdatasync, self._fd)
+        self._sync = self._pool.submit(os.fdatasync if durable() else _no_sync, self._fd)
         return self._sync
 
     def close(self, *, check: bool = True) -> None:
@@ -71,6 +94,10 @@ class Flusher:
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
         self.close(check=exc_type is None)
+
+
+def _no_sync(fd: int) -> None:
+    """Scratch files are not flushed."""
 
 
 def write_all(fd: int, data: Any, flusher: Follower | None = None) -> int:

@@ -16,7 +16,7 @@ import xxhash
 from .._version import __version__
 from ..errors import BadInput
 from ..security import safefs
-from .diskio import Flusher
+from .diskio import Flusher, durable
 
 NAME = ".ckpt-manifest.json"
 WINDOW = 64 * 1024 * 1024
@@ -124,7 +124,8 @@ class Sealer:
         digest = known.xxh3_64 if known is not None else file_digest(path)
         fd = os.open(path, os.O_RDONLY)
         try:
-            os.fsync(fd)
+            if durable():  # not a remote DST's scratch staging
+                os.fsync(fd)
             size = os.fstat(fd).st_size
         finally:
             os.close(fd)

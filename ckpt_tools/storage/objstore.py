@@ -21,6 +21,7 @@ Why these settings:
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -228,6 +229,65 @@ class Store:
                 self.fs.put([p for p, _ in small], [self._key(r) for _, r in small], batch_size=FILES_IN_FLIGHT)
             for p, r in large:
                 self.fs.put_file(p, self._key(r), chunksize=PART_BYTES, max_concurrency=PART_CONCURRENCY)
+
+    # -- multipart uploads part by part (storage/streamup.py sends a file's parts as it is written)
+    def can_stream(self) -> bool:
+        """Whether this store takes multipart uploads part by part (S3 and its kin)."""
+        return hasattr(self.fs, "_call_s3")
+
+    def _bucket_key(self, rel: str) -> tuple[str, str]:
+        bucket, _, key = self._key(rel).partition("/")
+        return bucket, key
+
+    def start_upload(self, rel: str) -> str:
+        """Begin a multipart upload of object ``rel`` (invisible until completed); its id."""
+        import mimetypes
+
+        from fsspec.asyn import sync
+
+        bucket, key = self._bucket_key(rel)
+        kind = mimetypes.guess_type(key)[0]  # as s3fs's own upload labels it
+        with self._io(f"uploading {rel}"):
+            return sync(self.fs.loop, self.fs._call_s3, "create_multipart_upload", Bucket=bucket, Key=key,
+                        **({"ContentType": kind} if kind else {}))["UploadId"]
+
+    def send_part(self, rel: str, upload_id: str, number: int, data: bytes) -> concurrent.futures.Future:
+        """Send part ``number`` of an upload in the background; the future of its ETag (the
+        client's error: :meth:`part_result` turns it into this store's)."""
+        import asyncio
+
+        bucket, key = self._bucket_key(rel)
+
+        async def put() -> str:
+            r = await self.fs._call_s3("upload_part", Bucket=bucket, Key=key, PartNumber=number, UploadId=upload_id,
+                                       Body=data)
+            return r["ETag"]
+
+        return asyncio.run_coroutine_threadsafe(put(), self.fs.loop)
+
+    def part_result(self, rel: str, fut: concurrent.futures.Future) -> str:
+        """The ETag a :meth:`send_part` future gives, or its failure as this store's error."""
+        with self._io(f"uploading {rel}"):
+            return fut.result()
+
+    def complete_uploads(self, done: list[tuple[str, str, list[tuple[int, str]]]]) -> None:
+        """Complete multipart uploads ``(rel, upload id, [(part number, ETag), ...])`` together:
+        each object appears whole, at once."""
+        if not done:
+            return
+        import asyncio
+
+        from fsspec.asyn import sync
+
+        async def all_of() -> None:
+            await asyncio.gather(*(self.fs._call_s3(
+                "complete_multipart_upload", Bucket=self._bucket_key(rel)[0], Key=self._bucket_key(rel)[1],
+                UploadId=uid, MultipartUpload={"Parts": [{"PartNumber": n, "ETag": e} for n, e in sorted(parts)]})
+                for rel, uid, parts in done))
+
+        with self._io("completing uploads"):
+            sync(self.fs.loop, all_of)
+        self.fs.invalidate_cache()
 
     def delete(self, rels: Iterable[str]) -> None:
         keys = [self._key(r) for r in rels]

@@ -28,6 +28,7 @@ from pathlib import Path, PurePosixPath
 from ..errors import BadInput, DestinationError
 from . import manifest
 from .objstore import PART_BYTES, Listed, Store
+from .streamup import LEASE, Streaming, write_lease
 
 GAP = 64 << 10  # ranges of one object closer than this are fetched as one request
 BATCH = 8  # ranged GETs in flight together (each at most PART_BYTES: a batch is at most 64 MiB)
@@ -297,9 +298,10 @@ def staging_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix))
 
 
-def check_destination(store: Store, *, overwrite: bool) -> list[Listed]:
-    """What is at a remote DST now; refused (exit 4) when something is there and not ``overwrite``."""
-    existing = store.list()
+def check_destination(store: Store, *, overwrite: bool, ours: bool = False) -> list[Listed]:
+    """What is at a remote DST now; refused (exit 4) when something is there and not ``overwrite``
+    (``ours``: the lease there is this run's own, taken when it began streaming parts)."""
+    existing = [x for x in store.list() if not (ours and x.rel == LEASE)]
     if not existing:
         store.check_bucket()  # a missing bucket or refused credentials: exit 4 before any work
     if existing and not overwrite:
@@ -308,27 +310,36 @@ def check_destination(store: Store, *, overwrite: bool) -> list[Listed]:
     return existing
 
 
-def publish(local: Path, store: Store, *, overwrite: bool) -> list[str]:
+def publish(local: Path, store: Store, *, overwrite: bool, streamed: Streaming | None = None) -> list[str]:
     """Upload the finished tree ``local`` (a directory, or one file) to ``store``, markers last;
     then remove objects of an old checkpoint there that the new one does not have. The
-    object names uploaded."""
+    object names uploaded. Files ``streamed`` sent while they were written have their
+    multipart uploads completed in that order instead (:mod:`.streamup`)."""
     if local.is_dir():
         files = sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
         pairs = [(local / rel, rel) for rel in files]
     else:
         files = [""]
         pairs = [(local, "")]
-    existing = check_destination(store, overwrite=overwrite)
+    if streamed is not None:
+        streamed.settle(local)  # every part in (a refused one raises here, nothing changed yet)
+    existing = check_destination(store, overwrite=overwrite, ours=streamed is not None and streamed.leased)
+    if streamed is not None:
+        streamed.publishing = True  # from here a failure leaves the lease for `ckpt clean`, as before
     old = {x.rel for x in existing}
     # the old checkpoint stops being complete before any of its objects is replaced
     store.delete(sorted((r for r in old if marker_rank(r)), key=marker_rank, reverse=True))
     if files != [""]:
         write_lease(store)
     for rank in (0, 1, 2):
-        store.upload([(p, rel) for p, rel in pairs if marker_rank(rel or local.name) == rank])
+        mine = [(p, rel) for p, rel in pairs if marker_rank(rel or local.name) == rank]
+        done = streamed.complete([rel for _, rel in mine]) if streamed is not None else set()
+        store.upload([(p, rel) for p, rel in mine if rel not in done])
     if files != [""]:
         store.delete(sorted(old - set(files) - {LEASE}))
         store.delete([LEASE])
+    if streamed is not None:
+        streamed.published = True
     return files
 
 
@@ -401,27 +412,12 @@ def _files(local: Path) -> list[str]:
 
 # -- what an interrupted upload leaves ---------------------------------------------------------
 
-LEASE = ".ckpt-writing"  # present under a prefix while ckpt publishes into it
-
-
-def write_lease(store: Store) -> None:
-    """Mark the prefix as being written by this process (host and pid), before any data."""
-    import json
-    import socket
-
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"host": socket.gethostname(), "pid": os.getpid()}, f)
-    try:
-        store.upload([(f.name, LEASE)])
-    finally:
-        os.unlink(f.name)
-
-
 def clean(url: str) -> dict[str, list[str]]:
     """``ckpt clean URL``: abort the unfinished multipart uploads under the prefix (the store
     drops their parts) and, when an interrupted ckpt run left objects there without publishing
-    its markers (its lease names a process of this host that is gone), remove them. A prefix
-    whose writer is alive, or on another host, is kept."""
+    its markers (its lease names a process of this host that is gone), remove them; a lease of
+    ``"phase": "parts"`` (killed while sending parts, before publishing) leaves the prefix as
+    it was, so only the lease goes. A prefix whose writer is alive, or on another host, is kept."""
     import json
     import socket
 
@@ -438,7 +434,7 @@ def clean(url: str) -> dict[str, list[str]]:
         if alive:
             in_use.append(f"{store.url} (being written by pid {owner.get('pid')} on {owner.get('host')})")
             return {"removed": removed, "in_use": in_use}
-        if not any(marker_rank(r) == 2 for r in objects):
+        if owner.get("phase") != "parts" and not any(marker_rank(r) == 2 for r in objects):
             store.delete(sorted(objects))
             removed += [f"{store.url}/{r}" for r in sorted(objects)]
         else:
