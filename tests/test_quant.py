@@ -525,7 +525,7 @@ def test_quantize_memory_stays_flat(tmp_path, scheme):
         peaks.append(int(out.stdout.split()[-1]) * 1024)
         assert (tmp_path / f"out{rows}" / "model.safetensors").stat().st_size > rows * 8192
         shutil.rmtree(src)
-    assert peaks[1] - peaks[0] < 40 << 20, peaks
+    assert peaks[1] - peaks[0] < 64 << 20, peaks  # held whole: 128 MiB of codes, plus the mapped source
 
 
 @pytest.mark.parametrize("to", ["hf", "dcp"])
