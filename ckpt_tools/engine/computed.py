@@ -141,26 +141,8 @@ def _dequant_rows(reader: Reader, codes_t, scale_t, g: lowp.Grid, rows: tuple[in
     while start < r1:
         stop = min(r1, (start // g.block[0]) * g.block[0] + step)
         a, b = g.scale_rows(start, stop)
-        values = lowp.dequant_rows(_rows(reader, codes_t, start, stop),
-                                   lowp.scales_f32(_rows(reader, scale_t, a, b)), g, start)
+        values = lowp.dequant_rows(reader.rows(codes_t, start, stop),
+                                   lowp.scales_f32(reader.rows(scale_t, a, b)), g, start)
         out[start - r0:stop - r0] = values
         start = stop
-    return out
-
-
-def _rows(reader: Reader, t, r0: int, r1: int) -> torch.Tensor:
-    """Rows ``[r0, r1)`` of tensor ``t`` (whole along its other dimensions), from the chunks
-    that hold them."""
-    import torch
-
-    out = torch.empty(r1 - r0, *t.shape[1:], dtype=as_torch(t.dtype))
-    for c in t.chunks:
-        lo, hi = max(r0, c.offsets[0]), min(r1, c.offsets[0] + c.sizes[0])
-        if lo >= hi:
-            continue
-        src = reader.chunk(t, c).narrow(0, lo - c.offsets[0], hi - lo)
-        region = out.narrow(0, lo - r0, hi - lo)
-        for d in range(1, len(t.shape)):
-            region = region.narrow(d, c.offsets[d], c.sizes[d])
-        region.copy_(src)
     return out

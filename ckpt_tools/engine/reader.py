@@ -239,16 +239,31 @@ class Reader:
         safefs.check_span(offset, length, len(m), what=f"{self.ckpt.base_dir() / chunk.location.file} ({tensor.name})")
         return scalar_from_bytes(m[offset:offset + length], tensor.dtype)
 
+    def rows(self, tensor: TensorInfo, r0: int, r1: int) -> torch.Tensor:
+        """Rows ``[r0, r1)`` of a logical tensor (whole along its other dimensions), assembled
+        from the parts of the chunks that hold them."""
+        import torch
+
+        out = torch.empty(r1 - r0, *tensor.shape[1:], dtype=as_torch(tensor.dtype))
+        for c in tensor.chunks:
+            lo, hi = max(r0, c.offsets[0]), min(r1, c.offsets[0] + c.sizes[0])
+            if lo >= hi:
+                continue
+            region = out.narrow(0, lo - r0, hi - lo)
+            for d in range(1, len(tensor.shape)):
+                region = region.narrow(d, c.offsets[d], c.sizes[d])
+            region.copy_(self.chunk(tensor, c).narrow(0, lo - c.offsets[0], hi - lo))
+        return out
+
     def full(self, tensor: TensorInfo) -> torch.Tensor:
         """Assemble a whole logical tensor (for small tensors and tests)."""
         import torch
 
-        out = torch.empty(tensor.shape, dtype=as_torch(tensor.dtype))
-        for c in tensor.chunks:
-            region = out
-            for d, (o, s) in enumerate(zip(c.offsets, c.sizes)):
-                region = region.narrow(d, o, s)
-            region.copy_(self.chunk(tensor, c))
+        if tensor.shape:
+            return self.rows(tensor, 0, tensor.shape[0])
+        out = torch.empty((), dtype=as_torch(tensor.dtype))
+        for c in tensor.chunks:  # a scalar: its one chunk
+            out.copy_(self.chunk(tensor, c))
         return out
 
 
