@@ -381,9 +381,9 @@ def test_reshard_reads_each_source_file_a_few_times(tmp_path, monkeypatch):
     loads: collections.Counter = collections.Counter()
     real_init, real_load = TorchZip.__init__, safeload.load_torch
 
-    def counting_init(self, path):
+    def counting_init(self, path, **kw):
         parses[Path(path).name] += 1
-        real_init(self, path)
+        real_init(self, path, **kw)
 
     def counting_load(path, *args, **kwargs):
         loads[Path(path).name] += 1

@@ -134,3 +134,31 @@ def test_reshard_dcp_writes_only_files_its_metadata_names(tmp_path, dst_ws):
         assert torch.equal(sd["model"][k], v), k
     side = json.loads(_run("inspect", str(tmp_path / "dcp"), "--json"))["side_files"]
     assert not [f for f in side if f.endswith(".distcp")]
+
+
+def test_rank_file_pickles_patched_equal_pickles_written_whole(tmp_path, monkeypatch):
+    """A destination rank file's pickle is the previous one's with its slot values (rank, local
+    sizes) replaced: every file equals, byte for byte, the one written from its whole tree. The
+    shapes make local sizes cross BININT1 -> BININT2 -> BININT between ranks, and trailing ranks
+    hold no rows, so some files are patched and some written whole."""
+    from ckpt_tools.codecs import torchwriter
+    from ckpt_tools.formats import sharded
+
+    # big.w: 70,000 rows a rank (BININT); cross.w: 4 rows of 64 (numel 256, BININT2) on ranks
+    # 0-3, 2 rows (128, BININT1) on rank 4
+    shapes = {**SHAPES, "big.w": (70_000 * 5, 1), "cross.w": (18, 64)}
+    make_verl(tmp_path / "src", 16, optim=True, shapes=shapes)
+    patched = []
+    real_patch = torchwriter.patch
+    monkeypatch.setattr(sharded, "patch", lambda *a: patched.append(real_patch(*a)) or patched[-1])
+    _run("reshard", str(tmp_path / "src"), str(tmp_path / "fast"), "--to", "5", "--quiet")
+    assert sum(p is not None for p in patched) >= 4 and any(p is None for p in patched)
+    monkeypatch.setattr(sharded, "patch", lambda *a: None)
+    _run("reshard", str(tmp_path / "src"), str(tmp_path / "whole"), "--to", "5", "--quiet")
+    files = sorted(p.name for p in (tmp_path / "whole").glob("*.pt"))
+    assert len(files) == 15  # model, optim and extra state
+    for name in files:
+        assert (tmp_path / "fast" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+    got = _rank_files_state(tmp_path / "fast", 5)
+    want = make_verl.__globals__["full_state"](shapes)
+    assert all(torch.equal(got[k], want[k]) for k in ("big.w", "cross.w"))

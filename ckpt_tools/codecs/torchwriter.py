@@ -76,11 +76,19 @@ class _Emitter(pickle._Pickler):
             else:
                 self.save_long(obj)
             return
+        if t is Slot:
+            self.slots.append((obj.name, self.file.tell(), obj))
+            self.save(int(obj))
+            return
         if obj is None:
             write(pickle.NONE)
             return
         if t is bool:
             write(pickle.NEWTRUE if obj else pickle.NEWFALSE)
+            return
+        if t is StorageRef:  # a persistent id, before the memo (as the generic path)
+            self.save((_STORAGE, obj.type, obj.key, obj.location, obj.numel))
+            write(pickle.BINPERSID)
             return
         memo = self.memo
         x = memo.get(id(obj))
@@ -91,15 +99,22 @@ class _Emitter(pickle._Pickler):
         if t is str or t is _Str:
             encoded = obj.encode("utf-8", "surrogatepass")
             write(pickle.BINUNICODE + _U(len(encoded)) + encoded)
-        elif t is tuple and 0 < len(obj) <= 3:
+        elif t is tuple:
+            n = len(obj)
+            if not n:
+                write(pickle.EMPTY_TUPLE)
+                return
+            if n > 3:
+                write(pickle.MARK)
             for element in obj:
                 self.save(element)
             x = memo.get(id(obj))
             if x is not None:  # (a tuple that holds itself: the generic path's answer)
                 i = x[0]
-                write(pickle.POP * len(obj) + (pickle.BINGET + _B(i) if i < 256 else pickle.LONG_BINGET + _U(i)))
+                get = pickle.BINGET + _B(i) if i < 256 else pickle.LONG_BINGET + _U(i)
+                write((pickle.POP * n if n <= 3 else pickle.POP_MARK) + get)
                 return
-            write(_TUPLE_CODE[len(obj)])
+            write(_TUPLE_CODE.get(n, pickle.TUPLE))
         elif t is dict and len(obj) <= 1000:
             write(pickle.EMPTY_DICT)
             self._put(obj)
@@ -133,14 +148,52 @@ _B, _H, _I, _U = (struct.Struct(f).pack for f in ("<B", "<H", "<i", "<I"))
 _TUPLE_CODE = {1: pickle.TUPLE1, 2: pickle.TUPLE2, 3: pickle.TUPLE3}
 
 
-def dumps(tree: Any) -> bytes:
-    """The protocol-2 pickle torch.save writes for the object ``tree`` stands for."""
+class Slot(int):
+    """An int of a tree that files of the same shape hold other values of (a rank, a local size).
+    :func:`dumps` notes where it writes each, so the next such file's pickle is this one's with
+    the values replaced (:func:`patch`) instead of the whole tree written again."""
+
+    def __new__(cls, name: Any, value: int) -> Slot:
+        slot = super().__new__(cls, value)
+        slot.name = name
+        return slot
+
+
+def dumps(tree: Any, slots: list[tuple[Any, int, int]] | None = None) -> bytes:
+    """The protocol-2 pickle torch.save writes for the object ``tree`` stands for. ``slots``:
+    filled with ``(name, offset, value)`` of each :class:`Slot` written, for :func:`patch`."""
     buf = io.BytesIO()
+    emitter = _Emitter(buf, protocol=2)
+    emitter.file, emitter.slots = buf, slots if slots is not None else []
     try:
-        _Emitter(buf, protocol=2).dump(tree)
+        emitter.dump(tree)
     except RecursionError:
         raise BadInput("the pickle tree is nested too deeply to write") from None
     return buf.getvalue()
+
+
+def _int_code(v: int) -> bytes:
+    """What :meth:`_Emitter.save` writes for ``v`` (opcode and argument), or b"" for a long."""
+    if 0 <= v <= 0xFF:
+        return pickle.BININT1 + _B(v)
+    if 0 <= v <= 0xFFFF:
+        return pickle.BININT2 + _H(v)
+    if -0x80000000 <= v <= 0x7FFFFFFF:
+        return pickle.BININT + _I(v)
+    return b""
+
+
+def patch(data: bytes, slots: list[tuple[Any, int, int]], values: dict[Any, int]) -> bytes | None:
+    """``data`` (written by :func:`dumps` with ``slots``) with each slot's value replaced by
+    ``values[name]``: the bytes :func:`dumps` writes for the same tree holding those values. None
+    where a value needs another opcode than the one written (then the tree is written whole)."""
+    out = bytearray(data)
+    for name, at, old in slots:
+        was, new = _int_code(old), _int_code(values[name])
+        if not was or len(new) != len(was) or new[0] != was[0]:
+            return None
+        out[at:at + len(new)] = new
+    return bytes(out)
 
 
 _CRC_POLY, _M64 = 0xEDB88320, (1 << 64) - 1

@@ -12,13 +12,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..codecs.torchwriter import dumps, patch
 from ..core.describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo, chunk_rows
 from ..core.dtypes import DType
 from ..core.plan import Span, by_piece, Piece
 from ..core.state import gather, param_groups_keyed
 from ..errors import BadInput
 from ..security import bounded, safefs
-from ..security.torchfile import TorchZip
+from ..security.torchfile import TorchZip, records_of
 from ..storage.castio import CastSpan
 from . import flatparams, ranknames, shardedtensor, shardtree, optim, shardsynth
 from .hf import tensor_bytes
@@ -115,9 +116,10 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
     objects: list[ObjectInfo] = []
     param_order: tuple[str, ...] = ()
     details: dict[str, Any] = {"fsdp": None}
+    like: dict[str, list[TorchZip]] = {"model": [], "optim": []}  # rank files read so far, by kind
     for rank in range(ws):
         name = found["model"][rank]
-        zf = _tree_of(path / name)
+        zf = _tree_of(path / name, like["model"])
         sd = zf.tree
         if not isinstance(sd, dict):
             raise BadInput(f"{path / name}: holds a {type(sd).__name__}, not a state dict")
@@ -149,7 +151,7 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
             raise BadInput(f"{path / name}: its parameters differ from rank 0's; the files are not from one save")
         if rank in found["optim"]:
             oname = found["optim"][rank]
-            zo = _tree_of(path / oname)
+            zo = _tree_of(path / oname, like["optim"])
             osd = zo.tree
             _optimizer_header(osd, path / oname, rank, details, objects)
             for fqn, skey, v, kp in optim.state_entries(osd, param_order):
@@ -231,11 +233,12 @@ def _optimizer_header(osd: Any, file: Path, rank: int, details: dict, objects: l
                                   path=("optimizer", "param_groups")))
 
 
-def _tree_of(file: Path) -> TorchZip:
-    """The file parsed as a pickle tree; anything the tree reader refuses or finds damaged goes
-    to the torch path, which is the one that refuses (weights_only) and explains."""
+def _tree_of(file: Path, like: list[TorchZip] | None = None) -> TorchZip:
+    """The file parsed as a pickle tree (``like``: to describe it only, read like the job's other
+    files); anything the tree reader refuses or finds damaged goes to the torch path, which is
+    the one that refuses (weights_only) and explains."""
     try:
-        return shardtree.parsed(file)
+        return shardtree.parsed(file) if like is None else shardtree.described(file, like)
     except bounded.HostileTree:
         raise  # torch's loader would build the same runaway tree
     except BadInput as e:
@@ -411,10 +414,19 @@ class Writer:
         self.synth = synth
         self._zips: dict[str, TorchZip] = {}
         self._crcs: dict[Path, dict[tuple[int, int], int]] = {}
+        self._dtensors: dict[int, tuple[Any, Any]] = {}  # id(template node) -> (node, dtensor_of)
+        self._pickles: dict[str, tuple] = {}  # kind -> the last file's shape, pickle and slots
 
     def __getstate__(self) -> dict:
         # parsed files stay in the process that parsed them
-        return {**self.__dict__, "_zips": {}, "_crcs": {}}
+        return {**self.__dict__, "_zips": {}, "_crcs": {}, "_dtensors": {}, "_pickles": {}}
+
+    def _dtensor(self, node: Any) -> shardtree.DTensorNode | None:
+        """``dtensor_of`` a template's node, read once for all the files built from it."""
+        got = self._dtensors.get(id(node))
+        if got is None or got[0] is not node:
+            got = self._dtensors[id(node)] = (node, shardtree.dtensor_of(node))
+        return got[1]
 
     @property
     def accepts_spans(self) -> bool:
@@ -436,7 +448,7 @@ class Writer:
         if path.parent != self.template:
             return None
         if path not in self._crcs:
-            records = self._zip(path.name).records.values()
+            records = records_of(path)[1].values()  # (not the pickle: most files are not templates)
             self._crcs[path] = {(r.offset, r.size): r.crc32 for r in records}
         return self._crcs[path].get((offset, length))
 
@@ -468,7 +480,7 @@ class Writer:
             p = by_key.pop(key, None)
             if p is None:
                 raise NotSimple(f"no piece for {key}")
-            d = shardtree.dtensor_of(node)
+            d = self._dtensor(node)
             if d is None:
                 if p.sizes != p.target.shape:
                     raise NotSimple("rows of a tensor its source holds whole on every rank")
@@ -507,7 +519,26 @@ class Writer:
             small = SMALL_RECORDS
         else:
             small = shardtree.small_records(source)
-        shardtree.write_file(path, tree, emitter, small, fill(), prefix="archive" if source is None else None)
+        shardtree.write_file(path, tree, emitter, small, fill(), prefix="archive" if source is None else None,
+                             pickled=self._pickle(job.kind, tree, emitter))
+
+    def _pickle(self, kind: str, tree: Any, emitter: shardtree.Emitter) -> bytes:
+        """``tree``'s pickle. A model or optimizer file built from a source rank file differs from
+        the others of its kind only in its :class:`.Slot` values (its rank, its local sizes: all
+        else is the template's), so where the slots are the same ones, made in the same order, it
+        is the last such pickle with their values replaced; else it is written whole."""
+        if self.synth is not None or kind not in ("model", "optim"):  # (trees built otherwise)
+            return dumps(tree)
+        shape = (kind, tuple(emitter.slots), len(emitter.records))
+        last = self._pickles.get(kind)
+        if last is not None and last[0] == shape:
+            data = patch(last[1], last[2], emitter.slots)
+            if data is not None:
+                return data
+        where: list = []
+        data = dumps(tree, where)
+        self._pickles[kind] = (shape, data, where)
+        return data
 
     def write(self, path: Path, job, pieces, objects) -> None:
         if self.template is not None or self.synth is not None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.describe import Location
-from ..codecs.torchwriter import TorchZipWriter, dumps
+from ..codecs.torchwriter import Slot, TorchZipWriter, dumps
 from ..codecs.tensornodes import REBUILD_V2, Local, NotSimple, contiguous_stride, local_of  # noqa: F401 - served here too
 from ..security.torchfile import Global, NewObj, Reduce, StorageRef, TorchZip
 from ..storage.castio import blocks
@@ -73,6 +73,16 @@ def parsed(path: Path) -> TorchZip:
 @functools.lru_cache(maxsize=1024)
 def _parsed(path: str, size: int, mtime_ns: int) -> TorchZip:
     return TorchZip(path)
+
+
+def described(path: Path, like: list[TorchZip]) -> TorchZip:
+    """``path`` parsed to be described only (not cached, never re-emitted): read like one of
+    ``like`` (files of the same job already parsed) when its pickle has the same shape, else
+    parsed as :func:`parsed` does, and then added to ``like`` (a few at most)."""
+    zf = TorchZip(path, like=like) if like else parsed(path)  # the first: kept, a writer's template
+    if zf.exact and len(like) < 8:
+        like.append(zf)
+    return zf
 
 
 def _state_dict(node: NewObj | Reduce) -> dict:
@@ -163,6 +173,11 @@ class Emitter:
 
     def __init__(self) -> None:
         self.records: list[tuple[str, Any]] = []  # (key, parts | bytes | piece)
+        self.slots: dict[Any, int] = {}  # the values that differ between files of one shape
+
+    def slot(self, name: Any, value: int) -> Slot:
+        self.slots[name] = value
+        return Slot(name, value)
 
     def storage(self, like: StorageRef, numel: int, source: Any) -> StorageRef:
         key = str(len(self.records))
@@ -170,8 +185,11 @@ class Emitter:
         return StorageRef(like.type, key, like.location, numel)
 
     def local(self, like: Local, size: tuple[int, ...], source: Any) -> Reduce:
-        numel = math.prod(size)
-        args = (self.storage(like.storage, numel, source), 0, tuple(size), contiguous_stride(tuple(size)),
+        storage = self.storage(like.storage, math.prod(size), source)
+        key = storage.key
+        storage.numel = self.slot((key, "numel"), storage.numel)
+        args = (storage, 0, tuple(self.slot((key, "size", i), n) for i, n in enumerate(size)),
+                tuple(self.slot((key, "stride", i), n) for i, n in enumerate(contiguous_stride(tuple(size)))),
                 *like.node.args[4:])
         return Reduce(REBUILD_V2, args)
 
@@ -186,7 +204,7 @@ def rebuild_mesh(mesh: NewObj, emitter: Emitter, world: int, rank: int) -> NewOb
     state["_rank_map"] = emitter.local(rank_map, (world,), values)
     state["_flatten_rank_map"] = tuple(range(world))
     state["_layout"] = _relayout(state["_layout"], world)
-    state["_rank"], state["_coordinate_on_dim"] = rank, (rank,)
+    state["_rank"], state["_coordinate_on_dim"] = emitter.slot("rank", rank), (emitter.slot("coordinate", rank),)
     if "_hash" in state:
         state["_hash"] = None
     return NewObj(mesh.cls, mesh.args, (None, state) if type(mesh.state) is tuple else state)
@@ -243,14 +261,16 @@ def map_tensors(tree: Any, fn: Callable[[tuple, Any], Any], path: tuple = ()) ->
 
 
 def write_file(path: Path, tree: Any, emitter: Emitter, small_records: list[tuple[str, bytes]],
-               fill: Iterator[tuple[str, Any]], *, prefix: str | None = None, page_phase: bool = True) -> None:
+               fill: Iterator[tuple[str, Any]], *, prefix: str | None = None, page_phase: bool = True,
+               pickled: bytes | None = None) -> None:
     """Write a torch.save zip: the pickle, ``small_records`` (as the source had them), then each
     storage record, in key order, from ``fill`` ((key, parts or bytes)). ``prefix``: the
     archive's folder (default: the file's stem, as ``torch.save(path)`` names it); without
     ``page_phase``, records are aligned as torch aligns them (no page of padding that no CRC
-    covers: what a lone file without a manifest needs)."""
+    covers: what a lone file without a manifest needs). ``pickled``: the tree's pickle, made
+    already."""
     with TorchZipWriter(path, prefix or path.stem, page_phase=page_phase) as out:
-        out.write_record("data.pkl", dumps(tree))
+        out.write_record("data.pkl", dumps(tree) if pickled is None else pickled)
         for name, data in small_records:
             out.write_record(name, data)
         for key, source in fill:

@@ -8,6 +8,7 @@ stand-ins (allowlisted globals only; nothing from the file runs), which
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
@@ -15,11 +16,13 @@ import struct
 import zipfile
 import zlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import bounded, safefs
+from .skeleton import Skeleton
 from ..errors import BadInput, Damaged, UnsafeInput, brief
 
 # Legacy typed storages torch.save names in persistent ids, with element sizes (torch.load checks
@@ -52,22 +55,33 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset([
 ])
 
 
-class Global:
+class Global(type):
     """A pickled global by name (``GLOBAL module\\nname``), never the real object. Interned, so one
-    name is one node and re-emission memoizes it once, as torch's pickler does the real class."""
+    name is one node and re-emission memoizes it once, as torch's pickler does the real class.
 
-    __slots__ = ("module", "name")
+    A node is a class (of this metaclass) with nothing of the real one, so that the C unpickler
+    can build the same tree as the Python one (:func:`_fast_parse`): calling it, as REDUCE does,
+    gives a :class:`Reduce` node; ``__new__``, as NEWOBJ calls it, a :class:`NewObj` node."""
+
     _interned: dict[tuple[str, str], Global] = {}
 
-    def __new__(cls, module: str, name: str) -> Global:
-        node = cls._interned.get((module, name))
+    def __new__(mcls, module: str, name: str) -> Global:
+        node = mcls._interned.get((module, name))
         if node is None:
-            node = cls._interned[(module, name)] = object.__new__(cls)
-            node.module, node.name = module, name
+            node = type.__new__(mcls, "Global", (), {"__slots__": (), "__new__": _new_obj})
+            type.__setattr__(node, "module", module)
+            type.__setattr__(node, "name", name)
+            mcls._interned[(module, name)] = node
         return node
 
-    def __repr__(self) -> str:
-        return f"Global({self.module!r}, {self.name!r})"
+    def __init__(cls, module: str, name: str) -> None:
+        pass
+
+    def __call__(cls, *args: Any) -> Any:
+        return OrderedDict() if cls is _ODICT and not args else Reduce(cls, args)
+
+    def __repr__(cls) -> str:
+        return f"Global({cls.module!r}, {cls.name!r})"
 
 
 @dataclass(eq=False, slots=True)
@@ -78,6 +92,11 @@ class Reduce:
     func: Global
     args: tuple
     state: Any = None
+
+    def __setstate__(self, state: Any) -> None:  # BUILD, as the C unpickler does it
+        if self.state is not None:
+            raise BadInput("BUILD twice on one object, which torch.save never writes")
+        self.state = state
 
 
 class NewObj(Reduce):
@@ -105,6 +124,10 @@ class StorageRef:
     @property
     def nbytes(self) -> int:
         return self.numel * STORAGE_ITEMSIZE[self.type.name]
+
+
+def _new_obj(cls: Global, *args: Any) -> NewObj:
+    return NewObj(cls, args)
 
 
 class _Str(str):
@@ -250,6 +273,32 @@ def _parse(data: bytes, where: str = "the pickle",
     return tree, unpickler.storages
 
 
+class _FastUnpickler(pickle.Unpickler):
+    """The C unpickler with the same allowlist and persistent ids: for a pickle whose shape the
+    careful reader has already proved safe (:class:`~.skeleton.Skeleton`), never for any other.
+    Its tree is the careful one's, except that one-character strings are CPython's shared ones
+    (so it is described, never re-emitted)."""
+
+    find_class = _Unpickler.find_class
+    persistent_load = _Unpickler.persistent_load
+
+    def __init__(self, data: bytes, admit: frozenset[tuple[str, str]]) -> None:
+        super().__init__(io.BytesIO(data))
+        self.storages: dict[str, StorageRef] = {}
+        self.admit = admit
+
+
+def _fast_parse(data: bytes, where: str, admit: frozenset[tuple[str, str]]) -> tuple[Any, dict[str, StorageRef]]:
+    unpickler = _FastUnpickler(data, admit)
+    try:
+        tree = unpickler.load()
+    except BadInput:
+        raise
+    except Exception as e:  # noqa: BLE001 - a value the careful reader never saw (bad UTF-8, ...)
+        raise BadInput(f"{where}: damaged pickle: {type(e).__name__}: {e}") from None
+    return tree, unpickler.storages
+
+
 def loads(data: bytes, *, where: str = "the pickle") -> Any:
     """Parse a torch pickle into a tree of containers, scalars and the nodes above. Raises
     ``UnsafeInput`` for a global off the allowlist, ``HostileTree`` for a tree no walker could
@@ -321,6 +370,18 @@ def zip_records(path: Path) -> tuple[str, dict[str, Record]]:
     return prefix, records
 
 
+def records_of(path: Path) -> tuple[str, dict[str, Record]]:
+    """:func:`zip_records`, read once per process while the file is unchanged (a many-rank job's
+    files are described, then copied from, record by record)."""
+    st = os.stat(path)
+    return _records(str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@functools.lru_cache(maxsize=1024)
+def _records(path: str, size: int, mtime_ns: int, ino: int) -> tuple[str, dict[str, Record]]:
+    return zip_records(Path(path))
+
+
 class TorchZip:
     """A torch.save file: ``prefix`` (its archive folder), ``records`` (name -> Record, file order),
     the raw ``pickle``, its parsed ``tree`` and ``storages`` (key -> StorageRef, first-use order).
@@ -328,9 +389,10 @@ class TorchZip:
     global names a caller's format saves (a framework's own classes, :mod:`.zeroglobals`), kept
     as inert :class:`Global` nodes like every other: named, never imported or constructed."""
 
-    def __init__(self, path: str | os.PathLike, *, admit: frozenset[tuple[str, str]] = frozenset()) -> None:
-        self.path = Path(path)
-        self.prefix, self.records = zip_records(self.path)
+    def __init__(self, path: str | os.PathLike, *, admit: frozenset[tuple[str, str]] = frozenset(),
+                 like: Sequence[TorchZip] = ()) -> None:
+        self.path, self.admit = Path(path), admit
+        self.prefix, self.records = records_of(self.path)
         names = self.records.keys()
         if "constants.pkl" in names or any(n.startswith("code/") for n in names):
             raise UnsafeInput(f"{self.path} is a TorchScript archive (it contains code); refusing to read it")
@@ -340,12 +402,24 @@ class TorchZip:
             raise BadInput(f"{self.path}: its pickle claims {self.records['data.pkl'].size} bytes; "
                            "corrupt or not a checkpoint file")
         self.pickle = self.read("data.pkl")
-        self.tree, self.storages = _parse(self.pickle, str(self.path), admit)
+        # ``like``: files of the same job read the careful way; a pickle differing from one's
+        # only in values has the same (safe) shape and is read by the C unpickler. Such a tree
+        # (``exact`` False) is described, never re-emitted: its short strings are shared.
+        same = next((t for t in like if t.exact and t.admit == admit and len(t.pickle) == len(self.pickle)), None)
+        self.exact = same is None or not same.skeleton().same_shape(self.pickle)
+        parse = _parse if self.exact else _fast_parse
+        self.tree, self.storages = parse(self.pickle, str(self.path), admit)
         for key, ref in self.storages.items():
             rec = self.records.get(f"data/{key}")
             if rec is None or rec.size != ref.nbytes:
                 raise BadInput(f"{self.path}: storage {key} needs {ref.nbytes} bytes but record data/{key} "
                                f"has {'none' if rec is None else rec.size}")
+
+    def skeleton(self) -> Skeleton:
+        """Where this file's pickle holds values (made once, for files read ``like`` it)."""
+        if getattr(self, "_skeleton", None) is None:
+            self._skeleton = Skeleton(self.pickle)
+        return self._skeleton
 
     def read(self, name: str) -> bytes:
         """A (small) record's bytes, CRC-checked."""

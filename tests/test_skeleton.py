@@ -1,0 +1,133 @@
+"""A many-rank job's files read like the first one (security/skeleton.py, ``TorchZip(like=...)``).
+
+The careful (pure-Python, key-checking, tree-bounding) reader parses one file of a job; a file
+whose pickle differs from it only in values is read by the C unpickler with the same allowlist
+and persistent-id checks. These tests pin what that may and may not change: the tree read fast
+equals the careful one, a change outside the values falls back to the careful reader, and a
+changed value is still checked.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+
+from ckpt_tools.codecs.torchwriter import TorchZipWriter, dumps
+from ckpt_tools.errors import BadInput, UnsafeInput
+from ckpt_tools.formats import sharded, shardtree
+from ckpt_tools.security import skeleton
+from ckpt_tools.security.torchfile import Global, NewObj, Reduce, StorageRef, TorchZip
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+def canon(x, seen=None):
+    """A tree as nested tuples: equal for trees of equal content and sharing."""
+    t = type(x)
+    if t is Global:
+        return ("G", x.module, x.name)
+    if t in (Reduce, NewObj):
+        return (t.__name__, canon(x.func), canon(x.args), canon(x.state))
+    if t is StorageRef:
+        return ("S", canon(x.type), str(x.key), x.location, x.numel)
+    if t is OrderedDict:
+        return ("O", tuple((canon(k), canon(v)) for k, v in x.items()), canon(getattr(x, "__dict__", {})))
+    if isinstance(x, dict):
+        return ("D", tuple((canon(k), canon(v)) for k, v in x.items()))
+    if t in (list, tuple):
+        return (t.__name__, tuple(canon(v) for v in x))
+    if isinstance(x, str):
+        return ("s", str(x))
+    return (t.__name__, x)
+
+
+def rank_files(job: str) -> list[Path]:
+    return sorted((FIXTURES / job).glob("model_world_size_*_rank_*.pt"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
+
+
+@pytest.mark.parametrize("job", ["llama_sharded_ws8", "llama_tied_sharded_ws2"])
+def test_rank_files_read_like_rank_0_equal_the_careful_reading(job):
+    files = rank_files(job)
+    like = [TorchZip(files[0])]
+    for f in files[1:]:
+        fast, careful = TorchZip(f, like=like), TorchZip(f)
+        assert not fast.exact and careful.exact
+        assert fast.pickle != like[0].pickle  # the rank differs: a real value change, not a copy
+        assert canon(fast.tree) == canon(careful.tree)
+        assert {k: (canon(r.type), r.numel) for k, r in fast.storages.items()} == \
+               {k: (canon(r.type), r.numel) for k, r in careful.storages.items()}
+
+
+def test_describe_is_the_same_with_and_without_the_fast_reader(monkeypatch):
+    path = FIXTURES / "llama_sharded_ws8"
+    fast = sharded.describe(path)
+    monkeypatch.setattr(skeleton.Skeleton, "same_shape", lambda self, other: False)
+    careful = sharded.describe(path)
+    assert fast.tensors == careful.tensors and fast.objects == careful.objects
+    read = []
+    monkeypatch.setattr(shardtree, "TorchZip", lambda p, like=(): read.append(bool(like)) or TorchZip(p, like=like))
+    sharded.describe(path)
+    assert read and all(read)  # every file after the first is offered the first as a model
+
+
+def _zip(path: Path, data: bytes, records: dict[str, bytes] | None = None) -> Path:
+    with TorchZipWriter(path, "archive") as w:
+        w.write_record("data.pkl", data)
+        for name, payload in (records or {}).items():
+            w.write_record(name, payload)
+        w.write_record("version", b"3\n")
+    return path
+
+
+def _tensor_pickle(numel: int, name: str = "w") -> bytes:
+    ref = StorageRef(Global("torch", "FloatStorage"), "0", "cpu", numel)
+    return dumps({name: Reduce(Global("torch._utils", "_rebuild_tensor_v2"),
+                               (ref, 0, (numel,), (1,), False, OrderedDict()))})
+
+
+def test_skeleton_admits_value_changes_only():
+    a = _tensor_pickle(4)
+    s = skeleton.Skeleton(a)
+    assert s.same_shape(a)
+    assert s.same_shape(_tensor_pickle(5))  # an int's value
+    assert s.same_shape(_tensor_pickle(4, "v"))  # a string's contents, same length
+    assert not s.same_shape(_tensor_pickle(4, "vv"))  # another length
+    assert not s.same_shape(_tensor_pickle(300))  # BININT1 -> BININT2: another opcode
+    i = a.index(b"q")  # a BINPUT: a memo index is shape, not value
+    assert not s.same_shape(a[:i + 1] + bytes([a[i + 1] ^ 1]) + a[i + 2:])
+    j = a.index(b"cdatetime") if b"cdatetime" in a else a.index(b"ctorch")  # a GLOBAL's name
+    assert not s.same_shape(a[:j + 1] + b"X" + a[j + 2:])
+
+
+def test_a_changed_value_is_still_checked(tmp_path):
+    good = TorchZip(_zip(tmp_path / "a.pt", _tensor_pickle(4), {"data/0": bytes(16)}))
+    # the same shape, but the storage now claims 5 floats: its record holds 4
+    with pytest.raises(BadInput, match="needs 20 bytes"):
+        TorchZip(_zip(tmp_path / "b.pt", _tensor_pickle(5), {"data/0": bytes(16)}), like=[good])
+    ok = TorchZip(_zip(tmp_path / "c.pt", _tensor_pickle(4, "v"), {"data/0": bytes(16)}), like=[good])
+    assert not ok.exact and list(ok.tree) == ["v"]
+
+
+def test_a_global_named_by_changed_strings_is_still_refused(tmp_path):
+    # protocol 4 names globals by two strings (STACK_GLOBAL): values, as far as the skeleton
+    # is concerned; the allowlist sees the new name
+    def p4(module: str, name: str) -> bytes:
+        return (b"\x80\x04\x8c" + bytes([len(module)]) + module.encode() + b"\x8c" + bytes([len(name)])
+                + name.encode() + b"\x93)R.")  # STACK_GLOBAL, EMPTY_TUPLE, REDUCE: module.name()
+    good = TorchZip(_zip(tmp_path / "a.pt", p4("torch", "Size")))
+    assert skeleton.Skeleton(good.pickle).same_shape(p4("posix", "syst"))
+    with pytest.raises(UnsafeInput, match="posix.syst"):
+        TorchZip(_zip(tmp_path / "b.pt", p4("posix", "syst")), like=[good])
+    assert pickle.loads(p4("builtins", "list")) == []  # (the opcodes mean what the comment says)
+
+
+def test_bad_text_in_a_changed_value_is_damage_not_a_crash(tmp_path):
+    a = _tensor_pickle(4, "w")
+    good = TorchZip(_zip(tmp_path / "a.pt", a, {"data/0": bytes(16)}))
+    i = a.index(b"X\x01\x00\x00\x00w") + 5
+    bad = a[:i] + b"\xff" + a[i + 1:]  # not UTF-8
+    with pytest.raises(BadInput, match="damaged pickle"):
+        TorchZip(_zip(tmp_path / "b.pt", bad, {"data/0": bytes(16)}), like=[good])
