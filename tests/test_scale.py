@@ -142,7 +142,7 @@ def test_rank_file_pickles_patched_equal_pickles_written_whole(tmp_path, monkeyp
     shapes make local sizes cross BININT1 -> BININT2 -> BININT between ranks, and trailing ranks
     hold no rows, so some files are patched and some written whole."""
     from ckpt_tools.codecs import torchwriter
-    from ckpt_tools.formats import sharded
+    from ckpt_tools.formats import shardtree
 
     # big.w: 70,000 rows a rank (BININT); cross.w: 4 rows of 64 (numel 256, BININT2) on ranks
     # 0-3, 2 rows (128, BININT1) on rank 4
@@ -150,10 +150,10 @@ def test_rank_file_pickles_patched_equal_pickles_written_whole(tmp_path, monkeyp
     make_verl(tmp_path / "src", 16, optim=True, shapes=shapes)
     patched = []
     real_patch = torchwriter.patch
-    monkeypatch.setattr(sharded, "patch", lambda *a: patched.append(real_patch(*a)) or patched[-1])
+    monkeypatch.setattr(shardtree, "patch", lambda *a: patched.append(real_patch(*a)) or patched[-1])
     _run("reshard", str(tmp_path / "src"), str(tmp_path / "fast"), "--to", "5", "--quiet")
     assert sum(p is not None for p in patched) >= 4 and any(p is None for p in patched)
-    monkeypatch.setattr(sharded, "patch", lambda *a: None)
+    monkeypatch.setattr(shardtree, "patch", lambda *a: None)
     _run("reshard", str(tmp_path / "src"), str(tmp_path / "whole"), "--to", "5", "--quiet")
     files = sorted(p.name for p in (tmp_path / "whole").glob("*.pt"))
     assert len(files) == 15  # model, optim and extra state

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..codecs.torchwriter import dumps, patch
+from ..codecs.torchwriter import dumps
 from ..core.describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo, chunk_rows
 from ..core.dtypes import DType
 from ..core.plan import Span, by_piece, Piece
@@ -415,11 +415,11 @@ class Writer:
         self._zips: dict[str, TorchZip] = {}
         self._crcs: dict[Path, dict[tuple[int, int], int]] = {}
         self._dtensors: dict[int, tuple[Any, Any]] = {}  # id(template node) -> (node, dtensor_of)
-        self._pickles: dict[str, tuple] = {}  # kind -> the last file's shape, pickle and slots
+        self._pickles = shardtree.Pickles()
 
     def __getstate__(self) -> dict:
         # parsed files stay in the process that parsed them
-        return {**self.__dict__, "_zips": {}, "_crcs": {}, "_dtensors": {}, "_pickles": {}}
+        return {**self.__dict__, "_zips": {}, "_crcs": {}, "_dtensors": {}, "_pickles": shardtree.Pickles()}
 
     def _dtensor(self, node: Any) -> shardtree.DTensorNode | None:
         """``dtensor_of`` a template's node, read once for all the files built from it."""
@@ -523,22 +523,9 @@ class Writer:
                              pickled=self._pickle(job.kind, tree, emitter))
 
     def _pickle(self, kind: str, tree: Any, emitter: shardtree.Emitter) -> bytes:
-        """``tree``'s pickle. A model or optimizer file built from a source rank file differs from
-        the others of its kind only in its :class:`.Slot` values (its rank, its local sizes: all
-        else is the template's), so where the slots are the same ones, made in the same order, it
-        is the last such pickle with their values replaced; else it is written whole."""
-        if self.synth is not None or kind not in ("model", "optim"):  # (trees built otherwise)
+        if self.synth is not None or kind not in ("model", "optim"):  # (trees not from a template)
             return dumps(tree)
-        shape = (kind, tuple(emitter.slots), len(emitter.records))
-        last = self._pickles.get(kind)
-        if last is not None and last[0] == shape:
-            data = patch(last[1], last[2], emitter.slots)
-            if data is not None:
-                return data
-        where: list = []
-        data = dumps(tree, where)
-        self._pickles[kind] = (shape, data, where)
-        return data
+        return self._pickles.pickle(kind, tree, emitter)
 
     def write(self, path: Path, job, pieces, objects) -> None:
         if self.template is not None or self.synth is not None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.describe import Location
-from ..codecs.torchwriter import Slot, TorchZipWriter, dumps
+from ..codecs.torchwriter import Slot, TorchZipWriter, dumps, patch
 from ..codecs.tensornodes import REBUILD_V2, Local, NotSimple, contiguous_stride, local_of  # noqa: F401 - served here too
 from ..security.torchfile import Global, NewObj, Reduce, StorageRef, TorchZip
 from ..storage.castio import blocks
@@ -192,6 +192,29 @@ class Emitter:
                 tuple(self.slot((key, "stride", i), n) for i, n in enumerate(contiguous_stride(tuple(size)))),
                 *like.node.args[4:])
         return Reduce(REBUILD_V2, args)
+
+
+class Pickles:
+    """Destination files' pickles, one kind (model, optimizer) after another. A file built from a
+    source rank-0 template differs from the others of its kind only in its :class:`.Slot` values
+    (its rank, its local sizes: all else is the template's), so where the slots are the same
+    ones, made in the same order, its pickle is the last one with their values replaced; else it
+    is written whole. Only for trees built from a template that way (:meth:`.Writer.tree_for`)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple] = {}  # kind -> (shape, pickle, where its slots are)
+
+    def pickle(self, kind: str, tree: Any, emitter: Emitter) -> bytes:
+        shape = (tuple(emitter.slots), len(emitter.records))
+        last = self._last.get(kind)
+        if last is not None and last[0] == shape:
+            data = patch(last[1], last[2], emitter.slots)
+            if data is not None:
+                return data
+        where: list = []
+        data = dumps(tree, where)
+        self._last[kind] = (shape, data, where)
+        return data
 
 
 def rebuild_mesh(mesh: NewObj, emitter: Emitter, world: int, rank: int) -> NewObj:
