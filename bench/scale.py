@@ -2,15 +2,18 @@
 reshard (to 3/4 of the ranks), export and convert, beside ``cp -r`` and torch's
 ``dcp_to_torch_save``. Sources are made by torch's own writers (tests/fw_scale.py), never ckpt.
 
-    python bench/scale.py --ranks 8 64 256 1024 --tensors 300 3000 30000 --out docs/scale.md
+    python bench/scale.py --ranks 8 64 256 1024 --tensors 300 3000 30000 --out docs/scale-run.md
 
-Writes a markdown table to ``--out`` and, when matplotlib is importable, a PNG beside it.
-Each run is a fresh process (``ckpt ...``); peak RSS is the child's ``ru_maxrss``.
+Two sweeps of the same 80 MB: ranks at the fewest tensors, tensors at the fewest ranks. Writes
+a markdown table to ``--out``, its rows as JSON beside it, and, when matplotlib is importable
+(``pip install .[bench]``), a PNG; ``--plot RUN.json`` draws the PNG of an earlier run.
+Each run is a fresh process (``ckpt ...``); peak RSS is the child's (GNU time's %M).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -55,29 +58,35 @@ def cases(ranks: int, tensors: int, work: Path) -> list[tuple[str, list[str]]]:
     return [
         ("cp -r rank files", ["cp", "-r", str(v), str(work / "cp")]),
         ("inspect rank files", [*ckpt, "inspect", str(v)]),
+        ("inspect dcp", [*ckpt, "inspect", str(d)]),
         ("reshard rank files", [*ckpt, "reshard", str(v), str(work / "o1"), "--to", str(m), "--quiet"]),
         ("reshard dcp", [*ckpt, "reshard", str(d), str(work / "o2"), "--to", str(m), "--quiet"]),
         ("export rank files", [*ckpt, "export", str(v), str(work / "o3"), "--quiet"]),
+        ("export dcp", [*ckpt, "export", str(d), str(work / "o6"), "--quiet"]),
+        ("convert hf -> dcp", [*ckpt, "convert", str(work / "o3"), str(work / "o7"), "--to", "dcp",
+                               "--quiet"]),  # (the export above is its source)
         ("convert dcp -> torch", [*ckpt, "convert", str(d), str(work / "o4.pt"), "--to", "torch", "--quiet"]),
         ("dcp_to_torch_save", [sys.executable, "-c", TORCH_SAVE, str(d), str(work / "o5.pt")]),
     ]
 
 
 def run(ranks: list[int], tensors: list[int], root: Path) -> list[dict]:
+    """Two sweeps of the same bytes: ranks (at the first tensor count) and tensors (at the first
+    rank count); each point's sources are made, measured and removed before the next."""
+    points = [(w, tensors[0]) for w in ranks] + [(ranks[0], t) for t in tensors[1:]]
     rows = []
-    for t in tensors:
-        for w in ranks:
-            work = root / f"w{w}_t{t}"
-            shutil.rmtree(work, ignore_errors=True)
-            work.mkdir(parents=True)
-            fw_scale.make_verl(work / "verl", w, split=SPLIT.get(t, 1))
-            fw_scale.make_dcp(work / "dcp", w, split=SPLIT.get(t, 1))
-            n = len(fw_scale.llama_shapes(split=SPLIT.get(t, 1)))
-            for name, cmd in cases(w, t, work):
-                secs, mb = timed(cmd, cwd=work)
-                rows.append({"case": name, "ranks": w, "tensors": n, "s": secs, "mb": mb})
-                print(f"{name:24s} ranks {w:5d} tensors {n:6d}: {secs:7.2f} s {mb:7.0f} MB", flush=True)
-            shutil.rmtree(work, ignore_errors=True)
+    for w, t in points:
+        work = root / f"w{w}_t{t}"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        fw_scale.make_verl(work / "verl", w, split=SPLIT.get(t, 1))
+        fw_scale.make_dcp(work / "dcp", w, split=SPLIT.get(t, 1))
+        n = len(fw_scale.llama_shapes(split=SPLIT.get(t, 1)))
+        for name, cmd in cases(w, t, work):
+            secs, mb = timed(cmd, cwd=work)
+            rows.append({"case": name, "ranks": w, "tensors": n, "s": secs, "mb": mb})
+            print(f"{name:24s} ranks {w:5d} tensors {n:6d}: {secs:7.2f} s {mb:7.0f} MB", flush=True)
+        shutil.rmtree(work, ignore_errors=True)
     return rows
 
 
@@ -88,6 +97,8 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], png: Path) -> bool:
+    """Seconds against ranks (one line per case, at the fewest tensors) and against tensors (at
+    the fewest ranks), log-log, side by side. False without matplotlib (``pip install .[bench]``)."""
     try:
         import matplotlib
 
@@ -95,17 +106,20 @@ def plot(rows: list[dict], png: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for case in dict.fromkeys(r["case"] for r in rows):
-        for n in sorted({r["tensors"] for r in rows}):
-            pts = sorted((r["ranks"], r["s"]) for r in rows if r["case"] == case and r["tensors"] == n)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=f"{case} ({n} tensors)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("ranks")
-    ax.set_ylabel("seconds")
-    ax.legend(fontsize=6)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    few_t, few_w = min(r["tensors"] for r in rows), min(r["ranks"] for r in rows)
+    for ax, (x, fixed, value) in zip(axes, (("ranks", "tensors", few_t), ("tensors", "ranks", few_w))):
+        for case in dict.fromkeys(r["case"] for r in rows):
+            pts = sorted((r[x], r["s"]) for r in rows if r["case"] == case and r[fixed] == value)
+            if len(pts) > 1:
+                ax.plot(*zip(*pts), marker="o", label=case)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"{x} ({fixed}: {value})")
+        ax.set_ylabel("seconds")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("ckpt at scale: the same 80 MB in more ranks, or in more tensors")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     return True
@@ -117,11 +131,20 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, nargs="+", default=[300, 3000, 30000])
     ap.add_argument("--out", type=Path, default=Path("docs/scale-run.md"))
     ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--plot", type=Path, default=None, help="only draw the PNG of an earlier run's JSON")
     a = ap.parse_args()
+    if a.plot is not None:
+        rows = json.loads(a.plot.read_text())
+        png = a.plot.with_suffix(".png")
+        print(f"wrote {png}" if plot(rows, png) else "no matplotlib: pip install .[bench]")
+        return
+    load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(dir=a.work) as tmp:
         rows = run(a.ranks, a.tensors, Path(tmp))
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(f"# ckpt at scale (bench/scale.py)\n\nload average {os.getloadavg()[0]:.1f}\n\n" + table(rows))
+    a.out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    a.out.write_text(f"# ckpt at scale (bench/scale.py)\n\nload average {load:.1f} at the start, "
+                     f"{os.getloadavg()[0]:.1f} at the end\n\n" + table(rows))
     if plot(rows, a.out.with_suffix(".png")):
         print(f"wrote {a.out} and {a.out.with_suffix('.png')}")
     else:
