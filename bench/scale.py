@@ -62,7 +62,7 @@ def cases(ranks: int, tensors: int, work: Path) -> list[tuple[str, list[str]]]:
         ("reshard rank files", [*ckpt, "reshard", str(v), str(work / "o1"), "--to", str(m), "--quiet"]),
         ("reshard dcp", [*ckpt, "reshard", str(d), str(work / "o2"), "--to", str(m), "--quiet"]),
         ("export rank files", [*ckpt, "export", str(v), str(work / "o3"), "--quiet"]),
-        ("export dcp", [*ckpt, "export", str(d), str(work / "o6"), "--quiet"]),
+        ("convert dcp -> hf", [*ckpt, "convert", str(d), str(work / "o6"), "--to", "hf", "--quiet"]),
         ("convert hf -> dcp", [*ckpt, "convert", str(work / "o3"), str(work / "o7"), "--to", "dcp",
                                "--quiet"]),  # (the export above is its source)
         ("convert dcp -> torch", [*ckpt, "convert", str(d), str(work / "o4.pt"), "--to", "torch", "--quiet"]),

@@ -428,3 +428,31 @@ def test_zip64_matches_torch_save(tmp_path):
     finally:  # pytest keeps tmp dirs around; not these
         a.unlink(missing_ok=True)
         b.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("value", [torch.arange(7, dtype=torch.float32), torch.zeros(0), torch.ones(3, 5, dtype=torch.bfloat16),
+                                   torch.tensor(3.5)])
+def test_blob_records_match_zipfile(value):
+    """A DCP item blob's records read without zipfile (a 1,024-rank DCP has one per tensor and
+    rank) are zipfile's, offsets and CRCs included; anything but the plain case is None (and the
+    zipfile path reads it)."""
+    import io
+    import struct
+
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    blob = buf.getvalue()
+    got = torchfile.blob_records(blob)
+    with zipfile.ZipFile(io.BytesIO(blob)) as z:
+        want = {}
+        for i in z.infolist():
+            n, e = struct.unpack_from("<HH", blob, i.header_offset + 26)
+            start = i.header_offset + 30 + n + e
+            assert blob[start:start + i.file_size] == z.read(i)
+            want[i.filename] = (start, i.file_size, i.CRC)
+    assert got == want
+    assert torchfile.blob_records(memoryview(blob)) == want
+    assert torchfile.blob_records(blob[:-1]) is None  # truncated
+    assert torchfile.blob_records(blob[:-2] + b"\x01\x00" + b"x") is None  # a comment
+    i = blob.index(b"PK\x01\x02")
+    assert torchfile.blob_records(blob[:i + 10] + b"\x08" + blob[i + 11:]) is None  # deflated

@@ -15,6 +15,7 @@ import mmap
 import os
 import struct
 import zipfile
+import zlib
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -25,7 +26,7 @@ from ..core.describe import Checkpoint, Chunk, Location, ObjectInfo, TensorInfo
 from ..core.dtypes import as_torch, scalar_from_bytes
 from ..errors import BadInput
 from ..security import safefs
-from ..security.torchfile import loads_blob
+from ..security.torchfile import blob_records, loads, loads_blob
 from ..storage import remote
 from .torchranges import TorchRanges
 
@@ -180,8 +181,7 @@ class Reader:
             return None
         if loc.kind == "torch_item":
             m = self._map(loc.file)
-            local = _item_tensor(m, loc.offset, loc.length)
-            start, size = _storage_record(m, loc.offset, loc.length)
+            local, start, size = _item(m, loc.offset, loc.length)
             if (start is not None and local is not None and local.size == tuple(chunk.sizes)
                     and local.dtype == tensor.dtype and local.offset * local.dtype.itemsize + nbytes <= size):
                 return path, start + local.offset * local.dtype.itemsize, nbytes
@@ -293,6 +293,35 @@ class _MapSlice(io.RawIOBase):
         b[:n] = self._view[self._pos:self._pos + n]
         self._pos += n
         return n
+
+
+_ITEM_TENSORS: dict[bytes, Any] = {}  # an item blob's pickle -> the tensor it holds (a few shapes a job)
+
+
+def _item(m: mmap.mmap, start: int, length: int) -> tuple[Any, int | None, int]:
+    """The plain tensor a DCP item blob holds (None if anything else) and the absolute offset
+    and size of its one storage record (``(None, 0)`` if not that simple). One tensor's items
+    on every rank pickle the same bytes, so each distinct pickle is parsed once."""
+    view = memoryview(m)[start:start + length]
+    records = blob_records(view)
+    pickles = [n for n in records or () if n.endswith("/data.pkl")]
+    data = [n for n in records or () if "/data/" in n and not n.endswith("/data.pkl")]
+    if len(pickles) != 1 or len(data) != 1:
+        return _item_tensor(m, start, length), *_storage_record(m, start, length)
+    at, size, crc = records[pickles[0]]
+    pickled = bytes(view[at:at + size])
+    if zlib.crc32(pickled) != crc:
+        return None, None, 0  # damaged: the torch path says so
+    if pickled not in _ITEM_TENSORS:
+        try:
+            local = local_of(loads(pickled, where="a DCP item"))
+        except (NotSimple, BadInput):
+            local = None
+        if len(_ITEM_TENSORS) >= 4096:
+            _ITEM_TENSORS.clear()
+        _ITEM_TENSORS[pickled] = local
+    at, size, _ = records[data[0]]
+    return _ITEM_TENSORS[pickled], start + at, size
 
 
 def _item_tensor(m: mmap.mmap, start: int, length: int):

@@ -328,6 +328,50 @@ def loads_blob(f: Any, *, where: str = "a torch.save blob") -> Any:
 
 
 
+_CENTRAL = struct.Struct("<4s6H3I5H2I")  # a central directory entry's 46 fixed bytes
+_END = struct.Struct("<4s4H2IH")  # the end of central directory record (22 bytes)
+
+
+def blob_records(blob: bytes | memoryview) -> dict[str, tuple[int, int, int]] | None:
+    """Name -> ``(offset, size, crc32)`` (offset within ``blob``) of the records of a small
+    ``torch.save`` zip (a DCP item), read from its end record, central directory and local
+    headers with no zipfile object (a many-rank DCP has one blob per tensor and rank). None for
+    anything but the plain case (zip64, a comment, compression, encryption, a record outside
+    the blob, names that disagree), which the zipfile path then reads or refuses."""
+    n = len(blob)
+    if n < _END.size:
+        return None
+    sig, disk, cd_disk, _count_here, count, cd_size, cd_offset, comment = _END.unpack_from(blob, n - _END.size)
+    cd_end = cd_offset + cd_size
+    if sig != b"PK\x05\x06" or disk or cd_disk or comment or cd_end not in (n - _END.size, n - _END.size - 76):
+        return None
+    if cd_end != n - _END.size:  # torch's writer adds a zip64 end record (56 bytes) and its locator (20)
+        z64 = struct.unpack_from("<4sQ2H2I4Q", blob, cd_end)
+        if (z64[0] != b"PK\x06\x06" or z64[6:] != (count, count, cd_size, cd_offset)
+                or bytes(blob[cd_end + 56:cd_end + 60]) != b"PK\x06\x07"):
+            return None
+    records, at = {}, cd_offset
+    for _ in range(count):
+        if at + _CENTRAL.size > n:
+            return None
+        (sig, _made, _need, flags, method, _t, _d, crc, csize, size, name_len, extra_len, comment_len,
+         _disk, _iattr, _eattr, header) = _CENTRAL.unpack_from(blob, at)
+        name_at = at + _CENTRAL.size
+        name = bytes(blob[name_at:name_at + name_len])
+        at = name_at + name_len + extra_len + comment_len
+        if sig != b"PK\x01\x02" or flags & 1 or method != zipfile.ZIP_STORED or csize != size or header + 30 > n:
+            return None
+        head = bytes(blob[header:header + 30])
+        if head[:4] != b"PK\x03\x04":
+            return None
+        local_name, local_extra = struct.unpack_from("<HH", head, 26)
+        start = header + 30 + local_name + local_extra
+        if bytes(blob[header + 30:header + 30 + local_name]) != name or start + size > cd_offset:
+            return None
+        records[name.decode("utf-8", "surrogateescape")] = (start, size, crc)
+    return records if at == cd_end and len(records) == count else None
+
+
 @dataclass(frozen=True, slots=True)
 class Record:
     """A zip entry: ``name`` relative to the prefix; ``offset``: where its stored bytes start."""
