@@ -55,7 +55,7 @@ def _local_core_attention():
     return LocalMLAAttention
 
 
-def _model(ep: int, q_lora: bool, yarn: bool, vocab: int = VOCAB):
+def _model(ep: int, q_lora: bool, yarn: bool, mtp: bool = False, vocab: int = VOCAB):
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -75,11 +75,16 @@ def _model(ep: int, q_lora: bool, yarn: bool, vocab: int = VOCAB):
         moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none", moe_layer_freq=m["freq"],
         pipeline_dtype=torch.float32, use_cpu_initialization=True, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-        apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0)
+        apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0, mtp_num_layers=1 if mtp else None)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     for layer in spec.layer_specs:
         layer.submodules.self_attention.submodules.core_attention = _local_core_attention()
-    return GPTModel(config, spec, vocab_size=vocab, max_sequence_length=64, position_embedding_type="rope")
+    extra = {}
+    if mtp:  # DeepSeek-V3's multi-token prediction layer (mtp.layers.0.*), which HF's model has no place for
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        extra["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec.layer_specs[-1], use_transformer_engine=False)
+    return GPTModel(config, spec, vocab_size=vocab, max_sequence_length=64, position_embedding_type="rope", **extra)
 
 
 def mla_args(q_lora: bool = True, yarn: bool = False, ep: int = 2) -> dict:
@@ -106,7 +111,8 @@ def mla_args(q_lora: bool = True, yarn: bool = False, ep: int = 2) -> dict:
             "iteration": 1}
 
 
-def mla_job(rank: int, world_size: int, out: str, q_lora: bool = True, yarn: bool = False, ep: int = 2) -> dict:
+def mla_job(rank: int, world_size: int, out: str, q_lora: bool = True, yarn: bool = False, ep: int = 2,
+            mtp: bool = False) -> dict:
     """Draw the tiny model's weights (norms away from 1, the experts different on each rank, the
     router's expert bias nonzero), save at expert parallel ``ep``; every rank returns its
     parameters, its experts by global number and Megatron's logits on :data:`fw_megatron.TOKENS`."""
@@ -121,7 +127,7 @@ def mla_job(rank: int, world_size: int, out: str, q_lora: bool = True, yarn: boo
 
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
     torch.manual_seed(0)
-    model = _model(ep, q_lora, yarn)
+    model = _model(ep, q_lora, yarn, mtp)
     first = parallel_state.get_expert_model_parallel_rank() * (MLA["experts"] // ep)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -135,7 +141,8 @@ def mla_job(rank: int, world_size: int, out: str, q_lora: bool = True, yarn: boo
     os.makedirs(out, exist_ok=True)
     torch.distributed.barrier()
     dist_checkpointing.save({"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": 1,
-                             "args": argparse.Namespace(**mla_args(q_lora, yarn, ep))}, out)
+                             "args": argparse.Namespace(**{**mla_args(q_lora, yarn, ep),
+                                                           "mtp_num_layers": 1 if mtp else None})}, out)
     torch.distributed.barrier()
     experts = {}
     for i, layer in enumerate(model.decoder.layers):
@@ -143,6 +150,6 @@ def mla_job(rank: int, world_size: int, out: str, q_lora: bool = True, yarn: boo
             experts[(i, first + j)] = {"fc1": mlp.linear_fc1.weight.detach().clone(),
                                        "fc2": mlp.linear_fc2.weight.detach().clone()}
     held = {"model": {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)},
-            "experts": experts, "tokens": TOKENS, "logits": logits(model, TOKENS)}
+            "experts": experts, "tokens": TOKENS, "logits": None if mtp else logits(model, TOKENS)}
     parallel_state.destroy_model_parallel()
     return held

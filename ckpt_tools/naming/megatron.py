@@ -157,6 +157,7 @@ _WHY = (("mtp.", "multi-token prediction layers (mtp_num_layers; Hugging Face's 
         ("router", "an MoE router (mapped for qwen3_moe, mixtral and deepseek_v3)"), ("q_layernorm", "QK-norm"),
         ("k_layernorm", "QK-norm"), ("linear_q_", "multi-latent attention (mapped for deepseek_v3)"),
         ("linear_kv_", "multi-latent attention (mapped for deepseek_v3)"), ("kv_layernorm", "multi-latent attention"),
+        ("linear_qkv", "grouped-query attention (linear_qkv), where config.json's family has multi-latent attention"),
         (".bias", "linear biases"), ("position_embeddings", "learned absolute positions (the map is for RoPE)"))
 
 

@@ -37,7 +37,7 @@ ASSUMED = {"multi_latent_attention": (True, "multi-latent attention"),
            "moe_router_score_function": ("sigmoid", "DeepSeek's sigmoid router"),
            "moe_router_enable_expert_bias": (True, "the router's expert bias (HF's e_score_correction_bias)"),
            "moe_shared_expert_gate": (False, "shared experts without a gate"),
-           "mtp_num_layers": (None, "no multi-token prediction layers"),
+           "mtp_num_layers": (False, "no multi-token prediction layers"),  # False: None or 0
            "rotary_interleaved": (False, "MLA's own rotary pairs (HF's rope_interleave)"),
            "rotary_percent": (1.0, "rotary embeddings on every rotary dimension"),
            "use_rope_scaling": (False, "no Llama-3 rope scaling (MLA's rope_type says how its rope is scaled)")}
