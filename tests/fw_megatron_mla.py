@@ -4,9 +4,9 @@ Multi-latent attention (``MLASelfAttention``, Megatron's local layer spec: ``lin
 ``q_layernorm``, ``linear_q_up_proj``, ``linear_kv_down_proj``, ``kv_layernorm``,
 ``linear_kv_up_proj``, ``linear_proj``; or ``linear_q_proj`` with ``q_lora_rank=None``), a dense
 first layer (``moe_layer_freq=[0, 1, 1]``) then MoE layers with a shared expert and DeepSeek's
-sigmoid router with expert bias, 4 experts, top 2, saved at expert parallel 2 on 2 gloo ranks
-with Megatron-Core's own ``dist_checkpointing`` (and Megatron-LM's ``args``), as
-:mod:`fw_megatron` saves its MoE GPTs. Every rank returns its parameters and the logits of
+sigmoid router with expert bias, 4 experts, top 2 (or every layer MoE, ``freq=1``: Megatron then
+stacks the layers on one axis), saved at expert parallel 2 on 2 gloo ranks with Megatron-Core's
+own ``dist_checkpointing`` (and Megatron-LM's ``args``), as :mod:`fw_megatron` saves its MoE GPTs. Every rank returns its parameters and the logits of
 Megatron's own whole-model forward (:func:`fw_megatron.logits`).
 """
 
@@ -55,7 +55,7 @@ def _local_core_attention():
     return LocalMLAAttention
 
 
-def _model(ep: int, q_lora: bool, yarn: bool, mtp: bool = False, vocab: int = VOCAB):
+def _model(ep: int, q_lora: bool, yarn: bool, mtp: bool = False, freq=MLA["freq"], vocab: int = VOCAB):
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -72,7 +72,7 @@ def _model(ep: int, q_lora: bool, yarn: bool, mtp: bool = False, vocab: int = VO
         moe_shared_expert_intermediate_size=m["shared"] * m["expert_ffn"], moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=m["scaling"],
         moe_router_dtype="fp32", moe_grouped_gemm=False, expert_model_parallel_size=ep,
-        moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none", moe_layer_freq=m["freq"],
+        moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none", moe_layer_freq=freq,
         pipeline_dtype=torch.float32, use_cpu_initialization=True, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0, mtp_num_layers=1 if mtp else None)
@@ -87,7 +87,7 @@ def _model(ep: int, q_lora: bool, yarn: bool, mtp: bool = False, vocab: int = VO
     return GPTModel(config, spec, vocab_size=vocab, max_sequence_length=64, position_embedding_type="rope", **extra)
 
 
-def mla_args(q_lora: bool = True, yarn: bool = False, ep: int = 2) -> dict:
+def mla_args(q_lora: bool = True, yarn: bool = False, ep: int = 2, freq=MLA["freq"]) -> dict:
     """The Megatron-LM arguments (``pretrain_gpt.py`` flags) that train :func:`_model`."""
     import torch
 
@@ -106,13 +106,13 @@ def mla_args(q_lora: bool = True, yarn: bool = False, ep: int = 2) -> dict:
             "moe_shared_expert_gate": False, "moe_router_score_function": "sigmoid",
             "moe_router_enable_expert_bias": True, "moe_router_topk_scaling_factor": m["scaling"],
             "moe_router_pre_softmax": False, "moe_router_num_groups": None, "moe_router_group_topk": None,
-            "moe_layer_freq": m["freq"], "moe_grouped_gemm": False, "expert_model_parallel_size": ep,
+            "moe_layer_freq": freq, "moe_grouped_gemm": False, "expert_model_parallel_size": ep,
             "moe_token_dispatcher_type": "allgather", "mtp_num_layers": None, "params_dtype": torch.float32,
             "iteration": 1}
 
 
 def mla_job(rank: int, world_size: int, out: str, q_lora: bool = True, yarn: bool = False, ep: int = 2,
-            mtp: bool = False) -> dict:
+            mtp: bool = False, freq=MLA["freq"]) -> dict:
     """Draw the tiny model's weights (norms away from 1, the experts different on each rank, the
     router's expert bias nonzero), save at expert parallel ``ep``; every rank returns its
     parameters, its experts by global number and Megatron's logits on :data:`fw_megatron.TOKENS`."""
@@ -127,7 +127,7 @@ def mla_job(rank: int, world_size: int, out: str, q_lora: bool = True, yarn: boo
 
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
     torch.manual_seed(0)
-    model = _model(ep, q_lora, yarn, mtp)
+    model = _model(ep, q_lora, yarn, mtp, freq)
     first = parallel_state.get_expert_model_parallel_rank() * (MLA["experts"] // ep)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -141,7 +141,7 @@ def mla_job(rank: int, world_size: int, out: str, q_lora: bool = True, yarn: boo
     os.makedirs(out, exist_ok=True)
     torch.distributed.barrier()
     dist_checkpointing.save({"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": 1,
-                             "args": argparse.Namespace(**{**mla_args(q_lora, yarn, ep),
+                             "args": argparse.Namespace(**{**mla_args(q_lora, yarn, ep, freq),
                                                            "mtp_num_layers": 1 if mtp else None})}, out)
     torch.distributed.barrier()
     experts = {}

@@ -157,6 +157,36 @@ def test_export_is_what_save_pretrained_writes_and_computes_what_megatron_comput
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max().item()
 
 
+def test_every_layer_moe_stacked_save_exports(tmp_path):
+    """``moe_layer_freq=1`` (no dense layer): Megatron stacks the layers on one axis
+    (``decoder.layers.mlp.router.expert_bias`` ``[L, E]``); with ``first_k_dense_replace: 0``
+    the export loads with no missing or unexpected keys, is what ``save_pretrained`` writes, holds
+    each layer's expert bias and gives Megatron's logits."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    held = run_ranks(functools.partial(fw_megatron_mla.mla_job, freq=1), 2, tmp_path, str(tmp_path / "save"))
+    info = json.loads(CliRunner().invoke(cli, ["inspect", str(tmp_path / "save"), "--json", "--tensors"]).output)
+    shapes = {t["name"]: t["shape"] for t in info["tensors"]}
+    assert shapes["decoder.layers.mlp.router.expert_bias"] == [M["layers"], M["experts"]]
+    assert info["moe"] == {"num_experts": M["experts"], "layout": "stacked"}
+    result = _export(tmp_path / "save", tmp_path / "hf", "--base", _base(tmp_path / "base", first_k_dense_replace=0))
+    assert result.exit_code == 0, result.output
+    model, loading = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"] and not loading["mismatched_keys"], loading
+    written = load_file(tmp_path / "hf" / "model.safetensors")
+    model.save_pretrained(tmp_path / "resaved")
+    resaved = load_file(tmp_path / "resaved" / "model.safetensors")
+    assert written.keys() == resaved.keys() and all(torch.equal(written[k], resaved[k]) for k in written)
+    for i in range(M["layers"]):
+        assert torch.equal(written[f"model.layers.{i}.mlp.gate.e_score_correction_bias"],
+                           held[0]["model"][f"decoder.layers.{i}.mlp.router.expert_bias"])
+    with torch.no_grad():
+        got = model(torch.tensor(held[0]["tokens"])).logits
+    assert torch.allclose(got, held[0]["logits"], rtol=1e-5, atol=1e-6), (got - held[0]["logits"]).abs().max()
+
+
 def _with_common(save_dir, tmp_path, change) -> str:
     """A copy of the save whose ``common.pt`` (the test's own file, so loaded whole) is changed."""
     import torch
