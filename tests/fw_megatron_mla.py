@@ -6,8 +6,9 @@ Multi-latent attention (``MLASelfAttention``, Megatron's local layer spec: ``lin
 first layer (``moe_layer_freq=[0, 1, 1]``) then MoE layers with a shared expert and DeepSeek's
 sigmoid router with expert bias, 4 experts, top 2 (or every layer MoE, ``freq=1``: Megatron then
 stacks the layers on one axis), saved at expert parallel 2 on 2 gloo ranks with Megatron-Core's
-own ``dist_checkpointing`` (and Megatron-LM's ``args``), as :mod:`fw_megatron` saves its MoE GPTs. Every rank returns its parameters and the logits of
-Megatron's own whole-model forward (:func:`fw_megatron.logits`).
+own ``dist_checkpointing`` (and Megatron-LM's ``args``), as :mod:`fw_megatron` saves its MoE GPTs.
+Every rank returns its parameters, its experts by global number and the logits of Megatron's own
+whole-model forward (:func:`fw_megatron.logits`).
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def _model(ep: int, q_lora: bool, yarn: bool, mtp: bool = False, freq=MLA["freq"
         **LLAMA, **rope, activation_func=torch.nn.functional.silu, num_layers=m["layers"], hidden_size=m["hidden"],
         ffn_hidden_size=m["ffn"], num_attention_heads=m["heads"], q_lora_rank=m["q_lora_rank"] if q_lora else None,
         kv_lora_rank=m["kv_lora_rank"], qk_head_dim=m["qk_head_dim"], qk_pos_emb_head_dim=m["qk_pos_emb_head_dim"],
-        v_head_dim=m["v_head_dim"], kv_channels=m["v_head_dim"], qk_layernorm=True, layernorm_epsilon=EPS, rotary_base=10000, num_moe_experts=m["experts"],
+        v_head_dim=m["v_head_dim"], kv_channels=m["v_head_dim"], qk_layernorm=True, layernorm_epsilon=EPS,
+        rotary_base=10000, num_moe_experts=m["experts"],
         moe_router_topk=m["topk"], moe_ffn_hidden_size=m["expert_ffn"],
         moe_shared_expert_intermediate_size=m["shared"] * m["expert_ffn"], moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=m["scaling"],
@@ -102,7 +104,8 @@ def mla_args(q_lora: bool = True, yarn: bool = False, ep: int = 2, freq=MLA["fre
             "norm_epsilon": EPS, "position_embedding_type": "rope", "use_rope_scaling": False,
             "add_bias_linear": False, "add_qkv_bias": False, "untie_embeddings_and_output_weights": True,
             "padded_vocab_size": VOCAB, "num_experts": m["experts"], "moe_router_topk": m["topk"],
-            "moe_ffn_hidden_size": m["expert_ffn"], "moe_shared_expert_intermediate_size": m["shared"] * m["expert_ffn"],
+            "moe_ffn_hidden_size": m["expert_ffn"],
+            "moe_shared_expert_intermediate_size": m["shared"] * m["expert_ffn"],
             "moe_shared_expert_gate": False, "moe_router_score_function": "sigmoid",
             "moe_router_enable_expert_bias": True, "moe_router_topk_scaling_factor": m["scaling"],
             "moe_router_pre_softmax": False, "moe_router_num_groups": None, "moe_router_group_topk": None,

@@ -205,7 +205,8 @@ def _with_common(save_dir, tmp_path, change) -> str:
     ({"moe_router_enable_expert_bias": False}, "moe_router_enable_expert_bias=False"),
     ({"moe_router_topk_scaling_factor": None}, "moe_router_topk_scaling_factor=None but config.json's "
                                                "routed_scaling_factor is 2.5"),
-    ({"moe_router_num_groups": 2, "moe_router_group_topk": 1}, "moe_router_num_groups=2 but config.json's n_group is 1"),
+    ({"moe_router_num_groups": 2, "moe_router_group_topk": 1},
+     "moe_router_num_groups=2 but config.json's n_group is 1"),
     ({"moe_layer_freq": [1, 1, 1]}, "moe_layer_freq=[1, 1, 1] but config.json's first_k_dense_replace 1"),
     ({"moe_shared_expert_intermediate_size": 64}, "moe_shared_expert_intermediate_size=64"),
     ({"moe_shared_expert_gate": True}, "moe_shared_expert_gate=True"),

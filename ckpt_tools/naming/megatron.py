@@ -49,7 +49,8 @@ type and YaRN's parameters) are checked against config.json by :mod:`.megatron_m
 
 Refused (exit 3, naming what is missing): any name outside the family's table (LayerNorm biases,
 linear biases, MoE experts and router in a dense family, shared experts and the router's expert
-bias but for DeepSeek-V3, QK-norm, MLA in another family, multi-token prediction layers), an expert count or width that is not config.json's, a ``linear_fc1`` that is not ``2 x
+bias but for DeepSeek-V3, QK-norm, MLA in another family, multi-token prediction layers), an
+expert count or width that is not config.json's, a ``linear_fc1`` that is not ``2 x
 intermediate_size`` rows (a non-gated MLP), a config of another family, and chunks that do not
 tile a tensor (a hole, or overlaps). Saves made at tensor or pipeline parallel > 1 are read as
 they are stored: ``sharded_state_dict`` gives each rank's slice its place in the global tensor
@@ -150,7 +151,8 @@ _TOP_TABLE = {
 }
 # what an unmapped name most likely means, for the refusal
 _WHY = (("mtp.", "multi-token prediction layers (mtp_num_layers; Hugging Face's model has none)"),
-        ("layer_norm_bias", "LayerNorm (the map is for RMSNorm)"), ("layernorm.bias", "LayerNorm (the map is for RMSNorm)"),
+        ("layer_norm_bias", "LayerNorm (the map is for RMSNorm)"),
+        ("layernorm.bias", "LayerNorm (the map is for RMSNorm)"),
         ("shared_experts", "shared experts (mapped for deepseek_v3)"),
         ("expert_bias", "the router's expert bias (aux-loss-free balancing; mapped for deepseek_v3)"),
         ("experts", "MoE experts (mapped for qwen3_moe, mixtral and deepseek_v3)"),

@@ -101,7 +101,8 @@ def rows(part: str, count: int, config: dict, name: str) -> list[tuple[int, int]
         what = (f"{blocks} heads of {block} (qk_nope_head_dim + qk_rope_head_dim)" if part == "mla_q"
                 else f"kv_lora_rank + qk_rope_head_dim = {block}")
         raise BadInput(f"{name}: {count} rows, but config.json's {what} make "
-                       f"{blocks * block if isinstance(blocks, int) else '?'}: config.json does not describe this model")
+                       f"{blocks * block if isinstance(blocks, int) else '?'}: config.json does not describe this "
+                       "model")
     if config.get("rope_interleave", True):
         return [(0, count)]
     if rope % 2:
@@ -132,8 +133,9 @@ def check_config(config: dict, src) -> None:
     the run's arguments): keys and values as many heads as queries (MLA has no query groups)."""
     heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
     if kv is not None and kv != heads:
-        raise BadInput(f"{src}: config.json's num_key_value_heads {kv} is not num_attention_heads {heads}: multi-latent "
-                       "attention gives every head its own key and value; pass --base with a config that says so")
+        raise BadInput(f"{src}: config.json's num_key_value_heads {kv} is not num_attention_heads {heads}: "
+                       "multi-latent attention gives every head its own key and value; pass --base with a config "
+                       "that says so")
 
 
 def _mscale(scale: float, mscale: float) -> float:
@@ -221,7 +223,8 @@ def wrong_args(args: dict, config: dict) -> list[str]:
                      f"top {topk // group_topk} experts, transformers' DeepseekV3 by its top 2")
     if isinstance(topk, int) and bool(config.get("norm_topk_prob")) != (topk > 1):
         wrong.append(f"moe_router_topk={topk}: Megatron's sigmoid router {'normalizes' if topk > 1 else 'does not'} "
-                     f"normalize the top-k weights but config.json's norm_topk_prob is {config.get('norm_topk_prob')!r}")
+                     "normalize the top-k weights but config.json's norm_topk_prob is "
+                     f"{config.get('norm_topk_prob')!r}")
     if "moe_shared_expert_intermediate_size" in args:
         have, want = args["moe_shared_expert_intermediate_size"] or 0, shared_width(config)[0] or 0
         if have != want:
