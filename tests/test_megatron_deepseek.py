@@ -187,6 +187,44 @@ def test_every_layer_moe_stacked_save_exports(tmp_path):
     assert torch.allclose(got, held[0]["logits"], rtol=1e-5, atol=1e-6), (got - held[0]["logits"]).abs().max()
 
 
+# the Transformer-Engine spec's names for the same norms: fused into the following linear layer
+_TE_NAMES = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+             "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
+             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+
+
+def test_transformer_engine_norm_names_export_the_same(rope_save, tmp_path):
+    """The TE layer spec fuses the q/kv latent norms into ``linear_q_up_proj``/``linear_kv_up_proj``
+    (``layer_norm_weight``) and a dense layer's pre-MLP norm into ``linear_fc1``: the save's tensors
+    under those names (written again with torch's own DCP) export to the same bytes."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path, _, _ = rope_save
+    dcp_to_torch_save(path, tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    renamed = {}
+    for name, t in whole.items():
+        if not torch.is_tensor(t) or "_extra_state" in name:
+            continue
+        layer, _, rest = name.partition(".self_attention.") if ".self_attention." in name else (None, None, None)
+        if layer is not None and "self_attention." + rest in _TE_NAMES:
+            name = f"{layer}.{_TE_NAMES['self_attention.' + rest]}"
+        elif name == "decoder.layers.0.pre_mlp_layernorm.weight":  # the dense layer's norm (MoE layers keep theirs)
+            name = "decoder.layers.0." + _TE_NAMES["pre_mlp_layernorm.weight"]
+        renamed[name] = t
+    assert sum("layer_norm_weight" in n for n in renamed) == 2 * M["layers"] + 1
+    dcp.save(renamed, checkpoint_id=str(tmp_path / "te"), no_dist=True)
+    base = _base(tmp_path / "base")
+    for src, dst in ((path, tmp_path / "hf"), (tmp_path / "te", tmp_path / "hf_te")):
+        result = _export(src, dst, "--base", base)
+        assert result.exit_code == 0, result.output
+    a, b = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "hf_te" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def _with_common(save_dir, tmp_path, change) -> str:
     """A copy of the save whose ``common.pt`` (the test's own file, so loaded whole) is changed."""
     import torch
