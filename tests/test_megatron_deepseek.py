@@ -187,6 +187,32 @@ def test_every_layer_moe_stacked_save_exports(tmp_path):
     assert torch.allclose(got, held[0]["logits"], rtol=1e-5, atol=1e-6), (got - held[0]["logits"]).abs().max()
 
 
+def test_bf16_export_keeps_the_router_in_float32_as_save_pretrained_does(rope_save, tmp_path):
+    """``--dtype bf16``: transformers' DeepseekV3 keeps its router (``gate.weight``,
+    ``e_score_correction_bias``) in float32 at bf16 (its ``_keep_in_fp32_modules_strict``), and
+    so does the export: it is what ``save_pretrained`` of the model loaded with
+    ``dtype=torch.bfloat16`` writes, and the expert bias is Megatron's float32 bias exactly (bf16
+    would round it, and the choice of experts with it)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    path, held, _ = rope_save
+    result = _export(path, tmp_path / "hf", "--base", _base(tmp_path / "base"), "--dtype", "bf16")
+    assert result.exit_code == 0, result.output
+    written = load_file(tmp_path / "hf" / "model.safetensors")
+    fp32 = sorted(k for k, v in written.items() if v.dtype == torch.float32)
+    assert fp32 == sorted(f"model.layers.{i}.mlp.gate.{w}" for i in (1, 2) for w in ("weight", "e_score_correction_bias"))
+    assert all(v.dtype == torch.bfloat16 for k, v in written.items() if k not in fp32)
+    for i in (1, 2):
+        assert torch.equal(written[f"model.layers.{i}.mlp.gate.e_score_correction_bias"],
+                           held[0]["model"][f"decoder.layers.{i}.mlp.router.expert_bias"])
+    AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16).save_pretrained(tmp_path / "resaved")
+    resaved = load_file(tmp_path / "resaved" / "model.safetensors")
+    assert written.keys() == resaved.keys()
+    assert all(written[k].dtype == resaved[k].dtype and torch.equal(written[k], resaved[k]) for k in written)
+
+
 # the Transformer-Engine spec's names for the same norms: fused into the following linear layer
 _TE_NAMES = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
              "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",

@@ -204,6 +204,49 @@ def buffers(config: dict, names: Iterable[str]) -> set[str]:
     return set(found)
 
 
+def kept_in_float32(config: dict, names: Iterable[str], dtype: str) -> set[str]:
+    """Of ``names``, those ``from_pretrained(..., dtype=dtype)`` of the config's class holds in
+    float32 whatever ``dtype`` says, so ``save_pretrained`` writes them in float32: the class's
+    own dtype plan (``_get_dtype_plan``: ``_keep_in_fp32_modules_strict`` for float16 and
+    bfloat16, ``_keep_in_fp32_modules`` for float16; DeepSeek-V3's router ``gate.weight`` and
+    ``e_score_correction_bias``), matched as transformers matches it (``build_glob_alternation``).
+    Asked of the class built on the meta device and remembered like a clean load report. Raises
+    :class:`Unchecked` when the class cannot be built."""
+    names = sorted(set(names))
+    folder, key = cache_dir(), _key(config, {n: ((), f"float32 under {dtype}?") for n in names})
+    kept = folder / "float32" / key if folder is not None and key is not None else None
+    if kept is not None and kept.is_file():
+        try:
+            return set(json.loads(kept.read_text()))
+        except (OSError, ValueError):
+            pass
+    model = meta_model(config, model_class(config, names))
+    import torch
+
+    try:
+        from transformers.core_model_loading import build_glob_alternation
+
+        plan = model._get_dtype_plan(getattr(torch, dtype))
+    except (ImportError, AttributeError) as e:  # a transformers without dtype plans (4.x)
+        raise Unchecked(f"this transformers has no dtype plan to ask ({e})") from e
+    found = []
+    if plan:  # as from_pretrained matches it: the first pattern that matches a name gives its dtype
+        alternation, by_group, _ = build_glob_alternation(list(plan))
+        for n in names:
+            m = alternation.search(n)
+            if m is not None and plan[by_group[m.lastgroup]] == torch.float32:
+                found.append(n)
+    if kept is not None:
+        try:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            tmp = kept.parent / f".{key}.{os.getpid()}"
+            tmp.write_text(json.dumps(found))
+            os.replace(tmp, kept)
+        except OSError:
+            pass
+    return set(found)
+
+
 def _patterns(model, attribute: str):
     """A test for names matching the regular expressions of the model's (and, on transformers
     5, its submodels') ``attribute``, as ``from_pretrained`` matches them (``re.search``)."""
