@@ -427,15 +427,21 @@ def test_moe_export_refuses_a_config_whose_experts_differ(moe_save, tmp_path, ch
 
 
 def test_moe_export_refuses_other_families_by_name(moe_save, tmp_path):
-    """DeepSeek-V3 (multi-latent attention, shared experts) is refused by name; a dense family's
-    config names the MoE tensors it has no place for."""
-    from transformers import DeepseekV3Config
+    """A DeepSeek-V3 config (multi-latent attention: tests/test_megatron_deepseek.py) names this
+    save's grouped-query attention it has no place for; DeepSeek-V2 is refused by name; a dense
+    family's config names the MoE tensors it has no place for."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
 
     path, _, family = moe_save
     DeepseekV3Config(vocab_size=fw_megatron.VOCAB, hidden_size=64, num_hidden_layers=2,
                      n_routed_experts=4).save_pretrained(tmp_path / "ds")
     result = _export(path, tmp_path / "hf", "--base", str(tmp_path / "ds"))
-    assert result.exit_code == 3 and "'deepseek_v3'" in result.output and "multi-latent attention" in result.output
+    assert result.exit_code == 3 and "'deepseek_v3'" in result.output, result.output
+    assert "grouped-query attention (linear_qkv)" in result.output, result.output
+    DeepseekV2Config(vocab_size=fw_megatron.VOCAB, hidden_size=64, num_hidden_layers=2,
+                     n_routed_experts=4).save_pretrained(tmp_path / "ds2")
+    result = _export(path, tmp_path / "hf", "--base", str(tmp_path / "ds2"))
+    assert result.exit_code == 3 and "'deepseek_v2'" in result.output and "deepseek_v3 only" in result.output
     result = _export(path, tmp_path / "hf", "--base", _base(tmp_path / "llama", tied=False, hidden_size=64))
     assert result.exit_code == 3, result.output
     assert "MoE experts" in result.output and "an MoE router" in result.output, result.output

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..core.describe import GROUPS, Checkpoint, dtype_name
 from ..layouts import describe, layout_of
+from ..hf import archcheck
 from ..hf import assets as hfassets
 from ..naming import experts, lora, quant
 from ..naming.wrappers import normalize_name
@@ -56,9 +57,10 @@ def summarize(ckpt: Checkpoint, *, tensors: bool = False) -> dict[str, Any]:
         out["mesh_shape"] = list(ckpt.mesh_shape)
     out["lora"] = lora.summary(ckpt)
     model = {t.name: t.shape for t in ckpt.group("model")}
-    out["params"] = sum(math.prod(s) for s in model.values())
+    config = _config(ckpt)
+    out["params"] = _params({normalize_name(n): s for n, s in model.items()}, config)
     out["moe"] = experts.summary({normalize_name(n): s for n, s in model.items()})
-    out["quantization"] = quant.summary(list(ckpt.tensors), _config(ckpt), ckpt.root)
+    out["quantization"] = quant.summary(list(ckpt.tensors), config, ckpt.root)
     if ckpt.details.get("fsdp"):
         out["fsdp"] = ckpt.details["fsdp"]
     out.update(layout_of(ckpt).to_json())
@@ -79,6 +81,22 @@ def summarize(ckpt: Checkpoint, *, tensors: bool = False) -> dict[str, Any]:
         out["tensors"] = [{"name": t.name, "group": t.group, "shape": list(t.shape), "dtype": dtype_name(t.dtype)}
                           for t in ckpt.tensors]
     return out
+
+
+def _params(model: dict[str, tuple[int, ...]], config: dict) -> int:
+    """The model's parameter count: its tensors, less those its class holds as buffers (DeepSeek's
+    ``e_score_correction_bias``), asked of the class named by the checkpoint's config.json
+    (:func:`archcheck.buffers`). Asking costs importing transformers: a checkpoint whose names
+    all end in ``weight`` or ``bias`` (parameters' names in every model ckpt maps) or that has no
+    config.json asks nothing and counts every tensor, as does one whose class cannot be built."""
+    total = sum(math.prod(s) for s in model.values())
+    if not config or all(n.rsplit(".", 1)[-1] in ("weight", "bias") for n in model):
+        return total
+    try:
+        held = archcheck.buffers(config, model)
+    except Exception:  # noqa: BLE001 - an architecture not buildable here: no buffer is known
+        return total
+    return total - sum(math.prod(model[n]) for n in held)
 
 
 def _config(ckpt: Checkpoint) -> dict:

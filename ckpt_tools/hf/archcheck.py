@@ -141,15 +141,7 @@ def compare(model, given: dict[str, tuple[int, ...]]) -> LoadReport:
     ``_keys_to_ignore_on_load_missing`` (absent but not needed: not missing)."""
     state = model.state_dict(keep_vars=True)
     wanted = {n: tuple(t.shape) for n, t in state.items()}
-    prefix = getattr(model, "base_model_prefix", "") or ""
-
-    def place(name: str) -> str:  # the name from_pretrained loads ``name`` into
-        if name in wanted or not prefix:
-            return name
-        if name.startswith(prefix + ".") and name[len(prefix) + 1:] in wanted:
-            return name[len(prefix) + 1:]
-        return f"{prefix}.{name}" if f"{prefix}.{name}" in wanted else name
-
+    place = _placer(model, wanted)
     placed = {place(n): (n, shape) for n, shape in given.items()}
     unloaded = {n for n, _ in model.named_buffers()} - set(state)  # non-persistent buffers
     skip_unexpected = _patterns(model, "_keys_to_ignore_on_load_unexpected")
@@ -163,6 +155,96 @@ def compare(model, given: dict[str, tuple[int, ...]]) -> LoadReport:
                      and not any(other in placed for other in groups[id(state[n])]))
     mismatched = sorted((n, shape, wanted[p]) for p, (n, shape) in placed.items() if p in wanted and shape != wanted[p])
     return LoadReport(type(model).__name__, tuple(missing), tuple(unexpected), tuple(mismatched))
+
+
+def _placer(model, wanted):
+    """The name ``from_pretrained`` loads a checkpoint's name into: the model's base-model prefix
+    added or dropped where that finds it in ``wanted`` (the model's state dict names)."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+
+    def place(name: str) -> str:
+        if name in wanted or not prefix:
+            return name
+        if name.startswith(prefix + ".") and name[len(prefix) + 1:] in wanted:
+            return name[len(prefix) + 1:]
+        return f"{prefix}.{name}" if f"{prefix}.{name}" in wanted else name
+
+    return place
+
+
+def buffers(config: dict, names: Iterable[str]) -> set[str]:
+    """Of a checkpoint's model ``names``, those the model class holds as (persistent) buffers,
+    not parameters: DeepSeek's ``mlp.gate.e_score_correction_bias``, which its state dict and
+    ``save_pretrained`` carry beside the weights. Asked of the class built on the meta device
+    (:func:`meta_model`), as :func:`load_report` asks, and remembered the same way. Raises
+    :class:`Unchecked` when the class cannot be built.
+
+    Example: ``buffers(cfg, ["model.layers.1.mlp.gate.e_score_correction_bias", ...])``."""
+    names = sorted(set(names))
+    folder, key = cache_dir(), _key(config, {n: ((), "buffer?") for n in names})
+    kept = folder / "buffers" / key if folder is not None and key is not None else None
+    if kept is not None and kept.is_file():
+        try:
+            return set(json.loads(kept.read_text()))
+        except (OSError, ValueError):
+            pass
+    model = meta_model(config, model_class(config, names))
+    state = model.state_dict(keep_vars=True)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    place = _placer(model, state)
+    found = sorted(n for n in names if place(n) in state and place(n) not in params)
+    if kept is not None:
+        try:  # as a clean load report: only the next inspect's cost is at stake
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            tmp = kept.parent / f".{key}.{os.getpid()}"
+            tmp.write_text(json.dumps(found))
+            os.replace(tmp, kept)
+        except OSError:
+            pass
+    return set(found)
+
+
+def kept_in_float32(config: dict, names: Iterable[str], dtype: str) -> set[str]:
+    """Of ``names``, those ``from_pretrained(..., dtype=dtype)`` of the config's class holds in
+    float32 whatever ``dtype`` says, so ``save_pretrained`` writes them in float32: the class's
+    own dtype plan (``_get_dtype_plan``: ``_keep_in_fp32_modules_strict`` for float16 and
+    bfloat16, ``_keep_in_fp32_modules`` for float16; DeepSeek-V3's router ``gate.weight`` and
+    ``e_score_correction_bias``), matched as transformers matches it (``build_glob_alternation``).
+    Asked of the class built on the meta device and remembered like a clean load report. Raises
+    :class:`Unchecked` when the class cannot be built."""
+    names = sorted(set(names))
+    folder, key = cache_dir(), _key(config, {n: ((), f"float32 under {dtype}?") for n in names})
+    kept = folder / "float32" / key if folder is not None and key is not None else None
+    if kept is not None and kept.is_file():
+        try:
+            return set(json.loads(kept.read_text()))
+        except (OSError, ValueError):
+            pass
+    model = meta_model(config, model_class(config, names))
+    import torch
+
+    try:
+        from transformers.core_model_loading import build_glob_alternation
+
+        plan = model._get_dtype_plan(getattr(torch, dtype))
+    except (ImportError, AttributeError) as e:  # a transformers without dtype plans (4.x)
+        raise Unchecked(f"this transformers has no dtype plan to ask ({e})") from e
+    found = []
+    if plan:  # as from_pretrained matches it: the first pattern that matches a name gives its dtype
+        alternation, by_group, _ = build_glob_alternation(list(plan))
+        for n in names:
+            m = alternation.search(n)
+            if m is not None and plan[by_group[m.lastgroup]] == torch.float32:
+                found.append(n)
+    if kept is not None:
+        try:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            tmp = kept.parent / f".{key}.{os.getpid()}"
+            tmp.write_text(json.dumps(found))
+            os.replace(tmp, kept)
+        except OSError:
+            pass
+    return set(found)
 
 
 def _patterns(model, attribute: str):

@@ -450,6 +450,7 @@ def model_tensors(ckpt, tensors: list[TensorInfo], config: dict | None, src: Pat
 # -- what a checkpoint's names say about its experts (no transformers, no config) ----------------
 
 _STACKED = "decoder.layers."  # one tensor for all layers: the experts are its second axis
+_ONE_LAYER = re.compile(r"^decoder\.layers\.\d+\.")
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "experts_per_token", "num_experts_per_token")
 
 
@@ -464,7 +465,9 @@ def summary(shapes: dict[str, tuple[int, ...]]) -> dict[str, Any] | None:
     for name, shape in shapes.items():
         if _GROUPED.search(name) and len(shape) >= 2:
             stacked = name.startswith(_STACKED) and len(shape) >= 3
-            return {"num_experts": shape[1] if stacked else shape[0], "layout": "stacked" if stacked else "fused"}
+            # one key per layer (layers not homogeneous: decoder.layers.1.mlp...): no layer axis
+            layer_axis = stacked and not _ONE_LAYER.match(name)
+            return {"num_experts": shape[1] if layer_axis else shape[0], "layout": "stacked" if stacked else "fused"}
     return None
 
 

@@ -82,7 +82,7 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
                            "drop --lora adapter")
         pieces = megatron.to_hf_pieces(ckpt, names, config, src, cast)
         notes = megatron.check_args(ckpt, config, src)
-        pieces = untie(ckpt, pieces, config, src)
+        pieces = untie(ckpt, kept_in_float32(pieces, config, cast), config, src)
         return ExportPlan(ckpt, pieces, None, lambda: check(pieces, config, src, arch_check) + notes,
                           asks and not archcheck.known_good(config, _asked(pieces)))
     found = peft_lora.find(ckpt, alpha=lora_alpha) if any(".lora_" in n for n in names) else None
@@ -115,9 +115,26 @@ def plan_export(ckpt: Checkpoint, src: Path, keep: list[TensorInfo], *, cast: DT
     if torchtitan.detect(p.target.name for p in pieces):
         notes = torchtitan.dropped_bias(ckpt, pieces, config, src, refuse=arch_check)
         pieces = torchtitan.to_hf_pieces(pieces, config, src)
-    pieces = untie(ckpt, pieces, config, src)
+    pieces = untie(ckpt, kept_in_float32(pieces, config, cast), config, src)
     return ExportPlan(ckpt, pieces, None, lambda: check(pieces, config, src, arch_check) + notes,
                       asks and not archcheck.known_good(config, _asked(pieces)))
+
+
+def kept_in_float32(pieces: list[Piece], config: dict, cast: DType | None) -> list[Piece]:
+    """``--dtype bf16|fp16``: the weights the architecture keeps in float32 at that dtype (its
+    dtype plan, :func:`archcheck.kept_in_float32`: DeepSeek-V3's router weight and
+    ``e_score_correction_bias``) are written in float32, as ``save_pretrained`` of the model
+    loaded at that dtype writes them, instead of rounded to ``cast``. Unchanged when no class
+    can be asked (the architecture check then says why)."""
+    if cast is None or cast not in ("bfloat16", "float16") or not config:
+        return pieces
+    try:
+        keep = archcheck.kept_in_float32(config, [p.target.name for p in pieces], str(cast))
+    except archcheck.Unchecked:
+        return pieces
+    f32 = DType("float32")
+    return [replace(p, target=replace(p.target, dtype=f32)) if p.target.name in keep and p.target.dtype == cast
+            and p.target.computed is None else p for p in pieces]
 
 
 def _with_base_weights(ckpt: Checkpoint, base: str) -> tuple[Checkpoint, dict[str, TensorInfo]]:

@@ -31,11 +31,26 @@ homogeneous (``moe_layer_freq`` with dense layers: Qwen3-MoE's ``mlp_only_layers
 per layer (``decoder.layers.1.mlp.router.weight`` ``[E, H]``): read the same way, without the
 layer axis; which layers are dense is then checked by the architecture check against the config.
 One key per expert (``singleton_local_shards``) is refused.
-DeepSeek-V3 (multi-latent attention, shared experts) is refused by name.
+
+DeepSeek-V3 (``deepseek_v3``): Megatron-Core's multi-latent attention (``MLASelfAttention``) is
+Hugging Face's layer for layer (``linear_q_down_proj`` -> ``q_a_proj``, ``q_layernorm`` (or the TE
+spec's ``linear_q_up_proj.layer_norm_weight``) -> ``q_a_layernorm``, ``linear_q_up_proj`` ->
+``q_b_proj`` (``linear_q_proj`` -> ``q_proj`` without a query latent), ``linear_kv_down_proj``
+(``kv_lora_rank + qk_pos_emb_head_dim`` rows) -> ``kv_a_proj_with_mqa``, ``kv_layernorm`` ->
+``kv_a_layernorm``, ``linear_kv_up_proj`` -> ``kv_b_proj``), the same split of each head into its
+no-rotary and rotary parts, and the same rotary convention: Megatron's MLA takes the rotary rows in
+interleaved pairs (``x[0::2], x[1::2]``), as HF's ``rope_interleave=True`` does; for a config with
+``rope_interleave=False`` the rotary rows of ``q_b_proj``/``q_proj`` and ``kv_a_proj_with_mqa`` are
+reordered (evens, then odds), which gives the same attention scores. The shared experts'
+``[gate; up]`` become ``mlp.shared_experts.gate_proj``/``up_proj``, the router's expert bias
+``mlp.gate.e_score_correction_bias``. The training arguments that the shapes cannot show (the
+sigmoid router, its normalization, scaling factor and groups, the dense first layers, the rotary
+type and YaRN's parameters) are checked against config.json by :mod:`.megatron_mla`.
 
 Refused (exit 3, naming what is missing): any name outside the family's table (LayerNorm biases,
-linear biases, MoE experts and router in a dense family, shared experts, the router's expert
-bias, QK-norm, MLA), an expert count or width that is not config.json's, a ``linear_fc1`` that is not ``2 x
+linear biases, MoE experts and router in a dense family, shared experts and the router's expert
+bias but for DeepSeek-V3, QK-norm, MLA in another family, multi-token prediction layers), an
+expert count or width that is not config.json's, a ``linear_fc1`` that is not ``2 x
 intermediate_size`` rows (a non-gated MLP), a config of another family, and chunks that do not
 tile a tensor (a hole, or overlaps). Saves made at tensor or pipeline parallel > 1 are read as
 they are stored: ``sharded_state_dict`` gives each rank's slice its place in the global tensor
@@ -61,14 +76,13 @@ from ..core.dtypes import DType
 from ..core.plan import Piece, Target, whole
 from ..engine.reader import Reader
 from ..errors import BadInput
-from . import experts
+from . import experts, megatron_mla
 
 _MARKS = ("decoder.layers.", "embedding.word_embeddings.weight", "output_layer.weight")
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3")
 # families asked for by name that the map does not cover, and why
-_REFUSED = {"deepseek_v3": "multi-latent attention (linear_q_down_proj, linear_kv_down_proj, ...), shared experts and "
-                           "DeepSeek's sigmoid router are not mapped",
-            "deepseek_v2": "multi-latent attention and shared experts are not mapped",
+_REFUSED = {"deepseek_v2": "DeepSeek-V2's softmax router and MLA are mapped for deepseek_v3 only (export with a "
+                           "deepseek_v3 config if the run was DeepSeek-V3-style)",
             "qwen2_moe": "shared experts (mlp.shared_experts) are not mapped"}
 STACKED = "decoder.layers."
 _PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -103,18 +117,49 @@ _MOE = {
     "mlp.experts.experts.linear_fc1.weight": (("model.layers.{}.mlp.experts.gate_up_proj", "experts_fc1"),),
     "mlp.experts.experts.linear_fc2.weight": (("model.layers.{}.mlp.experts.down_proj", "experts_fc2"),),
 }
-_FAMILY_TABLE = {"qwen3_moe": {**_LAYER_TABLE, **_QK_NORM, **_MOE}, "mixtral": {**_LAYER_TABLE, **_MOE}}
+# multi-latent attention (Megatron's MLASelfAttention, local or TE spec: the TE spec fuses the q/kv
+# latent norms into the up-projections as their layer_norm_weight); the parts reorder rotary rows
+# when config.json's rope_interleave is false (naming/megatron_mla.py)
+_MLA = {
+    "self_attention.linear_q_proj.weight": (("model.layers.{}.self_attn.q_proj.weight", "mla_q"),),
+    "self_attention.linear_q_down_proj.weight": (("model.layers.{}.self_attn.q_a_proj.weight", None),),
+    "self_attention.q_layernorm.weight": (("model.layers.{}.self_attn.q_a_layernorm.weight", None),),
+    "self_attention.linear_q_up_proj.layer_norm_weight": (("model.layers.{}.self_attn.q_a_layernorm.weight", None),),
+    "self_attention.linear_q_up_proj.weight": (("model.layers.{}.self_attn.q_b_proj.weight", "mla_q"),),
+    "self_attention.linear_kv_down_proj.weight": (("model.layers.{}.self_attn.kv_a_proj_with_mqa.weight",
+                                                   "mla_kv_a"),),
+    "self_attention.kv_layernorm.weight": (("model.layers.{}.self_attn.kv_a_layernorm.weight", None),),
+    "self_attention.linear_kv_up_proj.layer_norm_weight": (("model.layers.{}.self_attn.kv_a_layernorm.weight",
+                                                            None),),
+    "self_attention.linear_kv_up_proj.weight": (("model.layers.{}.self_attn.kv_b_proj.weight", None),),
+}
+# DeepSeek's MoE besides the routed experts: the router's expert bias (aux-loss-free balancing) and
+# the shared experts, one gated MLP ([gate; up] in linear_fc1)
+_SHARED = {
+    "mlp.router.expert_bias": (("model.layers.{}.mlp.gate.e_score_correction_bias", "router_bias"),),
+    "mlp.shared_experts.linear_fc1.weight": (("model.layers.{}.mlp.shared_experts.gate_proj.weight", "shared_gate"),
+                                             ("model.layers.{}.mlp.shared_experts.up_proj.weight", "shared_up")),
+    "mlp.shared_experts.linear_fc2.weight": (("model.layers.{}.mlp.shared_experts.down_proj.weight", None),),
+}
+_NOT_QKV = {k: v for k, v in _LAYER_TABLE.items() if "linear_qkv" not in k}
+_FAMILY_TABLE = {"qwen3_moe": {**_LAYER_TABLE, **_QK_NORM, **_MOE}, "mixtral": {**_LAYER_TABLE, **_MOE},
+                 "deepseek_v3": {**_NOT_QKV, **_MLA, **_MOE, **_SHARED}}
 _TOP_TABLE = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
     "decoder.final_layernorm.weight": "model.norm.weight",
     "output_layer.weight": "lm_head.weight",
 }
 # what an unmapped name most likely means, for the refusal
-_WHY = (("layer_norm_bias", "LayerNorm (the map is for RMSNorm)"), ("layernorm.bias", "LayerNorm (the map is for RMSNorm)"),
-        ("shared_experts", "shared experts"), ("expert_bias", "the router's expert bias (aux-loss-free balancing)"),
-        ("experts", "MoE experts (mapped for qwen3_moe and mixtral)"),
-        ("router", "an MoE router (mapped for qwen3_moe and mixtral)"), ("q_layernorm", "QK-norm"),
-        ("k_layernorm", "QK-norm"), ("linear_q_", "multi-latent attention"), ("linear_kv_", "multi-latent attention"),
+_WHY = (("mtp.", "multi-token prediction layers (mtp_num_layers; Hugging Face's model has none)"),
+        ("layer_norm_bias", "LayerNorm (the map is for RMSNorm)"),
+        ("layernorm.bias", "LayerNorm (the map is for RMSNorm)"),
+        ("shared_experts", "shared experts (mapped for deepseek_v3)"),
+        ("expert_bias", "the router's expert bias (aux-loss-free balancing; mapped for deepseek_v3)"),
+        ("experts", "MoE experts (mapped for qwen3_moe, mixtral and deepseek_v3)"),
+        ("router", "an MoE router (mapped for qwen3_moe, mixtral and deepseek_v3)"), ("q_layernorm", "QK-norm"),
+        ("k_layernorm", "QK-norm"), ("linear_q_", "multi-latent attention (mapped for deepseek_v3)"),
+        ("linear_kv_", "multi-latent attention (mapped for deepseek_v3)"), ("kv_layernorm", "multi-latent attention"),
+        ("linear_qkv", "grouped-query attention (linear_qkv), where config.json's family has multi-latent attention"),
         (".bias", "linear biases"), ("position_embeddings", "learned absolute positions (the map is for RoPE)"))
 
 
@@ -163,16 +208,19 @@ def _rows(part: str | None, shape: tuple[int, ...], config: dict, name: str) -> 
     rows = shape[0]
     if part is None:
         return [(0, rows)]
-    if part in ("router", "experts_fc1", "experts_fc2"):
+    if part in ("router", "router_bias", "experts_fc1", "experts_fc2"):
         _check_experts(part, shape, config, name)
         return [(0, rows)]
-    if part in ("gate", "up"):
-        inter = config.get("intermediate_size")
+    if part in ("mla_q", "mla_kv_a"):
+        return megatron_mla.rows(part, rows, config, name)
+    if part in ("gate", "up", "shared_gate", "shared_up"):
+        inter, key = ((config.get("intermediate_size"), "intermediate_size") if part in ("gate", "up")
+                      else megatron_mla.shared_width(config))
         if not isinstance(inter, int) or rows != 2 * inter:
-            raise BadInput(f"{name}: {rows} rows, but a gated MLP (SwiGLU: [gate; up]) of intermediate_size "
-                           f"{inter} has {2 * inter if isinstance(inter, int) else '2 x intermediate_size'}: "
+            raise BadInput(f"{name}: {rows} rows, but a gated MLP (SwiGLU: [gate; up]) of {key} "
+                           f"{inter} has {2 * inter if isinstance(inter, int) else '2 x ' + key}: "
                            "a non-gated MLP is not mapped, or config.json does not describe this model")
-        return [(0, inter)] if part == "gate" else [(inter, rows)]
+        return [(0, inter)] if part.endswith("gate") else [(inter, rows)]
     heads = config.get("num_attention_heads")
     groups = config.get("num_key_value_heads") or heads
     hidden = config.get("hidden_size")
@@ -199,7 +247,7 @@ def _check_experts(part: str, shape: tuple[int, ...], config: dict, name: str) -
         raise BadInput(f"{name}: holds {shape[0]} experts (its axis after the layer) but config.json says "
                        f"{count if count is not None else 'none'} ({key}); pass --base with a config that "
                        "describes this model")
-    if part == "router":
+    if part in ("router", "router_bias"):
         return
     key = "moe_intermediate_size" if "moe_intermediate_size" in config else "intermediate_size"
     inter, hidden = config.get(key), config.get("hidden_size")
@@ -266,6 +314,8 @@ def to_hf_pieces(ckpt: Checkpoint, names: dict[str, TensorInfo], config: dict, s
     in 2 groups) -> ``model.layers.{0,1}.self_attn.{q,k,v}_proj.weight`` of 32, 16, 16 rows.
     """
     family = _family(config, src)
+    if family in megatron_mla.FAMILIES:
+        megatron_mla.check_config(config, src)
     per_layer = ckpt.format == "dcp"  # a torch_dist save: its per-layer keys are global tensors too
     unknown = sorted(n for n in names if not _known(n, family, per_layer))
     if unknown:
@@ -342,34 +392,45 @@ def check_args(ckpt: Checkpoint, config: dict, src: Path) -> list[str]:
     alone) the shapes are all that is checked: a note says what was taken from config.json."""
     args = ckpt.details.get("run_args")
     family = config.get("model_type")
-    moe = family in _NORMALIZED
+    mla = family in megatron_mla.FAMILIES
+    moe = family in _NORMALIZED or mla
     if not isinstance(args, dict):
         why = ckpt.details.get("run_args_unread")
         return [f"{src}: " + (f"its training arguments could not be read ({why}); " if why else
                                     "the save records no training arguments (no Megatron-LM args in common.pt); ")
                 + "SwiGLU, RMSNorm and the rotary convention of config.json are assumed"
-                + (", and its router's top-k weighing (Megatron's default, moe_router_pre_softmax=False, "
+                + (f", and {megatron_mla.NOTE}" if mla else
+                   ", and its router's top-k weighing (Megatron's default, moe_router_pre_softmax=False, "
                    "normalizes the top-k weights)" if moe else "") + "; only the shapes are checked"]
     assumed = {**_ASSUMED, "qk_layernorm": _QK.get(family, _ASSUMED["qk_layernorm"])}
     if moe:
         del assumed["num_experts"]  # compared with config.json's count below
         assumed.update(_MOE_ASSUMED)
+    if mla:
+        for k in megatron_mla.COMPARED:
+            del assumed[k]
+        assumed.update(megatron_mla.ASSUMED)
     wrong = [f"{k}={args[k]!r} ({what} expected)" for k, (want, what) in assumed.items()
              if k in args and args[k] != want and not (want is False and args[k] in (None, 0))
              and not (want is None and args[k] in (0, 1))]
     groups = args.get("num_query_groups") if args.get("group_query_attention") else args.get("num_attention_heads")
     pairs = [*((k, c) for k, c in _EQUAL.items()), ("num_query_groups", "num_key_value_heads")]
     values = {**args, "num_query_groups": groups}
+    if mla:  # no query groups, no kv_channels (head widths are compared by megatron_mla)
+        pairs = [(k, c) for k, c in pairs if k not in ("num_query_groups", "kv_channels")]
     if moe:
         width = "moe_intermediate_size" if "moe_intermediate_size" in config else "intermediate_size"
-        pairs = [(k, c) for k, c in pairs if k != "ffn_hidden_size"]  # the dense width: no weight of this model
+        if not (mla and config.get("first_k_dense_replace")):  # the dense width: no weight of this model
+            pairs = [(k, c) for k, c in pairs if k != "ffn_hidden_size"]
         pairs += [("num_experts", "num_experts"), ("moe_router_topk", "num_experts_per_tok"),
                   ("moe_ffn_hidden_size", width)]
         values["moe_ffn_hidden_size"] = args.get("moe_ffn_hidden_size") or args.get("ffn_hidden_size")
         config = {**config, "num_experts": experts.num_experts(config)}
-        normalized = _NORMALIZED[family] if isinstance(_NORMALIZED[family], bool) else bool(
-            config.get(_NORMALIZED[family]))
-        if bool(args.get("moe_router_pre_softmax")) == normalized:
+        normalized = _NORMALIZED.get(family) if isinstance(_NORMALIZED.get(family), bool) else bool(
+            config.get(_NORMALIZED.get(family)))
+        if mla:
+            wrong += megatron_mla.wrong_args(args, config)
+        elif bool(args.get("moe_router_pre_softmax")) == normalized:
             wrong.append(f"moe_router_pre_softmax={args.get('moe_router_pre_softmax')!r} but "
                          + (f"config.json's {_NORMALIZED[family]} is {config.get(_NORMALIZED[family])!r}"
                             if isinstance(_NORMALIZED[family], str) else f"{family} always normalizes the top-k weights"))
@@ -385,7 +446,7 @@ def check_args(ckpt: Checkpoint, config: dict, src: Path) -> list[str]:
     if "untie_embeddings_and_output_weights" in args and bool(config.get("tie_word_embeddings", True)) != tied:
         wrong.append(f"untie_embeddings_and_output_weights={not tied} but config.json's tie_word_embeddings is "
                      f"{config.get('tie_word_embeddings', True)}")
-    if "use_rope_scaling" in args and bool(args["use_rope_scaling"]) != bool(config.get("rope_scaling")):
+    if "use_rope_scaling" in args and not mla and bool(args["use_rope_scaling"]) != bool(config.get("rope_scaling")):
         wrong.append(f"use_rope_scaling={args['use_rope_scaling']!r} but config.json's rope_scaling is "
                      f"{config.get('rope_scaling')!r}")
     if wrong:
