@@ -143,3 +143,79 @@ def test_verify_streamed_still_finds_one_element_beyond_atol(tmp_path):
     bad = write_hf(tmp_path / "bad", w, {})
     out = json.loads(run("verify", src, bad, "--atol", "1e-2", "--json", code=1))
     assert out["mismatches"] == ["l.weight"] and not out["ok"]
+
+
+# -- 3-D expert weights in several chunks ----------------------------------------------------
+
+def experts_source(tmp_path: Path) -> tuple[Path, torch.Tensor, torch.Tensor]:
+    """An HF block-FP8 checkpoint with one fused expert weight [E=3, 300, 200] (edge blocks
+    partial in both dims) and its scales [3, 3, 2]."""
+    q = codes((3, 300, 200), 7, nan=True)
+    s = torch.rand(3, 3, 2, generator=torch.Generator().manual_seed(8)) * 1e-2 + 1e-4
+    src = write_hf(tmp_path / "src", {"mlp.experts.down_proj.weight": q, "mlp.experts.down_proj.weight_scale_inv": s,
+                                      "norm.weight": torch.ones(200, dtype=torch.bfloat16)})
+    return src, q, s
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return got.dtype == want.dtype and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_3d_experts_in_rank_files_dequantize_by_row_windows(tmp_path, monkeypatch):
+    """Expert codes and scales split over ranks (Shard(0) of the expert dim) dequantize to the
+    formula's bits, through the row-window path (never the whole-tensor one), to an HF dir and
+    to rank files of another world size."""
+    import ckpt_tools.engine.computed as computed
+
+    src, q, s = experts_source(tmp_path)
+    want = formula(q, s).to(torch.bfloat16)
+    run("convert", src, tmp_path / "w2", "--to", "sharded", "--world-size", "2")
+
+    def whole(*a, **k):
+        raise AssertionError("dequantized whole")
+
+    monkeypatch.setattr(computed.lowp, "dequantize", whole)
+    run("export", tmp_path / "w2", tmp_path / "hf", "--dtype", "bf16", "--base", src, "--no-arch-check")
+    got = load_file(tmp_path / "hf" / "model.safetensors")["mlp.experts.down_proj.weight"]
+    assert _same_bits(got, want)
+    run("convert", tmp_path / "w2", tmp_path / "d3", "--to", "sharded", "--world-size", "3", "--dtype", "bf16",
+        "--base", src)
+    parts = [torch.load(tmp_path / "d3" / f"model_world_size_3_rank_{r}.pt", weights_only=True) for r in range(3)]
+    assert _same_bits(torch.cat([p["mlp.experts.down_proj.weight"].to_local() for p in parts]), want)
+
+
+def _save_row_sharded(rank: int, world_size: int, out: str, q: torch.Tensor, s: torch.Tensor) -> None:
+    """dcp.save of the experts' codes and scales as DTensors sharded over their rows (Shard(1)):
+    150 code rows a rank (a chunk boundary inside a 128-row block) and 2 / 1 scale rows."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    code_rows = [(0, 150), (150, 300)][rank]
+    scale_rows = [(0, 2), (2, 3)][rank]  # the scale rows each rank's code rows need start there
+    state = {
+        "mlp.experts.down_proj.weight": DTensor.from_local(q[:, code_rows[0]:code_rows[1]].contiguous(), mesh, [Shard(1)],
+                                                           shape=q.shape, stride=q.stride()),
+        "mlp.experts.down_proj.weight_scale_inv": DTensor.from_local(s[:, scale_rows[0]:scale_rows[1]].contiguous(), mesh,
+                                                                     [Shard(1)], shape=s.shape, stride=s.stride()),
+    }
+    dcp.save(state, checkpoint_id=out)
+
+
+def test_3d_experts_sharded_over_rows_in_dcp_dequantize_bit_equal(tmp_path, monkeypatch):
+    """A DCP whose expert codes are cut inside their rows (and inside a 128-row block): each row
+    window reads only the chunk rows of one expert it needs; the bits are the formula's."""
+    import ckpt_tools.engine.computed as computed
+    from dist import run_ranks
+
+    src, q, s = experts_source(tmp_path)
+    run_ranks(_save_row_sharded, 2, tmp_path, str(tmp_path / "dcp"), q, s)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata
+    assert sorted(tuple(c.offsets) for c in meta["mlp.experts.down_proj.weight"].chunks) == [(0, 0, 0), (0, 150, 0)]
+    monkeypatch.setattr(computed.lowp, "dequantize", lambda *a, **k: pytest.fail("dequantized whole"))
+    run("convert", tmp_path / "dcp", tmp_path / "hf", "--to", "hf", "--dtype", "bf16", "--base", src, "--no-arch-check")
+    got = load_file(tmp_path / "hf" / "model.safetensors")["mlp.experts.down_proj.weight"]
+    assert _same_bits(got, formula(q, s).to(torch.bfloat16))
