@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import os
+import threading
 from collections import deque
 from collections.abc import Iterator
 from functools import cache
@@ -162,7 +163,13 @@ class DequantSpan(CastSpan):
         step = min(step, max(1, self.rows[1] - self.rows[0]))
         fds = {p: os.open(p, os.O_RDONLY) for p in {self.parts[0][0], self.scale_part[0]}}
         workers = max(1, min(2, os.cpu_count() or 1))
-        free = [_Work(self, step) for _ in range(AHEAD)]
+        kind = (step, g.cols, g.row_bytes, g.block, g.e2m1, g.transposed, str(self.src), str(self.dst))
+        with _SPARE_LOCK:
+            free = _SPARE.pop(kind, [])
+        free += [_Work(self, step) for _ in range(AHEAD - len(free))]
+        for work in free:
+            work.span = self
+        mine = list(free)
         try:
             with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ckpt-dequant") as pool:
                 starts = iter(range(self.rows[0], self.rows[1], step))
@@ -186,8 +193,13 @@ class DequantSpan(CastSpan):
         finally:
             for fd in fds.values():
                 os.close(fd)
+        with _SPARE_LOCK:  # only after a clean end: after an error a writer may still hold a chunk
+            _SPARE.clear()  # one kind kept: a model's weights come in a few shapes, often in a row
+            _SPARE[kind] = mine
 
 
+_SPARE: dict[tuple, list] = {}  # the buffers of the last finished span, for the next of its kind
+_SPARE_LOCK = threading.Lock()
 TILE = 1 << 15  # elements gathered at once: their int64 indexes and results stay in L2
 
 
