@@ -77,14 +77,16 @@ def timed(cmd: list[str]) -> float:
     return time.perf_counter() - t
 
 
-def timed_rss(cmd: list[str]) -> tuple[float, int]:
-    """Wall seconds and the child's peak RSS, from ``/usr/bin/time`` (whose own small process is
-    what the child forks from: this process's ``ru_maxrss`` of children would count a forked copy
-    of this one)."""
+def timed_rss(cmd: list[str]) -> tuple[float, int, float]:
+    """Wall seconds, the child's peak RSS and its CPU seconds (user + system: on a shared
+    machine the steadier figure), from ``/usr/bin/time`` (whose own small process is what the
+    child forks from: this process's ``ru_maxrss`` of children would count a forked copy of
+    this one)."""
     t = time.perf_counter()
-    done = subprocess.run(["/usr/bin/time", "-f", "maxrss_kb %M", *cmd], check=True, stderr=subprocess.PIPE, text=True)
-    peak = [int(line.split()[1]) * 1024 for line in done.stderr.splitlines() if line.startswith("maxrss_kb")]
-    return time.perf_counter() - t, (peak[-1] if peak else 0)
+    done = subprocess.run(["/usr/bin/time", "-f", "maxrss_kb %M cpu %U %S", *cmd], check=True, stderr=subprocess.PIPE,
+                          text=True)
+    line = [x.split() for x in done.stderr.splitlines() if x.startswith("maxrss_kb")][-1]
+    return time.perf_counter() - t, int(line[1]) * 1024, float(line[3]) + float(line[4])
 
 
 def main() -> None:
@@ -99,7 +101,8 @@ def main() -> None:
     try:
         src = make_source(root, args.gb)
         size = sum(f.stat().st_size for f in src.iterdir())
-        runs: dict[str, list[float]] = {"cp": [], "cp_sync": [], "ckpt": [], "deepseek_cpu": []}
+        runs: dict[str, list[float]] = {"cp": [], "cp_sync": [], "ckpt": [], "ckpt_cpu": [], "deepseek_cpu": [],
+                                        "deepseek_cpu_cpu": []}
         rss = {}
         peer_script = Path(__file__).with_name("deepseek_cast_cpu.py")
         for r in range(args.repeat):  # each round: the baselines right before the tools (a virtual disk drifts)
@@ -109,15 +112,17 @@ def main() -> None:
             runs["cp_sync"].append(timed(["sh", "-c", f"cp -r '{src}' '{root / f'cps{r}'}' && sync"]))
             shutil.rmtree(root / f"cps{r}")
             subprocess.run(["sync"], check=True)
-            t, rss["ckpt"] = timed_rss([sys.executable, "-m", "ckpt_tools", "convert", str(src),
+            t, rss["ckpt"], cpu = timed_rss([sys.executable, "-m", "ckpt_tools", "convert", str(src),
                                         str(root / f"bf16_{r}"), "--to", "hf", "--dtype", "bf16", "--quiet"])
             runs["ckpt"].append(t)
+            runs["ckpt_cpu"].append(cpu)
             out = sum(f.stat().st_size for f in (root / f"bf16_{r}").iterdir())
             shutil.rmtree(root / f"bf16_{r}")
             subprocess.run(["sync"], check=True)
             if not args.no_peer:
-                t, rss["deepseek_cpu"] = timed_rss([sys.executable, str(peer_script), str(src), str(root / f"ds_{r}")])
+                t, rss["deepseek_cpu"], cpu = timed_rss([sys.executable, str(peer_script), str(src), str(root / f"ds_{r}")])
                 runs["deepseek_cpu"].append(t)
+                runs["deepseek_cpu_cpu"].append(cpu)
                 shutil.rmtree(root / f"ds_{r}")
             load.append(os.getloadavg()[0])
         med = {k: statistics.median(v) for k, v in runs.items() if v}
