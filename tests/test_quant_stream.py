@@ -220,3 +220,25 @@ def test_3d_experts_sharded_over_rows_in_dcp_dequantize_bit_equal(tmp_path, monk
     run("convert", tmp_path / "dcp", tmp_path / "hf", "--to", "hf", "--dtype", "bf16", "--base", src, "--no-arch-check")
     got = load_file(tmp_path / "hf" / "model.safetensors")["mlp.experts.down_proj.weight"]
     assert _same_bits(got, formula(q, s).to(torch.bfloat16))
+
+
+def test_mxfp4_experts_in_rank_files_dequantize_from_the_experts_chunks(tmp_path, monkeypatch):
+    """MXFP4 expert blocks and scales kept quantized in rank files (3 ranks: 2, 1, 1 experts),
+    then dequantized from them (the experts each piece needs, from the chunks that hold them,
+    never a whole-tensor assembly): the bits of the HF source's dequantization."""
+    import ckpt_tools.engine.computed as computed
+    from ckpt_tools.engine.reader import Reader
+
+    g = torch.Generator().manual_seed(4)
+    blocks = torch.randint(0, 256, (4, 64, 2, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(118, 131, (4, 64, 2), dtype=torch.uint8, generator=g)
+    config = {"quantization_config": {"quant_method": "mxfp4"}}
+    src = write_hf(tmp_path / "mx", {"mlp.experts.down_proj_blocks": blocks, "mlp.experts.down_proj_scales": scales,
+                                     "norm.weight": torch.ones(64, dtype=torch.bfloat16)}, config)
+    run("convert", src, tmp_path / "want", "--to", "hf", "--dtype", "bf16", "--no-arch-check")
+    want = load_file(tmp_path / "want" / "model.safetensors")["mlp.experts.down_proj"]
+    run("convert", src, tmp_path / "w3", "--to", "sharded", "--world-size", "3")
+    monkeypatch.setattr(Reader, "full", lambda *a: pytest.fail("assembled whole"))
+    monkeypatch.setattr(computed, "_whole", lambda *a: pytest.fail("assembled whole"))
+    run("convert", tmp_path / "w3", tmp_path / "got", "--to", "hf", "--dtype", "bf16", "--base", src, "--no-arch-check")
+    assert _same_bits(load_file(tmp_path / "got" / "model.safetensors")["mlp.experts.down_proj"], want)
