@@ -4,8 +4,9 @@
 
 Makes a DeepSeek/Qwen-style block-FP8 checkpoint of Llama-7B layer shapes (vocab 8000) (float8_e4m3fn codes,
 float32 ``weight_scale_inv`` per 128x128 block, bf16 embeddings and norms) of about ``--gb``
-GB, then times, ``--repeat`` times each, ``cp -r`` of it and ckpt's dequantization, and reports
-medians, their ratio and ckpt's peak RSS, and the same for DeepSeek-V3's ``fp8_cast_bf16.py``
+GB, then times, ``--repeat`` rounds, ``cp -r`` of it (alone, and followed by ``sync``: ckpt's output is
+on the disk when it exits) and ckpt's dequantization, and reports medians, the medians of each
+round's ratios, the load average and peak RSS, and the same for DeepSeek-V3's ``fp8_cast_bf16.py``
 logic run on CPU (``bench/deepseek_cast_cpu.py``), the tool people use for this today. The output holds twice the source's bytes (bf16 is
 two bytes an element), so the ratio is against a copy of half what ckpt writes.
 Page cache is not dropped between runs (no root assumed).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -75,14 +77,16 @@ def timed(cmd: list[str]) -> float:
     return time.perf_counter() - t
 
 
-def timed_rss(cmd: list[str]) -> tuple[float, int]:
-    """Wall seconds and the child's peak RSS, from ``/usr/bin/time`` (whose own small process is
-    what the child forks from: this process's ``ru_maxrss`` of children would count a forked copy
-    of this one)."""
+def timed_rss(cmd: list[str]) -> tuple[float, int, float]:
+    """Wall seconds, the child's peak RSS and its CPU seconds (user + system: on a shared
+    machine the steadier figure), from ``/usr/bin/time`` (whose own small process is what the
+    child forks from: this process's ``ru_maxrss`` of children would count a forked copy of
+    this one)."""
     t = time.perf_counter()
-    done = subprocess.run(["/usr/bin/time", "-f", "maxrss_kb %M", *cmd], check=True, stderr=subprocess.PIPE, text=True)
-    peak = [int(line.split()[1]) * 1024 for line in done.stderr.splitlines() if line.startswith("maxrss_kb")]
-    return time.perf_counter() - t, (peak[-1] if peak else 0)
+    done = subprocess.run(["/usr/bin/time", "-f", "maxrss_kb %M cpu %U %S", *cmd], check=True, stderr=subprocess.PIPE,
+                          text=True)
+    line = [x.split() for x in done.stderr.splitlines() if x.startswith("maxrss_kb")][-1]
+    return time.perf_counter() - t, int(line[1]) * 1024, float(line[3]) + float(line[4])
 
 
 def main() -> None:
@@ -90,28 +94,42 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--no-peer", action="store_true", help="skip DeepSeek's script (30 s a run)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="fp8bench-", dir=args.out))
+    load = [os.getloadavg()[0]]
     try:
         src = make_source(root, args.gb)
         size = sum(f.stat().st_size for f in src.iterdir())
-        cp, ckpt, peer, rss = [], [], [], {}
+        runs: dict[str, list[float]] = {"cp": [], "cp_sync": [], "ckpt": [], "ckpt_cpu": [], "deepseek_cpu": [],
+                                        "deepseek_cpu_cpu": []}
+        rss = {}
         peer_script = Path(__file__).with_name("deepseek_cast_cpu.py")
-        for r in range(args.repeat):
-            cp.append(timed(["cp", "-r", str(src), str(root / f"cp{r}")]))
+        for r in range(args.repeat):  # each round: the baselines right before the tools (a virtual disk drifts)
+            runs["cp"].append(timed(["cp", "-r", str(src), str(root / f"cp{r}")]))
             shutil.rmtree(root / f"cp{r}")
-            t, rss["ckpt"] = timed_rss([sys.executable, "-m", "ckpt_tools", "convert", str(src),
+            subprocess.run(["sync"], check=True)
+            runs["cp_sync"].append(timed(["sh", "-c", f"cp -r '{src}' '{root / f'cps{r}'}' && sync"]))
+            shutil.rmtree(root / f"cps{r}")
+            subprocess.run(["sync"], check=True)
+            t, rss["ckpt"], cpu = timed_rss([sys.executable, "-m", "ckpt_tools", "convert", str(src),
                                         str(root / f"bf16_{r}"), "--to", "hf", "--dtype", "bf16", "--quiet"])
-            ckpt.append(t)
+            runs["ckpt"].append(t)
+            runs["ckpt_cpu"].append(cpu)
             out = sum(f.stat().st_size for f in (root / f"bf16_{r}").iterdir())
             shutil.rmtree(root / f"bf16_{r}")
-            t, rss["deepseek_cpu"] = timed_rss([sys.executable, str(peer_script), str(src), str(root / f"ds_{r}")])
-            peer.append(t)
-            shutil.rmtree(root / f"ds_{r}")
-        med = {k: statistics.median(v) for k, v in (("cp", cp), ("ckpt", ckpt), ("deepseek_cpu", peer))}
+            subprocess.run(["sync"], check=True)
+            if not args.no_peer:
+                t, rss["deepseek_cpu"], cpu = timed_rss([sys.executable, str(peer_script), str(src), str(root / f"ds_{r}")])
+                runs["deepseek_cpu"].append(t)
+                runs["deepseek_cpu_cpu"].append(cpu)
+                shutil.rmtree(root / f"ds_{r}")
+            load.append(os.getloadavg()[0])
+        med = {k: statistics.median(v) for k, v in runs.items() if v}
+        pairs = {f"ratio_{k}_over_{b}": statistics.median(x / y for x, y in zip(runs[k], runs[b]))
+                 for k in ("ckpt", "deepseek_cpu") if runs[k] for b in ("cp", "cp_sync")}
         print(json.dumps({"source_bytes": size, "output_bytes": out, **{f"{k}_s": v for k, v in med.items()},
-                          "ratio": med["ckpt"] / med["cp"], "ratio_deepseek_cpu": med["deepseek_cpu"] / med["cp"],
-                          "peak_rss_bytes": rss, "runs": {"cp": cp, "ckpt": ckpt, "deepseek_cpu": peer}}, indent=2))
+                          **pairs, "load_average_1min": load, "peak_rss_bytes": rss, "runs": runs}, indent=2))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

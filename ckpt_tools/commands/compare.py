@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from ..core.describe import Checkpoint, Chunk, Location, TensorInfo, dtype_name
 from ..core.dtypes import DType, as_torch
-from ..core.plan import Target, whole
+from ..core.plan import Target, piece, whole
 from ..engine import computed
 from ..engine.stream import progress_bar
 from ..engine.reader import Reader
@@ -146,10 +146,8 @@ class _Side:
         """Rows ``[start, stop)`` of ``t`` (the whole of a 0-d tensor)."""
         import torch
 
-        if t.name in self.views:  # a quantized weight, dequantized to float32 (whole, kept for its next rows)
-            if self._last is None or self._last[0] != t.key or self._last[1] is not None:
-                self._last = (t.key, None, dequantized_values(self.reader, *self.views[t.name][1:]))
-            return self._last[2].narrow(0, start, stop - start)
+        if t.name in self.views:  # a quantized weight: these rows dequantized to float32, nothing more
+            return dequantized_values(self.reader, *self.views[t.name][1:], rows=(start, stop))
         if not t.shape:
             return self.chunk(t, t.chunks[0])
         for c in t.chunks:  # one chunk holds them all: a view, no copy
@@ -234,10 +232,15 @@ def _with_views(ckpt: Checkpoint, views: dict) -> Checkpoint:
     return replace(ckpt, tensors=tuple(tensors) + tuple(v[0] for k, v in views.items() if k is not None))
 
 
-def dequantized_values(reader: Reader, weight: TensorInfo, comp) -> torch.Tensor:
-    """The float32 values of a quantized weight (its dequantization computed whole)."""
+def dequantized_values(reader: Reader, weight: TensorInfo, comp, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """The float32 values of a quantized weight: rows ``rows`` of its first dimension (default
+    all), computed from the code and scale rows they need only (:func:`computed.values`, a few
+    block-rows at a time), so that memory follows the rows asked for, not the weight."""
     target = Target(weight, weight.group, weight.name, DType("float32"), computed=comp)
-    return computed.values(reader, whole(target))
+    if rows is None or not comp.shape:
+        return computed.values(reader, whole(target))
+    return computed.values(reader, piece(target, (rows[0], *[0] * (len(comp.shape) - 1)),
+                                         (rows[1] - rows[0], *comp.shape[1:])))
 
 
 def _keyed(ckpt: Checkpoint, hf_mode: bool, found: Findings) -> dict[tuple[str, str], TensorInfo]:

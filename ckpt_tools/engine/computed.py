@@ -10,6 +10,8 @@ block-rows at a time as it is written); anything else is computed here with torc
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..core.dtypes import DType, as_torch
@@ -118,9 +120,13 @@ def _dequant(reader: Reader, piece: Piece, c: Computed, spans: bool) -> torch.Te
             return lowp.DequantSpan((code_span,), codes_t.dtype, piece.target.dtype, scale_span, scale_t.dtype,
                                     g, (r0, r1))
     if g.transposed:
-        out = lowp.dequantize(_whole(reader, codes_t), _whole(reader, scale_t), g, piece.target.dtype,
-                              (r0 // g.rows, r1 // g.rows))
-    elif len(codes_t.shape) == 2 and len(scale_t.shape) == 2:
+        a, b = r0 // g.rows, r1 // g.rows
+        if len(codes_t.chunks) == 1 and len(scale_t.chunks) == 1:  # views of the mapped files
+            out = lowp.dequantize(_whole(reader, codes_t), _whole(reader, scale_t), g, piece.target.dtype, (a, b))
+        else:  # the slabs asked for, from the chunks that hold them
+            out = lowp.dequantize(reader.rows(codes_t, a, b), reader.rows(scale_t, a, b), replace(g, lead=b - a),
+                                  piece.target.dtype)
+    elif _by_rows(codes_t, scale_t, g):
         out = _dequant_rows(reader, codes_t, scale_t, g, (r0, r1), piece.target.dtype)
     else:
         full = lowp.dequantize(_whole(reader, codes_t), _whole(reader, scale_t), g, piece.target.dtype)
@@ -128,21 +134,44 @@ def _dequant(reader: Reader, piece: Piece, c: Computed, spans: bool) -> torch.Te
     return out.reshape(piece.sizes)
 
 
+def _by_rows(codes_t, scale_t, g: lowp.Grid) -> bool:
+    """Whether codes [*lead, rows, cols] and scales [*lead, grid rows, grid cols] (2-D: no lead)
+    can be read a window of rows at a time (float8 codes; not MXFP4's grouped bytes)."""
+    lead = tuple(codes_t.shape[:-2])
+    return (not g.e2m1 and len(codes_t.shape) >= 2 and math.prod(lead) == g.lead
+            and tuple(codes_t.shape[-2:]) == (g.rows, g.cols)
+            and tuple(scale_t.shape) == (*lead, *g.grid))
+
+
 def _dequant_rows(reader: Reader, codes_t, scale_t, g: lowp.Grid, rows: tuple[int, int], dtype: DType) -> torch.Tensor:
-    """Rows ``rows`` of a 2-D quantized weight stored in several chunks (a DCP or rank-file
-    copy), dequantized a few block-rows at a time: only the chunks' rows each step needs are
-    read, so memory is the result plus one step in float32, not the whole weight."""
+    """Code rows ``rows`` (flattened over the leading dimensions: an expert's rows follow the
+    previous one's) of a quantized weight stored in several chunks (a DCP or rank-file copy),
+    dequantized a few block-rows of one slab at a time: only the chunks' rows each step needs
+    are read (:meth:`Reader.rows`), so memory is the result plus one step in float32, not the
+    whole weight."""
     import torch
 
     r0, r1 = rows
+    lead = tuple(codes_t.shape[:-2])
     out = torch.empty(r1 - r0, g.cols, dtype=as_torch(dtype))
     step = max(g.block[0], (1 << 20) // max(g.row_bytes, 1) // g.block[0] * g.block[0])
     start = r0
     while start < r1:
-        stop = min(r1, (start // g.block[0]) * g.block[0] + step)
+        slab, local = divmod(start, g.rows)
+        stop = min(r1, slab * g.rows + min(g.rows, (local // g.block[0]) * g.block[0] + step))
         a, b = g.scale_rows(start, stop)
-        values = lowp.dequant_rows(reader.rows(codes_t, start, stop),
-                                   lowp.scales_f32(reader.rows(scale_t, a, b)), g, start)
-        out[start - r0:stop - r0] = values
+        at = tuple(int(i) for i in _unravel(slab, lead))
+        codes = reader.rows(codes_t, local, stop - slab * g.rows, at=at)
+        scales = reader.rows(scale_t, a - slab * g.grid[0], b - slab * g.grid[0], at=at)
+        out[start - r0:stop - r0] = lowp.dequant_rows(codes, lowp.scales_f32(scales), g, start)
         start = stop
     return out
+
+
+def _unravel(i: int, shape: tuple[int, ...]) -> list[int]:
+    """The index of flat position ``i`` in ``shape`` (row-major)."""
+    at = []
+    for n in reversed(shape):
+        i, r = divmod(i, n)
+        at.append(r)
+    return at[::-1]

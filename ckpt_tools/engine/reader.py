@@ -239,20 +239,28 @@ class Reader:
         safefs.check_span(offset, length, len(m), what=f"{self.ckpt.base_dir() / chunk.location.file} ({tensor.name})")
         return scalar_from_bytes(m[offset:offset + length], tensor.dtype)
 
-    def rows(self, tensor: TensorInfo, r0: int, r1: int) -> torch.Tensor:
+    def rows(self, tensor: TensorInfo, r0: int, r1: int, *, at: tuple[int, ...] = ()) -> torch.Tensor:
         """Rows ``[r0, r1)`` of a logical tensor (whole along its other dimensions), assembled
-        from the parts of the chunks that hold them."""
+        from the parts of the chunks that hold them. ``at``: indexes of the leading dimensions
+        (an expert's), the rows then those of the next dimension, within them: shape
+        ``[r1 - r0, *shape[len(at) + 1:]]``."""
         import torch
 
-        out = torch.empty(r1 - r0, *tensor.shape[1:], dtype=as_torch(tensor.dtype))
+        k = len(at)
+        out = torch.empty(r1 - r0, *tensor.shape[k + 1:], dtype=as_torch(tensor.dtype))
         for c in tensor.chunks:
-            lo, hi = max(r0, c.offsets[0]), min(r1, c.offsets[0] + c.sizes[0])
+            if any(not c.offsets[d] <= at[d] < c.offsets[d] + c.sizes[d] for d in range(k)):
+                continue
+            lo, hi = max(r0, c.offsets[k]), min(r1, c.offsets[k] + c.sizes[k])
             if lo >= hi:
                 continue
             region = out.narrow(0, lo - r0, hi - lo)
-            for d in range(1, len(tensor.shape)):
-                region = region.narrow(d, c.offsets[d], c.sizes[d])
-            region.copy_(self.chunk(tensor, c).narrow(0, lo - c.offsets[0], hi - lo))
+            for d in range(k + 1, len(tensor.shape)):
+                region = region.narrow(d - k, c.offsets[d], c.sizes[d])
+            src = self.chunk(tensor, c)
+            for d in range(k):
+                src = src.select(0, at[d] - c.offsets[d])
+            region.copy_(src.narrow(0, lo - c.offsets[k], hi - lo))
         return out
 
     def full(self, tensor: TensorInfo) -> torch.Tensor:

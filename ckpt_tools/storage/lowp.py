@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import os
+import threading
 from collections import deque
 from collections.abc import Iterator
 from functools import cache
@@ -154,13 +155,21 @@ class DequantSpan(CastSpan):
 
     def blocks(self, *, elements: int = 1 << 20) -> Iterator[memoryview]:
         """The dequantized bytes in order, a few block-rows (or, transposed, one slab) at a
-        time, computed with numpy (codes looked up in a table of their 256 byte values, times
-        their scales, rounded once, bits as torch rounds them, see :mod:`.castio`) by a small
-        pool that works ``AHEAD`` chunks ahead of the writer (numpy releases the GIL)."""
+        time, computed with numpy (see :class:`_Work`) by a small pool that works ``AHEAD``
+        chunks ahead of the writer (numpy releases the GIL), into buffers made once and reused:
+        each view is valid until the next one is asked for."""
         g = self.grid
         step = g.rows if g.transposed else max(g.block[0], elements // max(g.cols, 1) // g.block[0] * g.block[0])
+        step = min(step, max(1, self.rows[1] - self.rows[0]))
         fds = {p: os.open(p, os.O_RDONLY) for p in {self.parts[0][0], self.scale_part[0]}}
         workers = max(1, min(2, os.cpu_count() or 1))
+        kind = (step, g.cols, g.row_bytes, g.block, g.e2m1, g.transposed, str(self.src), str(self.dst))
+        with _SPARE_LOCK:
+            free = _SPARE.pop(kind, [])
+        free += [_Work(self, step) for _ in range(AHEAD - len(free))]
+        for work in free:
+            work.span = self
+        mine = list(free)
         try:
             with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ckpt-dequant") as pool:
                 starts = iter(range(self.rows[0], self.rows[1], step))
@@ -169,59 +178,171 @@ class DequantSpan(CastSpan):
                 def submit() -> None:
                     r0 = next(starts, None)
                     if r0 is not None:
-                        pending.append(pool.submit(self._rows, fds, r0, min(r0 + step, self.rows[1])))
+                        work = free.pop()
+                        pending.append((work, pool.submit(work.rows, fds, r0, min(r0 + step, self.rows[1]))))
 
                 for _ in range(AHEAD):
                     submit()
                 while pending:
-                    data = pending.popleft().result()
-                    submit()
+                    work, fut = pending.popleft()
+                    data = fut.result()
                     for at in range(0, len(data), WRITE_BYTES):
                         yield data[at:at + WRITE_BYTES]
+                    free.append(work)  # the writer is done with it: it asked for the next chunk
+                    submit()
         finally:
             for fd in fds.values():
                 os.close(fd)
+        with _SPARE_LOCK:  # only after a clean end: after an error a writer may still hold a chunk
+            _SPARE.clear()  # one kind kept: a model's weights come in a few shapes, often in a row
+            _SPARE[kind] = mine
 
-    def _rows(self, fds: dict, r0: int, r1: int) -> memoryview:
-        """Code rows ``[r0, r1)`` dequantized, as bytes of ``dst``."""
+
+_SPARE: dict[tuple, list] = {}  # the buffers of the last finished span, for the next of its kind
+_SPARE_LOCK = threading.Lock()
+TILE = 1 << 15  # elements gathered at once: their int64 indexes and results stay in L2
+
+
+class _Work:
+    """The buffers of one chunk of a :class:`DequantSpan` (``step`` code rows), reused from
+    one chunk to the next, and its arithmetic:
+
+    - ``tabled`` (a float8 source whose blocks hold at least ``TILE // 16`` values, to
+      bfloat16, float16 or float32): for each scale, the 256 products ``value(code) * scale``
+      in float32, each rounded once to the output dtype (:func:`_rounded`), then every element
+      looked up in its block's table (``np.take``, a tile at a time). The same product and the
+      same rounding as computing each element, bit for bit, at one gather an element.
+    - otherwise: the codes' float32 values looked up, multiplied by their scales in place, and
+      rounded (MXFP4's 32-value blocks; a transposed slab).
+
+    No torch: importing it costs more than a second; the tables of code values and the scales'
+    float32 are built from the bits (:func:`_code_values`, :func:`_scales_np`)."""
+
+    def __init__(self, span: DequantSpan, step: int):
         import numpy as np
 
-        g = self.grid
-        path, offset, _ = self.parts[0]
-        spath, soffset, _ = self.scale_part
-        ssize = self.scale_dtype.itemsize
-        raw = bytearray((r1 - r0) * g.row_bytes)
-        _read(fds[path], memoryview(raw), offset + r0 * g.row_bytes)
+        g = span.grid
+        self.span, self.np = span, np
+        self.raw = bytearray(step * g.row_bytes)
+        self.tabled = (not g.e2m1 and not g.transposed and str(span.dst) in ("bfloat16", "float16", "float32")
+                       and _code_values(str(span.src)) is not None and g.block[0] * min(g.block[1], g.cols) >= TILE // 16)
+        if self.tabled:
+            self.out = np.empty(step * g.cols, _OUT_NP[str(span.dst)])
+            self.tile_rows = max(1, min(step, TILE // max(g.cols, 1)))
+            self.index = np.empty(self.tile_rows * g.cols, np.intp)
+            # each column's table offset, tiled over ``tile_rows`` rows
+            self.col_offset = np.tile(np.arange(g.cols, dtype=np.intp) // g.block[1] * 256, self.tile_rows)
+
+    def rows(self, fds: dict, r0: int, r1: int) -> memoryview:
+        """Code rows ``[r0, r1)`` dequantized, as bytes of ``dst``."""
+        np, span, g = self.np, self.span, self.span.grid
+        path, offset, _ = span.parts[0]
+        spath, soffset, _ = span.scale_part
+        ssize = span.scale_dtype.itemsize
+        raw = memoryview(self.raw)[:(r1 - r0) * g.row_bytes]
+        _read(fds[path], raw, offset + r0 * g.row_bytes)
         a, b = g.scale_rows(r0, r1)
         sraw = bytearray((b - a) * g.grid[1] * ssize)
         _read(fds[spath], memoryview(sraw), soffset + a * g.grid[1] * ssize)
-        scales = _scales_np(sraw, self.scale_dtype).reshape(b - a, g.grid[1])
-        lut = _byte_values("e2m1" if g.e2m1 else str(self.src))
+        scales = _scales_np(sraw, span.scale_dtype).reshape(b - a, g.grid[1])
+        if self.tabled:
+            return self._gathered(np.frombuffer(raw, np.uint8), scales, r0, r1, a)
+        lut = _byte_values("e2m1" if g.e2m1 else str(span.src))
         v = np.take(lut, np.frombuffer(raw, np.uint8), axis=0).reshape(r1 - r0, g.cols)
         _times_scales(np, v, scales, g, r0)
         if g.transposed:
             v = np.ascontiguousarray(v.T)
-        return memoryview(_rounded(np, v.reshape(-1), self.dst)).cast("B")
+        return memoryview(_rounded(np, v.reshape(-1), span.dst)).cast("B")
+
+    def _gathered(self, codes: Any, scales: Any, r0: int, r1: int, a: int) -> memoryview:
+        """Rows ``[r0, r1)`` through their blocks' tables, one block-row (rows sharing a scale
+        row) at a time, a tile of rows at a time within it."""
+        np, g = self.np, self.span.grid
+        values = _code_values(str(self.span.src))
+        cols, out = g.cols, self.out
+        r = r0
+        while r < r1:
+            slab, within = divmod(r, g.rows)
+            stop = min(r1, slab * g.rows + min(g.rows, (within // g.block[0] + 1) * g.block[0]))
+            srow = slab * g.grid[0] + within // g.block[0] - a
+            table = _rounded(np, np.multiply.outer(scales[srow], values).reshape(-1), self.span.dst)
+            for t in range(r, stop, self.tile_rows):
+                n = (min(t + self.tile_rows, stop) - t) * cols
+                at = (t - r0) * cols
+                index = self.index[:n]
+                np.copyto(index, codes[at:at + n])  # then one add: faster than a mixed-type add
+                np.add(index, self.col_offset[:n], out=index)
+                np.take(table, index, out=out[at:at + n], mode="clip")  # all in range
+            r = stop
+        return memoryview(out[:(r1 - r0) * cols]).cast("B")
+
+
+_OUT_NP = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"}
+
+
+@cache
+def _code_values(codes: str) -> Any:
+    """float32 value of each byte as a float8 code (e4m3fn, e5m2), built from its bits with
+    numpy (the bits torch gives, NaN payloads included: tests/test_quant.py compares all 256);
+    None for another code type."""
+    import numpy as np
+
+    b = np.arange(256, dtype=np.uint32)
+    if codes == "float8_e4m3fn":
+        exp_bits, man_bits, bias = 4, 3, 7
+    elif codes == "float8_e5m2":
+        exp_bits, man_bits, bias = 5, 2, 15
+    else:
+        return None
+    sign, e, m = b >> 7, (b >> man_bits) & ((1 << exp_bits) - 1), b & ((1 << man_bits) - 1)
+    bits = (sign << 31) | ((e + 127 - bias) << 23) | (m << (23 - man_bits))
+    sub = (m.astype(np.float32) * np.float32(2.0 ** (1 - bias - man_bits))).view(np.uint32) | (sign << 31)
+    bits = np.where(e == 0, sub, bits)
+    top = e == (1 << exp_bits) - 1
+    if codes == "float8_e4m3fn":  # no infinities; S.1111.111 is NaN
+        nan = top & (m == 7)
+        bits = np.where(nan, (sign << 31) | 0x7F800000 | (m << 20), bits)
+    else:  # IEEE-like: infinities, quiet NaNs
+        bits = np.where(top, (sign << 31) | 0x7F800000 | (m << 21) | np.where(m > 0, 0x00400000, 0), bits)
+    return bits.astype(np.uint32).view(np.float32)
 
 
 @cache
 def _byte_values(codes: str) -> Any:
     """float32 value of each byte (a float8 code), or the two E2M1 values of each byte, [256, 2]."""
+    if codes == "e2m1":
+        import numpy as np
+
+        return np.array(E2M1_VALUES, np.float32)[np.stack([np.arange(256) & 0x0F, np.arange(256) >> 4], axis=1)]
+    known = _code_values(codes)
+    if known is not None:
+        return known
     import torch
 
     every = torch.arange(256, dtype=torch.uint8)
-    if codes == "e2m1":
-        return unpack_e2m1(every.view(256, 1)).numpy()
     return every.view(getattr(torch, codes)).to(torch.float32).numpy()
 
 
 def _scales_np(raw: bytearray, dtype: DType) -> Any:
-    import torch
+    """Scales as float32, from their bytes: float32, bfloat16, float16 and E8M0 (uint8 or
+    float8_e8m0fnu, see :func:`scales_f32`) with numpy; any other type through torch."""
+    import numpy as np
 
     if not raw:
-        import numpy as np
-
         return np.empty(0, np.float32)
+    name = str(dtype)
+    if name == "float32":
+        return np.frombuffer(raw, np.float32)
+    if name == "bfloat16":
+        return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if name == "float16":
+        return np.frombuffer(raw, np.float16).astype(np.float32)
+    if name in ("uint8", "float8_e8m0fnu"):
+        e = np.frombuffer(raw, np.uint8).astype(np.uint32)
+        bits = np.where(e == 0, np.uint32(0x00400000), e << 23)
+        return np.where(e == 255, np.uint32(0x7FC00000), bits).astype(np.uint32).view(np.float32)
+    import torch
+
     return scales_f32(torch.frombuffer(raw, dtype=as_torch(dtype))).numpy()
 
 
