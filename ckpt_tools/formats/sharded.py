@@ -119,7 +119,8 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
     like: dict[str, list[TorchZip]] = {"model": [], "optim": []}  # rank files read so far, by kind
     for rank in range(ws):
         name = found["model"][rank]
-        zf = _tree_of(path / name, like["model"])
+        file = path / name
+        zf = _tree_of(file, like["model"])
         sd = zf.tree
         if not isinstance(sd, dict):
             raise BadInput(f"{path / name}: holds a {type(sd).__name__}, not a state dict")
@@ -135,14 +136,14 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
                 details["fsdp"] = "FSDP2 (DTensor)"
                 if "mesh_dim_names" not in details:  # a loading job's mesh must have the same names
                     details["mesh_dim_names"] = shardtree.mesh_names(d.mesh)
-                _add(pieces, ("model", key), shape, d.local.dtype, chunk, path / name)
+                _add(pieces, ("model", key), shape, d.local.dtype, chunk, file)
                 continue
             local = shardtree.local_of(v)
             if local is None:
                 raise shardtree.NotSimple("a model entry that is not a tensor")
-            loc = replace(shardtree.tensor_location(zf, name, local), key=(key,))
+            loc = shardtree.tensor_location(zf, name, local, (key,))
             chunk = Chunk((0,) * len(local.size), local.size, loc, rank)
-            _add(pieces, ("model", key), local.size, local.dtype, chunk, path / name)
+            _add(pieces, ("model", key), local.size, local.dtype, chunk, file)
         if not order:
             raise shardtree.NotSimple("no DTensor parameters")
         if rank == 0:
@@ -151,7 +152,8 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
             raise BadInput(f"{path / name}: its parameters differ from rank 0's; the files are not from one save")
         if rank in found["optim"]:
             oname = found["optim"][rank]
-            zo = _tree_of(path / oname, like["optim"])
+            ofile = path / oname
+            zo = _tree_of(ofile, like["optim"])
             osd = zo.tree
             _optimizer_header(osd, path / oname, rank, details, objects)
             for fqn, skey, v, kp in optim.state_entries(osd, param_order):
@@ -159,14 +161,14 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
                 d = shardtree.dtensor_of(v)
                 if d is not None:
                     shape, chunk = _tree_chunk(d, rank, ws, zo, oname, tname, key=kp)
-                    _add(pieces, ("optimizer", tname), shape, d.local.dtype, chunk, path / oname, fqn, skey)
+                    _add(pieces, ("optimizer", tname), shape, d.local.dtype, chunk, ofile, fqn, skey)
                     continue
                 local = shardtree.local_of(v)
                 if local is None:
                     raise shardtree.NotSimple("an optimizer state value that is not a tensor")
                 loc = shardtree.tensor_location(zo, oname, local)
                 chunk = Chunk((0,) * len(local.size), local.size, replace(loc, key=kp), rank)
-                _add(pieces, ("optimizer", tname), local.size, local.dtype, chunk, path / oname, fqn, skey)
+                _add(pieces, ("optimizer", tname), local.size, local.dtype, chunk, ofile, fqn, skey)
         if rank in found["extra_state"]:
             ename = found["extra_state"][rank]
             _extra_objects(_tree_of(path / ename).tree, path / ename, rank, objects)
@@ -259,7 +261,7 @@ def _tree_chunk(d: shardtree.DTensorNode, rank: int, ws: int, zf: TorchZip, file
     if d.local.size != tuple(sizes):
         raise BadInput(f"{zf.path}: tensor {name!r}: rank {rank} holds {d.local.size}, but its placement "
                        f"on world size {ws} gives {tuple(sizes)}")
-    loc = replace(shardtree.tensor_location(zf, file, d.local), key=key or (name,))
+    loc = shardtree.tensor_location(zf, file, d.local, key or (name,))
     return d.shape, Chunk(tuple(offsets), tuple(sizes), loc, rank)
 
 
