@@ -1,4 +1,4 @@
-"""``inspect --json``'s ``"params"`` is the model's parameter count: a tensor its class holds as a
+"""``inspect --json``'s (and ``estimate``'s) ``"params"`` is the model's parameter count: a tensor its class holds as a
 buffer (DeepSeek-V3's ``mlp.gate.e_score_correction_bias``, saved by ``save_pretrained`` beside
 the weights) is not counted, as the class built on the meta device says; the count equals
 ``sum(p.numel() for p in model.parameters())`` of the model that wrote the checkpoint."""
@@ -49,6 +49,9 @@ def test_params_are_the_models_parameters(make, tmp_path):
     params = sum(p.numel() for p in model.parameters())
     held = sum(t.numel() for t in model.state_dict().values())
     assert info["params"] == params, (info["params"], params, held)
+    est = CliRunner().invoke(cli, ["estimate", str(tmp_path / "hf"), "--ranks", "2", "--json"], catch_exceptions=False)
+    assert est.exit_code == 0, est.output
+    assert json.loads(est.output)["params"] == params  # estimate counts what trains, too
     if make is _deepseek:  # the router's bias: 4 per MoE layer, in the file but no parameter
         assert held - params == 4 and "e_score_correction_bias" in json.dumps(
             _inspect_tensors(tmp_path / "hf"))

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from ..errors import BadInput, UsageError, count
 from ..formats import hf
+from ..hf import archcheck
 from ..hf.hub import resolve_model_dir
 from ..hf.models import build_from_config, require_transformers
 from ..naming import experts
@@ -164,12 +165,14 @@ def estimate(model: str, *, ranks: int, mixed_precision: str | None = None,
     _check_options(ranks, mixed_precision)
     model_dir = resolve_model_dir(model, allow_patterns=CONFIG_PATTERNS)
     shapes, source = read_param_shapes(model_dir)
-    found = plan_memory(shapes, ranks=ranks, mixed_precision=mixed_precision,
-                        cpu_offload=cpu_offload, model=model, source=source)
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         config = {}
+    if source == "safetensors" and isinstance(config, dict):  # (buffers are in the files, not trained)
+        shapes = archcheck.parameters_only(shapes, config)
+    found = plan_memory(shapes, ranks=ranks, mixed_precision=mixed_precision,
+                        cpu_offload=cpu_offload, model=model, source=source)
     return replace(found, active_params=experts.active_params(shapes, config if isinstance(config, dict) else {}),
                    moe=experts.summary(shapes))
 

@@ -84,19 +84,8 @@ def summarize(ckpt: Checkpoint, *, tensors: bool = False) -> dict[str, Any]:
 
 
 def _params(model: dict[str, tuple[int, ...]], config: dict) -> int:
-    """The model's parameter count: its tensors, less those its class holds as buffers (DeepSeek's
-    ``e_score_correction_bias``), asked of the class named by the checkpoint's config.json
-    (:func:`archcheck.buffers`). Asking costs importing transformers: a checkpoint whose names
-    all end in ``weight`` or ``bias`` (parameters' names in every model ckpt maps) or that has no
-    config.json asks nothing and counts every tensor, as does one whose class cannot be built."""
-    total = sum(math.prod(s) for s in model.values())
-    if not config or all(n.rsplit(".", 1)[-1] in ("weight", "bias") for n in model):
-        return total
-    try:
-        held = archcheck.buffers(config, model)
-    except Exception:  # noqa: BLE001 - an architecture not buildable here: no buffer is known
-        return total
-    return total - sum(math.prod(model[n]) for n in held)
+    """The model's parameter count: its tensors, less those its class holds as buffers."""
+    return sum(math.prod(s) for s in archcheck.parameters_only(model, config).values())
 
 
 def _config(ckpt: Checkpoint) -> dict:

@@ -172,6 +172,21 @@ def _placer(model, wanted):
     return place
 
 
+def parameters_only(shapes: dict[str, tuple[int, ...]], config: dict) -> dict[str, tuple[int, ...]]:
+    """``shapes`` (a model's tensor names and shapes) less those its class holds as buffers
+    (DeepSeek's ``e_score_correction_bias``), asked of the class named by ``config``
+    (:func:`buffers`). Asking costs importing transformers: where every name ends in ``weight``
+    or ``bias`` (parameters' names in every model ckpt maps), or without a config, nothing is
+    asked and every tensor kept, as where the class cannot be built."""
+    if not config or all(n.rsplit(".", 1)[-1] in ("weight", "bias") for n in shapes):
+        return shapes
+    try:
+        held = buffers(config, shapes)
+    except Exception:  # noqa: BLE001 - an architecture not buildable here: no buffer is known
+        return shapes
+    return {n: s for n, s in shapes.items() if n not in held}
+
+
 def buffers(config: dict, names: Iterable[str]) -> set[str]:
     """Of a checkpoint's model ``names``, those the model class holds as (persistent) buffers,
     not parameters: DeepSeek's ``mlp.gate.e_score_correction_bias``, which its state dict and
