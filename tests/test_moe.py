@@ -97,13 +97,19 @@ def test_shard_and_convert_write_what_training_loads(refs, tmp_path):
     """``convert`` of each hub directory (in-process), ``shard`` of one (its own 2-rank job); each
     output exports back to the hub files bit for bit, and a 2-rank FSDP2 job loads it."""
     sources = []
-    # convert --to sharded writes every tensor as a DTensor, a persistent buffer too (DeepSeek's
-    # e_score_correction_bias), which fully_shard leaves plain: that model goes through DCP
-    for family, kind in (("qwen3_moe", "sharded"), ("mixtral", "sharded"), ("deepseek_v3", "dcp")):
+    # DeepSeek's e_score_correction_bias is a buffer, which fully_shard leaves a plain tensor:
+    # --to sharded writes it whole on every rank, as the training job's own save does
+    for family, kind in (("qwen3_moe", "sharded"), ("mixtral", "sharded"), ("deepseek_v3", "dcp"),
+                         ("deepseek_v3", "sharded")):
         out = tmp_path / family / kind
         r = _cli("convert", refs[family], out, "--to", kind, "--world-size", 2, "--quiet")
         assert r.exit_code == 0, r.output
         sources.append((family, kind, str(out)))
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    for rank in (0, 1):  # the buffer whole on each rank, a plain tensor; the weights DTensors
+        sd = torch.load(tmp_path / "deepseek_v3" / "sharded" / f"model_world_size_2_rank_{rank}.pt", weights_only=False)
+        assert type(sd[bias]) is torch.Tensor and sd[bias].shape == build("deepseek_v3").state_dict()[bias].shape
+        assert type(sd["model.embed_tokens.weight"]).__name__ == "DTensor"
     shard_out = tmp_path / "deepseek_v3" / "shard"
     r = _cli("shard", refs["deepseek_v3"], shard_out, "--ranks", 2, "--quiet")
     assert r.exit_code == 0, r.output

@@ -23,6 +23,7 @@ from ..errors import BadInput, UsageError, count
 from ..formats import deepspeedwrite, writers
 from ..layouts import describe
 from ..naming import experts, quant
+from ..hf import archcheck
 from ..hf import assets as hfassets
 from ..runtime import env
 from ..storage.atomic import check_destination, staged
@@ -143,8 +144,9 @@ def _run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) ->
         # (kept also where torch's writer rebuilds its files, as for --to 1); else unnamed
         names = (out_layout.mesh_names if out_layout is not None and out_layout.mesh_names
                  else ckpt.details.get("mesh_dim_names") if ckpt.format == "sharded" else None)
+        buffers = _buffers(targets, src, opts.base) if carry is None else frozenset()
         writer, jobs = writers.rank_files(ckpt, targets, objects, ws, mesh_names=tuple(names) if names else None,
-                                          keep=carry is not None, ranks=ranks, **common)
+                                          keep=carry is not None, ranks=ranks, buffers=buffers, **common)
 
     extra: list[str] = []  # what a dry run says it would copy beside the plan's files
     if carry is not None:
@@ -319,3 +321,15 @@ def _check_same_save(ckpt: Checkpoint) -> None:
                 values = {r.chunk(t, c).item() for c in t.chunks}
                 raise BadInput(f"{ckpt.root}: {t.name!r} differs between ranks ({sorted(values)}); "
                                "the rank files are not from one save")
+
+
+def _buffers(targets: list, src: Any, base: Any) -> frozenset[str]:
+    """The model tensors that the class config.json names holds as buffers (DeepSeek's
+    ``e_score_correction_bias``): ``fully_shard`` leaves those plain tensors, so every rank
+    file holds each whole, as a training job's own save does."""
+    shapes = {t.name: t.shape for t in targets if t.group == "model"}
+    try:
+        config = hfassets.read_config(hfassets.find_assets(src, base))
+    except BadInput:
+        return frozenset()
+    return frozenset(shapes) - set(archcheck.parameters_only(shapes, config))

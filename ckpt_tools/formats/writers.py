@@ -68,7 +68,8 @@ def dcp_dir(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInfo, 
 
 def rank_files(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInfo, ...], ws: int, *,
                rank_local: str, open_reader: OpenReader, mesh_names: tuple[str, ...] | None = None,
-               keep: bool = False, ranks: Sequence[int] | None = None) -> tuple[sharded.Writer, list[FileJob]]:
+               keep: bool = False, ranks: Sequence[int] | None = None,
+               buffers: frozenset[str] = frozenset()) -> tuple[sharded.Writer, list[FileJob]]:
     """The sharded writer and its jobs. From a sharded source read without torch, each new file
     is its source's pickle rebuilt for the new ranks (its mesh kept), records copied by the
     kernel; else (or if the dry run finds something only torch can write) tensors go through
@@ -76,7 +77,8 @@ def rank_files(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInf
     default mesh is). ``keep``: a reshard, which keeps what a sharded source holds (FSDP1
     ShardedTensors stay ShardedTensors) and its ``FSDP_version``; otherwise FSDP2 files. ``ranks``:
     plan only these ranks' files (a process of a torchrun launch); every rank's files have the
-    same entries, so a dry run of these chooses the writer the whole plan's would."""
+    same entries, so a dry run of these chooses the writer the whole plan's would. ``buffers``:
+    model tensors written whole on every rank, not as DTensors (the model holds them as buffers)."""
     keyed = "fqn" if ckpt.format == "sharded" and ckpt.details.get("optimizer_keyed") == "fqn" else "int"
     version = {}
     if keep and ckpt.format == "sharded":
@@ -93,7 +95,7 @@ def rank_files(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInf
         with open_reader() as reader:
             extras = per_rank_extras(extra_objs, reader.object, src_world=ckpt.world_size, dst_world=ws,
                                      policy=rank_local)
-        return writer, layout_sharded(ckpt, targets, ws, extras, flat_units=flat, ranks=ranks)
+        return writer, layout_sharded(ckpt, targets, ws, extras, flat_units=flat, ranks=ranks, buffers=buffers)
     if ckpt.format == "sharded" and _all_raw(ckpt) and all(t.dtype == t.source.dtype for t in targets) \
             and not ckpt.details.get("rank_files"):  # templates are found by verl's file names
         writer = sharded.Writer(world_size=ws, param_order=ckpt.param_order, keyed=keyed, template=ckpt.root,
@@ -105,7 +107,7 @@ def rank_files(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInf
         try:
             extras = per_rank_extras(extra_objs, _entry, src_world=ckpt.world_size, dst_world=ws,
                                      policy=rank_local, equal=equal)
-            return writer, _dry_run(writer, layout_sharded(ckpt, targets, ws, extras, ranks=ranks), extras)
+            return writer, _dry_run(writer, layout_sharded(ckpt, targets, ws, extras, ranks=ranks, buffers=buffers), extras)
         except shardtree.NotSimple:
             pass
     elif ckpt.format != "sharded" and shardsynth.available():
@@ -117,7 +119,7 @@ def rank_files(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInf
                 raise shardtree.NotSimple("rank-local extra state")
             shared = shardsynth.object_values(ckpt.base_dir(), extra_objs)
             extras = [shared] * ws if shared else None
-            return writer, _dry_run(writer, layout_sharded(ckpt, targets, ws, extras, ranks=ranks), extras)
+            return writer, _dry_run(writer, layout_sharded(ckpt, targets, ws, extras, ranks=ranks, buffers=buffers), extras)
         except shardtree.NotSimple:
             pass
     config = sharded.read_config(ckpt.root) if ckpt.format == "sharded" else {}
@@ -126,20 +128,22 @@ def rank_files(ckpt: Checkpoint, targets: list[Target], objects: tuple[ObjectInf
     with open_reader() as reader:
         extras = per_rank_extras(extra_objs, reader.object, src_world=ckpt.world_size, dst_world=ws,
                                  policy=rank_local)
-    return writer, layout_sharded(ckpt, targets, ws, extras, ranks=ranks)
+    return writer, layout_sharded(ckpt, targets, ws, extras, ranks=ranks, buffers=buffers)
 
 
 # -- layouts (pure) ------------------------------------------------------------------------
 
 def layout_sharded(src: Checkpoint, targets: list[Target], world_size: int, extras: list[dict] | None,
-                   flat_units: tuple | None = None, ranks: Sequence[int] | None = None) -> list[FileJob]:
+                   flat_units: tuple | None = None, ranks: Sequence[int] | None = None,
+                   buffers: frozenset[str] = frozenset()) -> list[FileJob]:
     """Per-rank model/optim/extra_state jobs at ``world_size``, FSDP2's ``Shard(0)`` split
     (optimizer state in FSDP1's flat parameters instead, when ``flat_units`` are given); those
-    of ``ranks`` only, when given."""
+    of ``ranks`` only, when given; the model tensors named in ``buffers`` whole on every rank."""
     plain = {t.key for t in src.tensors if _replicated(t, src)}
     model = [t for t in targets if t.group == "model"]
     optim = [t for t in targets if t.group == "optimizer"]
-    plain_targets = {(t.group, t.name) for t in targets if t.source.key in plain or not t.shape}
+    plain_targets = {(t.group, t.name) for t in targets
+                     if t.source.key in plain or not t.shape or t.group == "model" and t.name in buffers}
     objects = src.rooted(src.objects)
     mobj = tuple(o for o in objects if o.group == "model" and o.rank in (None, 0))
     oobj = tuple(o for o in objects if o.group == "optimizer" and o.rank in (None, 0) and o.path[:2] == ("optimizer", "param_groups"))
