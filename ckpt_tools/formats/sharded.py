@@ -154,8 +154,7 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
             oname = found["optim"][rank]
             ofile = path / oname
             zo = _tree_of(ofile, like["optim"])
-            osd = zo.tree
-            _optimizer_header(osd, path / oname, rank, details, objects)
+            _optimizer_header(osd := zo.tree, ofile, rank, details, objects)
             for fqn, skey, v, kp in optim.state_entries(osd, param_order):
                 tname = f"state.{fqn}.{skey}"
                 d = shardtree.dtensor_of(v)
@@ -166,8 +165,7 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
                 local = shardtree.local_of(v)
                 if local is None:
                     raise shardtree.NotSimple("an optimizer state value that is not a tensor")
-                loc = shardtree.tensor_location(zo, oname, local)
-                chunk = Chunk((0,) * len(local.size), local.size, replace(loc, key=kp), rank)
+                chunk = Chunk((0,) * len(local.size), local.size, shardtree.tensor_location(zo, oname, local, kp), rank)
                 _add(pieces, ("optimizer", tname), local.size, local.dtype, chunk, ofile, fqn, skey)
         if rank in found["extra_state"]:
             ename = found["extra_state"][rank]
