@@ -138,11 +138,12 @@ def test_reshard_dcp_writes_only_files_its_metadata_names(tmp_path, dst_ws):
 
 def test_rank_file_pickles_patched_equal_pickles_written_whole(tmp_path, monkeypatch):
     """A destination rank file's pickle is the previous one's with its slot values (rank, local
-    sizes) replaced: every file equals, byte for byte, the one written from its whole tree. The
+    sizes, from the first file's recipe, no tree) replaced: every file equals, byte for byte, the
+    one written from its whole tree, records included. The
     shapes make local sizes cross BININT1 -> BININT2 -> BININT between ranks, and trailing ranks
     hold no rows, so some files are patched and some written whole."""
     from ckpt_tools.codecs import torchwriter
-    from ckpt_tools.formats import shardtree
+    from ckpt_tools.formats import shardrebuild
 
     # big.w: 70,000 rows a rank (BININT); cross.w: 4 rows of 64 (numel 256, BININT2) on ranks
     # 0-3, 2 rows (128, BININT1) on rank 4
@@ -150,10 +151,10 @@ def test_rank_file_pickles_patched_equal_pickles_written_whole(tmp_path, monkeyp
     make_verl(tmp_path / "src", 16, optim=True, shapes=shapes)
     patched = []
     real_patch = torchwriter.patch
-    monkeypatch.setattr(shardtree, "patch", lambda *a: patched.append(real_patch(*a)) or patched[-1])
+    monkeypatch.setattr(shardrebuild, "patch", lambda *a: patched.append(real_patch(*a)) or patched[-1])
     _run("reshard", str(tmp_path / "src"), str(tmp_path / "fast"), "--to", "5", "--quiet")
     assert sum(p is not None for p in patched) >= 4 and any(p is None for p in patched)
-    monkeypatch.setattr(shardtree, "patch", lambda *a: None)
+    monkeypatch.setattr(shardrebuild, "patch", lambda *a: None)
     _run("reshard", str(tmp_path / "src"), str(tmp_path / "whole"), "--to", "5", "--quiet")
     files = sorted(p.name for p in (tmp_path / "whole").glob("*.pt"))
     assert len(files) == 15  # model, optim and extra state

@@ -24,6 +24,7 @@ from ..storage.castio import CastSpan
 from . import flatparams, ranknames, shardedtensor, shardtree, optim, shardsynth
 from .hf import tensor_bytes
 from .shardsynth import SMALL_RECORDS
+from .shardrebuild import Rebuilt
 from .shardtree import NotSimple
 
 if TYPE_CHECKING:
@@ -414,19 +415,20 @@ class Writer:
         self.synth = synth
         self._zips: dict[str, TorchZip] = {}
         self._crcs: dict[Path, dict[tuple[int, int], int]] = {}
-        self._dtensors: dict[int, tuple[Any, Any]] = {}  # id(template node) -> (node, dtensor_of)
-        self._pickles = shardtree.Pickles()
+        self._rebuilt: dict[str, Rebuilt] = {}  # kind -> its files, rebuilt from the template
 
     def __getstate__(self) -> dict:
         # parsed files stay in the process that parsed them
-        return {**self.__dict__, "_zips": {}, "_crcs": {}, "_dtensors": {}, "_pickles": shardtree.Pickles()}
+        return {**self.__dict__, "_zips": {}, "_crcs": {}, "_rebuilt": {}}
 
-    def _dtensor(self, node: Any) -> shardtree.DTensorNode | None:
-        """``dtensor_of`` a template's node, read once for all the files built from it."""
-        got = self._dtensors.get(id(node))
-        if got is None or got[0] is not node:
-            got = self._dtensors[id(node)] = (node, shardtree.dtensor_of(node))
-        return got[1]
+    def _rebuild(self, job) -> Rebuilt | None:
+        """How ``job``'s file is rebuilt from the source's rank-0 file of its kind (None: it is not)."""
+        if self.template is None or job.kind not in ("model", "optim"):
+            return None
+        if job.kind not in self._rebuilt:
+            template = self._zip(file_name("model" if job.kind == "model" else "optim", self.src_world, 0))
+            self._rebuilt[job.kind] = Rebuilt(template, self.world_size)
+        return self._rebuilt[job.kind]
 
     @property
     def accepts_spans(self) -> bool:
@@ -469,36 +471,24 @@ class Writer:
                 tree[key] = shardtree.renumber(subtree, zf, emitter)
             source = self._zip(file_name("extra_state", self.src_world, 0))
             return tree, emitter, source
-        source = self._zip(file_name("model" if job.kind == "model" else "optim", self.src_world, 0))
-        by_key = {p.target.source.chunks[0].location.key: p for p in job.pieces if p.target.source.chunks}
-        if len(by_key) != len(job.pieces) or any(p.target.dtype != p.target.source.dtype for p in job.pieces):
-            raise NotSimple("pieces that are not the source's tensors as they are")
-        mesh = None
+        rebuilt = self._rebuild(job)
+        return (*rebuilt.tree(job), rebuilt.template)
 
-        def rebuild(key: tuple, node: Any) -> Any:
-            nonlocal mesh
-            p = by_key.pop(key, None)
-            if p is None:
-                raise NotSimple(f"no piece for {key}")
-            d = self._dtensor(node)
-            if d is None:
-                if p.sizes != p.target.shape:
-                    raise NotSimple("rows of a tensor its source holds whole on every rank")
-                return emitter.local(shardtree.local_of(node), p.sizes, p)
-            if not d.sharded:
-                raise NotSimple("a replicated DTensor")
-            local = emitter.local(d.local, p.sizes, p)  # numbered before the mesh, as pickling visits them
-            if mesh is None:
-                mesh = shardtree.rebuild_mesh(d.mesh, emitter, self.world_size, job.rank)
-            return shardtree.rebuild_dtensor(d, local, mesh)
-
-        tree = shardtree.map_tensors(source.tree, rebuild)
-        if by_key:
-            raise NotSimple("pieces the source file does not hold")
-        return tree, emitter, source
+    def check(self, job) -> None:
+        """NotSimple unless ``job``'s file can be written from the source's trees (a dry run)."""
+        rebuilt = self._rebuild(job)
+        if rebuilt is None:
+            self.tree_for(job)
+        else:
+            rebuilt.emitter(job)
 
     def _write_tree(self, path: Path, job, pieces) -> None:
-        tree, emitter, source = self.tree_for(job)
+        rebuilt = self._rebuild(job)
+        if rebuilt is None:
+            tree, emitter, source = self.tree_for(job)
+            pickled = dumps(tree)
+        else:
+            (pickled, emitter), source = rebuilt.pickle(job), rebuilt.template
         stream = iter(pieces)
         values = by_piece(stream)
 
@@ -519,13 +509,7 @@ class Writer:
             small = SMALL_RECORDS
         else:
             small = shardtree.small_records(source)
-        shardtree.write_file(path, tree, emitter, small, fill(), prefix="archive" if source is None else None,
-                             pickled=self._pickle(job.kind, tree, emitter))
-
-    def _pickle(self, kind: str, tree: Any, emitter: shardtree.Emitter) -> bytes:
-        if self.synth is not None or kind not in ("model", "optim"):  # (trees not from a template)
-            return dumps(tree)
-        return self._pickles.pickle(kind, tree, emitter)
+        shardtree.write_file(path, pickled, small, fill(), prefix="archive" if source is None else None)
 
     def write(self, path: Path, job, pieces, objects) -> None:
         if self.template is not None or self.synth is not None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.describe import Location
-from ..codecs.torchwriter import Slot, TorchZipWriter, dumps, patch
+from ..codecs.torchwriter import Slot, TorchZipWriter, dumps
 from ..codecs.tensornodes import REBUILD_V2, Local, NotSimple, contiguous_stride, local_of  # noqa: F401 - served here too
 from ..security.torchfile import Global, NewObj, Reduce, StorageRef, TorchZip
 from ..storage.castio import blocks
@@ -195,29 +195,6 @@ class Emitter:
         return Reduce(REBUILD_V2, args)
 
 
-class Pickles:
-    """Destination files' pickles, one kind (model, optimizer) after another. A file built from a
-    source rank-0 template differs from the others of its kind only in its :class:`.Slot` values
-    (its rank, its local sizes: all else is the template's), so where the slots are the same
-    ones, made in the same order, its pickle is the last one with their values replaced; else it
-    is written whole. Only for trees built from a template that way (:meth:`.Writer.tree_for`)."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, tuple] = {}  # kind -> (shape, pickle, where its slots are)
-
-    def pickle(self, kind: str, tree: Any, emitter: Emitter) -> bytes:
-        shape = (tuple(emitter.slots), len(emitter.records))
-        last = self._last.get(kind)
-        if last is not None and last[0] == shape:
-            data = patch(last[1], last[2], emitter.slots)
-            if data is not None:
-                return data
-        where: list = []
-        data = dumps(tree, where)
-        self._last[kind] = (shape, data, where)
-        return data
-
-
 def rebuild_mesh(mesh: NewObj, emitter: Emitter, world: int, rank: int) -> NewObj:
     """``mesh`` (a 1-D DeviceMesh node) for ``rank`` of ``world``; its cached hashes cleared
     (torch recomputes a None hash on first use)."""
@@ -284,17 +261,15 @@ def map_tensors(tree: Any, fn: Callable[[tuple, Any], Any], path: tuple = ()) ->
     return tree
 
 
-def write_file(path: Path, tree: Any, emitter: Emitter, small_records: list[tuple[str, bytes]],
-               fill: Iterator[tuple[str, Any]], *, prefix: str | None = None, page_phase: bool = True,
-               pickled: bytes | None = None) -> None:
+def write_file(path: Path, pickled: bytes, small_records: list[tuple[str, bytes]],
+               fill: Iterator[tuple[str, Any]], *, prefix: str | None = None, page_phase: bool = True) -> None:
     """Write a torch.save zip: the pickle, ``small_records`` (as the source had them), then each
     storage record, in key order, from ``fill`` ((key, parts or bytes)). ``prefix``: the
     archive's folder (default: the file's stem, as ``torch.save(path)`` names it); without
     ``page_phase``, records are aligned as torch aligns them (no page of padding that no CRC
-    covers: what a lone file without a manifest needs). ``pickled``: the tree's pickle, made
-    already."""
+    covers: what a lone file without a manifest needs). ``pickled``: its tree's pickle."""
     with TorchZipWriter(path, prefix or path.stem, page_phase=page_phase) as out:
-        out.write_record("data.pkl", dumps(tree) if pickled is None else pickled)
+        out.write_record("data.pkl", pickled)
         for name, data in small_records:
             out.write_record(name, data)
         for key, source in fill:

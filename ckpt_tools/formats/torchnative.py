@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..codecs.torchwriter import dumps
 from ..core.describe import Checkpoint
 from ..core.plan import Piece, Span, by_piece
 from ..storage.castio import CastSpan
@@ -75,7 +76,7 @@ class Writer:
 
         # "archive", as torch.save into an open file names it (the path here is a staging name);
         # laid out as torch lays it out: a lone file has no manifest, only its records' CRCs
-        write_file(path, tree, emitter, SMALL_RECORDS, fill(), prefix="archive", page_phase=False)
+        write_file(path, dumps(tree), SMALL_RECORDS, fill(), prefix="archive", page_phase=False)
 
     def finish(self, out: Path, jobs: Any, written: dict) -> None:
         pass

@@ -299,7 +299,7 @@ def _dry_run(writer: sharded.Writer, jobs: list[FileJob], extras: list[dict] | N
     A plan of some ranks only: every rank's extra state is tried too (it differs by rank, and
     needs no plan), so that each process of a launch chooses the writer the whole plan would."""
     for job in jobs:
-        writer.tree_for(job)
+        writer.check(job)
     planned = {j.path for j in jobs}
     for r, extra in enumerate(extras or ()):
         name = sharded.file_name("extra_state", writer.world_size, r)

@@ -1,0 +1,137 @@
+"""Destination rank files rebuilt from a source rank-0 file, one kind (model, optimizer) at a time.
+
+Every destination file of a kind is the source's rank-0 tree with its tensor nodes rebuilt for
+the new world size: the same nodes in the same order, only the rank and the local sizes differ.
+So the first file's tree is built whole (:meth:`Rebuilt.tree`), and what it did is kept as a
+recipe: which entry of the plan each tensor takes, in pickling order. The next files replay the
+recipe (:meth:`Rebuilt.emitter`: the storages and :class:`~..codecs.torchwriter.Slot` values,
+no tree) and their pickle is the last one with the slot values replaced
+(:func:`~..codecs.torchwriter.patch`); a value that needs another opcode has its tree built
+and written whole. Replaying checks what building checks (a piece for every tensor and no
+other, rows only of sharded tensors), so a file the tree could not be built for is refused the
+same way (NotSimple).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..codecs.tensornodes import NotSimple, contiguous_stride, local_of
+from ..codecs.torchwriter import dumps, patch
+from ..security.torchfile import TorchZip
+from . import shardtree
+
+_MESH = "mesh"
+
+
+class Rebuilt:
+    """The destination files of one kind, built from ``template`` (the source's rank-0 file of
+    that kind) for ``world`` ranks."""
+
+    def __init__(self, template: TorchZip, world: int) -> None:
+        self.template, self.world = template, world
+        self._dtensors: dict[int, tuple[Any, Any]] = {}  # id(template node) -> (node, dtensor_of)
+        self._recipe: list[tuple[Any, Any]] | None = None  # (entry key, DTensor or None) | (_MESH, rank map)
+        self._last: tuple | None = None  # the last pickle written whole: (shape, bytes, its slots)
+
+    def _dtensor(self, node: Any) -> shardtree.DTensorNode | None:
+        got = self._dtensors.get(id(node))
+        if got is None or got[0] is not node:
+            got = self._dtensors[id(node)] = (node, shardtree.dtensor_of(node))
+        return got[1]
+
+    @staticmethod
+    def _pieces(job: Any) -> dict:
+        by_key = {p.target.source.chunks[0].location.key: p for p in job.pieces if p.target.source.chunks}
+        if len(by_key) != len(job.pieces) or any(p.target.dtype != p.target.source.dtype for p in job.pieces):
+            raise NotSimple("pieces that are not the source's tensors as they are")
+        return by_key
+
+    def tree(self, job: Any) -> tuple[Any, shardtree.Emitter]:
+        """``job``'s tree, built whole, and the storages that fill it; keeps the recipe."""
+        emitter, by_key, recipe = shardtree.Emitter(), self._pieces(job), []
+        mesh = None
+
+        def rebuild(key: tuple, node: Any) -> Any:
+            nonlocal mesh
+            p = _take(by_key, key)
+            d = self._dtensor(node)
+            recipe.append((key, d))
+            if d is None:
+                _whole(p)
+                return emitter.local(local_of(node), p.sizes, p)
+            if not d.sharded:
+                raise NotSimple("a replicated DTensor")
+            local = emitter.local(d.local, p.sizes, p)  # numbered before the mesh, as pickling visits them
+            if mesh is None:
+                mesh = shardtree.rebuild_mesh(d.mesh, emitter, self.world, job.rank)
+                recipe.append((_MESH, emitter.records[-1][1]))
+            return shardtree.rebuild_dtensor(d, local, mesh)
+
+        tree = shardtree.map_tensors(self.template.tree, rebuild)
+        if by_key:
+            raise NotSimple("pieces the source file does not hold")
+        self._recipe = recipe
+        return tree, emitter
+
+    def emitter(self, job: Any) -> shardtree.Emitter:
+        """The storages and slot values ``job``'s tree would have, from the recipe (no tree)."""
+        if self._recipe is None:
+            return self.tree(job)[1]
+        emitter, by_key = shardtree.Emitter(), self._pieces(job)
+        for key, d in self._recipe:
+            if key is _MESH:  # rebuild_mesh's storage and slots
+                _account(emitter, (self.world,), d)
+                emitter.slots["rank"] = emitter.slots["coordinate"] = job.rank
+                continue
+            p = _take(by_key, key)
+            if d is None:
+                _whole(p)
+            _account(emitter, p.sizes, p)
+        if by_key:
+            raise NotSimple("pieces the source file does not hold")
+        return emitter
+
+    def pickle(self, job: Any) -> tuple[bytes, shardtree.Emitter]:
+        """``job``'s pickle and storages: the last pickle patched where the slots are the same
+        ones in the same order and every value keeps its opcode; else its tree written whole."""
+        if self._last is not None:
+            emitter = self.emitter(job)
+            shape, data, where = self._last
+            if shape == (tuple(emitter.slots), len(emitter.records)):
+                patched = patch(data, where, emitter.slots)
+                if patched is not None:
+                    return patched, emitter
+        tree, emitter = self.tree(job)
+        where: list = []
+        data = dumps(tree, where)
+        self._last = ((tuple(emitter.slots), len(emitter.records)), data, where)
+        return data, emitter
+
+
+def _take(by_key: dict, key: tuple) -> Any:
+    p = by_key.pop(key, None)
+    if p is None:
+        raise NotSimple(f"no piece for {key}")
+    return p
+
+
+def _whole(p: Any) -> None:
+    if p.sizes != p.target.shape:
+        raise NotSimple("rows of a tensor its source holds whole on every rank")
+
+
+def _account(emitter: shardtree.Emitter, size: tuple[int, ...], source: Any) -> None:
+    """What :meth:`.Emitter.local` records of a tensor (its storage, its slots), with no node."""
+    key = str(len(emitter.records))
+    emitter.records.append((key, source))
+    size = tuple(size)
+    numel = 1
+    for n in size:
+        numel *= n
+    emitter.slots[(key, "numel")] = numel
+    for i, n in enumerate(size):
+        emitter.slots[(key, "size", i)] = n
+    for i, n in enumerate(contiguous_stride(size)):
+        emitter.slots[(key, "stride", i)] = n
+
