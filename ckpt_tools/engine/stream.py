@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 
 PREFETCH_BYTES = 256 * 1024 * 1024
+BATCH_BYTES = 1 << 20  # pieces smaller than this share a hand-off to the reading thread
+BATCH_PIECES = 256
 
 
 class Writer(Protocol):
@@ -133,12 +135,17 @@ def stream(reader: Reader, pieces: Sequence[Piece], bar: tqdm | _NoBar | None = 
            budget: int = PREFETCH_BYTES, spans: bool = False, casts: bool = False,
            ready: Callable[[int], None] | None = None) -> Iterator[tuple[Piece, torch.Tensor | Span | CastSpan]]:
     """Yield ``(piece, values)`` in order, preparing the next ones in a background thread
-    (which first calls ``ready(n)`` for piece ``n``: its source bytes are then present)."""
+    (which first calls ``ready(n)`` for piece ``n``: its source bytes are then present). Small
+    pieces go to the thread in batches (up to :data:`BATCH_BYTES` or :data:`BATCH_PIECES`): a
+    many-rank job's pieces are mostly a few KiB, and a hand-off each cost more than the piece."""
 
-    def prepare(n: int, p: Piece) -> torch.Tensor | Span | CastSpan:
-        if ready is not None:
-            ready(n)
-        return materialize(reader, p, spans=spans, casts=casts)
+    def prepare(batch: list[tuple[int, Piece]]) -> list[torch.Tensor | Span | CastSpan]:
+        out = []
+        for n, p in batch:
+            if ready is not None:
+                ready(n)
+            out.append(materialize(reader, p, spans=spans, casts=casts))
+        return out
 
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-read") as pool:
         pending: deque = deque()
@@ -148,21 +155,28 @@ def stream(reader: Reader, pieces: Sequence[Piece], bar: tqdm | _NoBar | None = 
         def fill() -> None:
             nonlocal inflight
             while not pending or inflight < budget:
-                n, p = next(it, (0, None))
-                if p is None:
+                batch, size = [], 0
+                while size < BATCH_BYTES and len(batch) < BATCH_PIECES:
+                    n, p = next(it, (0, None))
+                    if p is None:
+                        break
+                    batch.append((n, p))
+                    size += p.nbytes
+                if not batch:
                     return
-                pending.append((p, pool.submit(prepare, n, p)))
-                inflight += p.nbytes
+                pending.append((batch, size, pool.submit(prepare, batch)))
+                inflight += size
 
         fill()
         while pending:
-            p, fut = pending.popleft()
+            batch, size, fut = pending.popleft()
             values = fut.result()
-            inflight -= p.nbytes
+            inflight -= size
             fill()
-            yield p, values
-            if bar is not None:
-                bar.update(p.nbytes)
+            for (_, p), v in zip(batch, values):
+                yield p, v
+                if bar is not None:
+                    bar.update(p.nbytes)
 
 
 class _NoBar:
