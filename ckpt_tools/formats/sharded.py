@@ -117,7 +117,7 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
     objects: list[ObjectInfo] = []
     param_order: tuple[str, ...] = ()
     details: dict[str, Any] = {"fsdp": None}
-    like: dict[str, list[TorchZip]] = {"model": [], "optim": []}  # rank files read so far, by kind
+    like: dict[str, list] = {"model": [], "optim": []}  # rank files read so far, by kind
     for rank in range(ws):
         name = found["model"][rank]
         file = path / name
@@ -234,7 +234,7 @@ def _optimizer_header(osd: Any, file: Path, rank: int, details: dict, objects: l
                                   path=("optimizer", "param_groups")))
 
 
-def _tree_of(file: Path, like: list[TorchZip] | None = None) -> TorchZip:
+def _tree_of(file: Path, like: list | None = None) -> TorchZip:
     """The file parsed as a pickle tree (``like``: to describe it only, read like the job's other
     files); anything the tree reader refuses or finds damaged goes to the torch path, which is
     the one that refuses (weights_only) and explains."""

@@ -75,13 +75,14 @@ def _parsed(path: str, size: int, mtime_ns: int) -> TorchZip:
     return TorchZip(path)
 
 
-def described(path: Path, like: list[TorchZip]) -> TorchZip:
+def described(path: Path, like: list) -> TorchZip:
     """``path`` parsed to be described only (not cached, never re-emitted): read like one of
     ``like`` (files of the same job already parsed) when its pickle has the same shape, else
-    parsed as :func:`parsed` does, and then added to ``like`` (a few at most)."""
+    parsed as :func:`parsed` does, and then added to ``like`` (a few at most, their pickles
+    only: a tree each would hold a many-tensor job's description several times over)."""
     zf = TorchZip(path, like=like) if like else parsed(path)  # the first: kept, a writer's template
     if zf.exact and len(like) < 8:
-        like.append(zf)
+        like.append(zf.template())
     return zf
 
 

@@ -426,6 +426,22 @@ def _records(path: str, size: int, mtime_ns: int, ino: int) -> tuple[str, dict[s
     return zip_records(Path(path))
 
 
+@dataclass(eq=False)
+class Template:
+    """A file read the careful way, as files read ``like`` it use it: its pickle (and where that
+    holds values), without its tree; see :class:`TorchZip`."""
+
+    pickle: bytes
+    admit: frozenset[tuple[str, str]]
+    exact: bool
+    _skeleton: Skeleton | None = None
+
+    def skeleton(self) -> Skeleton:
+        if self._skeleton is None:
+            self._skeleton = Skeleton(self.pickle)
+        return self._skeleton
+
+
 class TorchZip:
     """A torch.save file: ``prefix`` (its archive folder), ``records`` (name -> Record, file order),
     the raw ``pickle``, its parsed ``tree`` and ``storages`` (key -> StorageRef, first-use order).
@@ -434,7 +450,7 @@ class TorchZip:
     as inert :class:`Global` nodes like every other: named, never imported or constructed."""
 
     def __init__(self, path: str | os.PathLike, *, admit: frozenset[tuple[str, str]] = frozenset(),
-                 like: Sequence[TorchZip] = ()) -> None:
+                 like: Sequence[TorchZip | Template] = ()) -> None:
         self.path, self.admit = Path(path), admit
         self.prefix, self.records = records_of(self.path)
         names = self.records.keys()
@@ -464,6 +480,10 @@ class TorchZip:
         if getattr(self, "_skeleton", None) is None:
             self._skeleton = Skeleton(self.pickle)
         return self._skeleton
+
+    def template(self) -> Template:
+        """What files read ``like`` this one need of it (its pickle, not its tree)."""
+        return Template(self.pickle, self.admit, self.exact)
 
     def read(self, name: str) -> bytes:
         """A (small) record's bytes, CRC-checked."""
