@@ -24,7 +24,7 @@ import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -195,28 +195,14 @@ def buffers(config: dict, names: Iterable[str]) -> set[str]:
     :class:`Unchecked` when the class cannot be built.
 
     Example: ``buffers(cfg, ["model.layers.1.mlp.gate.e_score_correction_bias", ...])``."""
-    names = sorted(set(names))
-    folder, key = cache_dir(), _key(config, {n: ((), "buffer?") for n in names})
-    kept = folder / "buffers" / key if folder is not None and key is not None else None
-    if kept is not None and kept.is_file():
-        try:
-            return set(json.loads(kept.read_text()))
-        except (OSError, ValueError):
-            pass
-    model = meta_model(config, model_class(config, names))
-    state = model.state_dict(keep_vars=True)
-    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    place = _placer(model, state)
-    found = sorted(n for n in names if place(n) in state and place(n) not in params)
-    if kept is not None:
-        try:  # as a clean load report: only the next inspect's cost is at stake
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            tmp = kept.parent / f".{key}.{os.getpid()}"
-            tmp.write_text(json.dumps(found))
-            os.replace(tmp, kept)
-        except OSError:
-            pass
-    return set(found)
+    def ask(names: list[str]) -> list[str]:
+        model = meta_model(config, model_class(config, names))
+        state = model.state_dict(keep_vars=True)
+        params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        place = _placer(model, state)
+        return [n for n in names if place(n) in state and place(n) not in params]
+
+    return _remembered("buffers", "buffer?", config, names, ask)
 
 
 def kept_in_float32(config: dict, names: Iterable[str], dtype: str) -> set[str]:
@@ -227,30 +213,39 @@ def kept_in_float32(config: dict, names: Iterable[str], dtype: str) -> set[str]:
     ``e_score_correction_bias``), matched as transformers matches it (``build_glob_alternation``).
     Asked of the class built on the meta device and remembered like a clean load report. Raises
     :class:`Unchecked` when the class cannot be built."""
+    def ask(names: list[str]) -> list[str]:
+        model = meta_model(config, model_class(config, names))
+        import torch
+
+        try:
+            from transformers.core_model_loading import build_glob_alternation
+
+            plan = model._get_dtype_plan(getattr(torch, dtype))
+        except (ImportError, AttributeError) as e:  # a transformers without dtype plans (4.x)
+            raise Unchecked(f"this transformers has no dtype plan to ask ({e})") from e
+        if not plan:
+            return []
+        # as from_pretrained matches it: the first pattern that matches a name gives its dtype
+        alternation, by_group, _ = build_glob_alternation(list(plan))
+        return [n for n in names if (m := alternation.search(n)) is not None
+                and plan[by_group[m.lastgroup]] == torch.float32]
+
+    return _remembered("float32", f"float32 under {dtype}?", config, names, ask)
+
+
+def _remembered(kind: str, question: str, config: dict, names: Iterable[str],
+                ask: Callable[[list[str]], list[str]]) -> set[str]:
+    """``ask(names)`` (sorted, once each), remembered in the cache folder under ``kind`` as a
+    clean load report is: only the next command's cost is at stake if it cannot be written."""
     names = sorted(set(names))
-    folder, key = cache_dir(), _key(config, {n: ((), f"float32 under {dtype}?") for n in names})
-    kept = folder / "float32" / key if folder is not None and key is not None else None
+    folder, key = cache_dir(), _key(config, {n: ((), question) for n in names})
+    kept = folder / kind / key if folder is not None and key is not None else None
     if kept is not None and kept.is_file():
         try:
             return set(json.loads(kept.read_text()))
         except (OSError, ValueError):
             pass
-    model = meta_model(config, model_class(config, names))
-    import torch
-
-    try:
-        from transformers.core_model_loading import build_glob_alternation
-
-        plan = model._get_dtype_plan(getattr(torch, dtype))
-    except (ImportError, AttributeError) as e:  # a transformers without dtype plans (4.x)
-        raise Unchecked(f"this transformers has no dtype plan to ask ({e})") from e
-    found = []
-    if plan:  # as from_pretrained matches it: the first pattern that matches a name gives its dtype
-        alternation, by_group, _ = build_glob_alternation(list(plan))
-        for n in names:
-            m = alternation.search(n)
-            if m is not None and plan[by_group[m.lastgroup]] == torch.float32:
-                found.append(n)
+    found = sorted(ask(names))
     if kept is not None:
         try:
             kept.parent.mkdir(parents=True, exist_ok=True)
