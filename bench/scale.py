@@ -25,8 +25,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-import fw_scale  # noqa: E402
-
 SPLIT = {300: 1, 3000: 11, 30000: 112}  # matrices cut into row blocks: ~291, ~2.2k, ~25k tensors
 
 
@@ -75,6 +73,8 @@ def cases(ranks: int, tensors: int, work: Path) -> list[tuple[str, list[str]]]:
 def run(ranks: list[int], tensors: list[int], root: Path) -> list[dict]:
     """Two sweeps of the same bytes: ranks (at the first tensor count) and tensors (at the first
     rank count); each point's sources are made, measured and removed before the next."""
+    import fw_scale  # torch's own writers (not needed to --plot)
+
     points = [(w, tensors[0]) for w in ranks] + [(ranks[0], t) for t in tensors[1:]]
     rows = []
     for w, t in points:
