@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..codecs.tensornodes import NotSimple, contiguous_stride, local_of
+from ..codecs.tensornodes import NotSimple, local_of
 from ..codecs.torchwriter import dumps, patch
 from ..security.torchfile import TorchZip
 from . import shardtree
@@ -81,13 +81,13 @@ class Rebuilt:
         emitter, by_key = shardtree.Emitter(), self._pieces(job)
         for key, d in self._recipe:
             if key is _MESH:  # rebuild_mesh's storage and slots
-                _account(emitter, (self.world,), d)
-                emitter.slots["rank"] = emitter.slots["coordinate"] = job.rank
+                emitter.account((self.world,), d)
+                emitter.rank(job.rank)
                 continue
             p = _take(by_key, key)
             if d is None:
                 _whole(p)
-            _account(emitter, p.sizes, p)
+            emitter.account(p.sizes, p)
         if by_key:
             raise NotSimple("pieces the source file does not hold")
         return emitter
@@ -119,19 +119,4 @@ def _take(by_key: dict, key: tuple) -> Any:
 def _whole(p: Any) -> None:
     if p.sizes != p.target.shape:
         raise NotSimple("rows of a tensor its source holds whole on every rank")
-
-
-def _account(emitter: shardtree.Emitter, size: tuple[int, ...], source: Any) -> None:
-    """What :meth:`.Emitter.local` records of a tensor (its storage, its slots), with no node."""
-    key = str(len(emitter.records))
-    emitter.records.append((key, source))
-    size = tuple(size)
-    numel = 1
-    for n in size:
-        numel *= n
-    emitter.slots[(key, "numel")] = numel
-    for i, n in enumerate(size):
-        emitter.slots[(key, "size", i)] = n
-    for i, n in enumerate(contiguous_stride(size)):
-        emitter.slots[(key, "stride", i)] = n
 

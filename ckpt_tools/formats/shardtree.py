@@ -177,23 +177,37 @@ class Emitter:
         self.records: list[tuple[str, Any]] = []  # (key, parts | bytes | piece)
         self.slots: dict[Any, int] = {}  # the values that differ between files of one shape
 
-    def slot(self, name: Any, value: int) -> Slot:
-        self.slots[name] = value
-        return Slot(name, value)
-
     def storage(self, like: StorageRef, numel: int, source: Any) -> StorageRef:
         key = str(len(self.records))
         self.records.append((key, source))
         return StorageRef(like.type, key, like.location, numel)
 
+    def account(self, size: tuple[int, ...], source: Any) -> str:
+        """A tensor's storage (filled from ``source``) and its slot values (numel, sizes,
+        strides), with no node: what :meth:`local` records; its storage key."""
+        key = str(len(self.records))
+        self.records.append((key, source))
+        size = tuple(size)
+        self.slots[(key, "numel")] = math.prod(size)
+        self.slots.update({(key, "size", i): n for i, n in enumerate(size)})
+        self.slots.update({(key, "stride", i): n for i, n in enumerate(contiguous_stride(size))})
+        return key
+
     def local(self, like: Local, size: tuple[int, ...], source: Any) -> Reduce:
-        storage = self.storage(like.storage, math.prod(size), source)
-        key = storage.key
-        storage.numel = self.slot((key, "numel"), storage.numel)
-        args = (storage, 0, tuple(self.slot((key, "size", i), n) for i, n in enumerate(size)),
-                tuple(self.slot((key, "stride", i), n) for i, n in enumerate(contiguous_stride(tuple(size)))),
-                *like.node.args[4:])
+        key, n = self.account(size, source), len(size)
+        slot = self._slot
+        storage = StorageRef(like.storage.type, key, like.storage.location, slot((key, "numel")))
+        args = (storage, 0, tuple(slot((key, "size", i)) for i in range(n)),
+                tuple(slot((key, "stride", i)) for i in range(n)), *like.node.args[4:])
         return Reduce(REBUILD_V2, args)
+
+    def rank(self, rank: int) -> tuple[Slot, Slot]:
+        """A mesh's rank and its coordinate on the mesh's one dimension, as slots."""
+        self.slots["rank"] = self.slots["coordinate"] = rank
+        return self._slot("rank"), self._slot("coordinate")
+
+    def _slot(self, name: Any) -> Slot:
+        return Slot(name, self.slots[name])
 
 
 def rebuild_mesh(mesh: NewObj, emitter: Emitter, world: int, rank: int) -> NewObj:
@@ -206,7 +220,8 @@ def rebuild_mesh(mesh: NewObj, emitter: Emitter, world: int, rank: int) -> NewOb
     state["_rank_map"] = emitter.local(rank_map, (world,), values)
     state["_flatten_rank_map"] = tuple(range(world))
     state["_layout"] = _relayout(state["_layout"], world)
-    state["_rank"], state["_coordinate_on_dim"] = emitter.slot("rank", rank), (emitter.slot("coordinate", rank),)
+    state["_rank"], coordinate = emitter.rank(rank)
+    state["_coordinate_on_dim"] = (coordinate,)
     if "_hash" in state:
         state["_hash"] = None
     return NewObj(mesh.cls, mesh.args, (None, state) if type(mesh.state) is tuple else state)
