@@ -433,7 +433,6 @@ class Template:
 
     pickle: bytes
     admit: frozenset[tuple[str, str]]
-    exact: bool
     _skeleton: Skeleton | None = None
 
     def skeleton(self) -> Skeleton:
@@ -450,7 +449,7 @@ class TorchZip:
     as inert :class:`Global` nodes like every other: named, never imported or constructed."""
 
     def __init__(self, path: str | os.PathLike, *, admit: frozenset[tuple[str, str]] = frozenset(),
-                 like: Sequence[TorchZip | Template] = ()) -> None:
+                 like: Sequence[Template] = ()) -> None:
         self.path, self.admit = Path(path), admit
         self.prefix, self.records = records_of(self.path)
         names = self.records.keys()
@@ -465,7 +464,7 @@ class TorchZip:
         # ``like``: files of the same job read the careful way; a pickle differing from one's
         # only in values has the same (safe) shape and is read by the C unpickler. Such a tree
         # (``exact`` False) is described, never re-emitted: its short strings are shared.
-        same = next((t for t in like if t.exact and t.admit == admit and len(t.pickle) == len(self.pickle)), None)
+        same = next((t for t in like if t.admit == admit and len(t.pickle) == len(self.pickle)), None)
         self.exact = same is None or not same.skeleton().same_shape(self.pickle)
         parse = _parse if self.exact else _fast_parse
         self.tree, self.storages = parse(self.pickle, str(self.path), admit)
@@ -475,15 +474,12 @@ class TorchZip:
                 raise BadInput(f"{self.path}: storage {key} needs {ref.nbytes} bytes but record data/{key} "
                                f"has {'none' if rec is None else rec.size}")
 
-    def skeleton(self) -> Skeleton:
-        """Where this file's pickle holds values (made once, for files read ``like`` it)."""
-        if getattr(self, "_skeleton", None) is None:
-            self._skeleton = Skeleton(self.pickle)
-        return self._skeleton
-
     def template(self) -> Template:
-        """What files read ``like`` this one need of it (its pickle, not its tree)."""
-        return Template(self.pickle, self.admit, self.exact)
+        """What files read ``like`` this one need of it (its pickle, not its tree); only a file
+        read the careful way is one."""
+        if not self.exact:
+            raise ValueError(f"{self.path} was read like another file: it is no model for others")
+        return Template(self.pickle, self.admit)
 
     def read(self, name: str) -> bytes:
         """A (small) record's bytes, CRC-checked."""
