@@ -402,3 +402,18 @@ def logits(model, tokens: list[list[int]]):
     model.eval()
     with torch.no_grad():
         return model(ids, torch.arange(seq)[None].expand_as(ids), attention_mask=causal)
+
+
+def with_common(save_dir, tmp_path, change) -> str:
+    """A copy of the save whose ``common.pt`` (the test's own file, so loaded whole) is changed
+    by ``change(common)``; its path."""
+    import shutil
+
+    import torch
+
+    copy = tmp_path / "changed"
+    shutil.copytree(save_dir, copy)
+    common = torch.load(copy / "common.pt", weights_only=False)
+    change(common)
+    torch.save(common, copy / "common.pt")
+    return str(copy)

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import functools
 import json
-import shutil
 
 import pytest
 from click.testing import CliRunner
 from dist import run_ranks
 
+import fw_megatron
 import fw_megatron_mla
 from ckpt_tools.cli.main import main as cli
 
@@ -251,18 +251,6 @@ def test_transformer_engine_norm_names_export_the_same(rope_save, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _with_common(save_dir, tmp_path, change) -> str:
-    """A copy of the save whose ``common.pt`` (the test's own file, so loaded whole) is changed."""
-    import torch
-
-    copy = tmp_path / "changed"
-    shutil.copytree(save_dir, copy)
-    common = torch.load(copy / "common.pt", weights_only=False)
-    change(common)
-    torch.save(common, copy / "common.pt")
-    return str(copy)
-
-
 @pytest.mark.parametrize("changes, named", [
     ({"norm_epsilon": 1e-5}, "norm_epsilon=1e-05: Megatron's q/kv latent norms use it"),
     ({"moe_router_score_function": "softmax"}, "moe_router_score_function='softmax'"),
@@ -291,7 +279,7 @@ def test_export_checks_the_saved_training_arguments(rope_save, tmp_path, changes
         for k, v in changes.items():
             setattr(common["args"], k, v)
 
-    result = _export(_with_common(path, tmp_path, change), tmp_path / "hf", "--base", _base(tmp_path / "base"))
+    result = _export(fw_megatron.with_common(path, tmp_path, change), tmp_path / "hf", "--base", _base(tmp_path / "base"))
     assert result.exit_code == 3, result.output
     assert named in result.output and "Traceback" not in result.output, result.output
     assert not (tmp_path / "hf").exists()
@@ -306,7 +294,7 @@ def test_group_limited_routing_transformers_cannot_compute_is_refused(rope_save,
     def change(common):
         common["args"].moe_router_num_groups, common["args"].moe_router_group_topk = 4, 2
 
-    src = _with_common(path, tmp_path, change)
+    src = fw_megatron.with_common(path, tmp_path, change)
     result = _export(src, tmp_path / "hf", "--base", _base(tmp_path / "base", n_group=4, topk_group=2))
     assert result.exit_code == 3 and "scores a group by its top 1 experts" in result.output, result.output
 
@@ -337,7 +325,7 @@ def test_export_without_training_arguments_says_what_it_assumed(rope_save, tmp_p
     path, _, _ = rope_save
     base = _base(tmp_path / "base")
     assert _export(path, tmp_path / "with_args", "--base", base).exit_code == 0
-    result = _export(_with_common(path, tmp_path, lambda common: common.pop("args")), tmp_path / "hf", "--base", base)
+    result = _export(fw_megatron.with_common(path, tmp_path, lambda common: common.pop("args")), tmp_path / "hf", "--base", base)
     assert result.exit_code == 0, result.output
     assert "records no training arguments" in result.output and "latent norms' epsilon" in result.output
     a, b = load_file(tmp_path / "with_args" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")

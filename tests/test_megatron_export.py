@@ -192,20 +192,6 @@ def test_export_from_a_bucket_equals_local(save, tmp_path):
     assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].equal(b[k]) for k in a)
 
 
-def _with_common(save_dir, tmp_path, change) -> str:
-    """A copy of the save whose ``common.pt`` (the test's own file, so loaded whole) is changed."""
-    import shutil
-
-    import torch
-
-    copy = tmp_path / "changed"
-    shutil.copytree(save_dir, copy)
-    common = torch.load(copy / "common.pt", weights_only=False)
-    change(common)
-    torch.save(common, copy / "common.pt")
-    return str(copy)
-
-
 @pytest.mark.parametrize("arg, value", [("rotary_interleaved", True), ("swiglu", False), ("normalization", "LayerNorm"),
                                         ("norm_epsilon", 1e-6), ("rotary_base", 500000), ("num_query_groups", 4),
                                         ("use_rope_scaling", True), ("untie_embeddings_and_output_weights", None)])
@@ -219,7 +205,7 @@ def test_export_checks_the_saved_training_arguments(save, tmp_path, arg, value):
         args = common["args"]
         setattr(args, arg, tied if value is None else value)  # None: untie flipped
 
-    src = _with_common(path, tmp_path, change)
+    src = fw_megatron.with_common(path, tmp_path, change)
     result = _export(src, tmp_path / "hf", "--base", _base(tmp_path / "base", tied=tied, family=held["family"]))
     assert result.exit_code == 3, result.output
     assert f"{arg}=" in result.output and "Traceback" not in result.output
@@ -244,7 +230,7 @@ def test_export_without_training_arguments_says_what_it_assumed(save, tmp_path):
     base = _base(tmp_path / "base", tied=tied, family=held["family"])
     with_args = _export(path, tmp_path / "hf_args", "--base", base)
     assert with_args.exit_code == 0 and "training arguments" not in with_args.output, with_args.output
-    src = _with_common(path, tmp_path, lambda common: common.pop("args"))
+    src = fw_megatron.with_common(path, tmp_path, lambda common: common.pop("args"))
     result = _export(src, tmp_path / "hf", "--base", base)
     assert result.exit_code == 0, result.output
     assert "records no training arguments" in result.output and "only the shapes are checked" in result.output
@@ -258,7 +244,7 @@ def test_unreadable_training_arguments_are_not_unpickled(save, tmp_path):
     from pathlib import PurePosixPath
 
     path, held, tied = save
-    src = _with_common(path, tmp_path, lambda common: setattr(common["args"], "data_path", PurePosixPath("/data")))
+    src = fw_megatron.with_common(path, tmp_path, lambda common: setattr(common["args"], "data_path", PurePosixPath("/data")))
     result = _export(src, tmp_path / "hf", "--base", _base(tmp_path / "base", tied=tied, family=held["family"]))
     assert result.exit_code == 0, result.output
     assert "could not be read" in result.output and "PurePosixPath" in result.output
@@ -463,7 +449,7 @@ def test_moe_export_checks_the_saved_training_arguments(moe_save, tmp_path, arg,
     def change(common):  # None: QK-norm flipped from what the family has
         setattr(common["args"], arg, family != "qwen3_moe" if value is None else value)
 
-    src = _with_common(path, tmp_path, change)
+    src = fw_megatron.with_common(path, tmp_path, change)
     result = _export(src, tmp_path / "hf", "--base", _moe_base(tmp_path / "base", family))
     assert result.exit_code == 3, result.output
     assert named in result.output and "Traceback" not in result.output, result.output
@@ -479,7 +465,7 @@ def test_moe_router_normalization_is_checked(moe_save, tmp_path):
     if family == "qwen3_moe":
         result = _export(path, tmp_path / "hf", "--base", _moe_base(tmp_path / "base", family, norm_topk_prob=False))
         assert result.exit_code == 3 and "config.json's norm_topk_prob is False" in result.output, result.output
-    src = _with_common(path, tmp_path, lambda common: common.pop("args"))
+    src = fw_megatron.with_common(path, tmp_path, lambda common: common.pop("args"))
     result = _export(src, tmp_path / "hf", "--base", _moe_base(tmp_path / "base2", family))
     assert result.exit_code == 0 and "top-k weighing" in result.output, result.output
 
