@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,10 @@ class Checkpoint:
     stamps: dict[str, tuple[int, int, int, int]] | None = field(default=None, compare=False, repr=False)
 
     def base_dir(self) -> Path:
+        return self._base_dir
+
+    @cached_property
+    def _base_dir(self) -> Path:  # asked once per chunk read: one stat per description, not per chunk
         return self.root if self.root.is_dir() else self.root.parent
 
     def path_of(self, location: Location) -> Path:
