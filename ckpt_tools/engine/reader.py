@@ -50,6 +50,14 @@ class Reader:
         self._cache_files = cache_files
         # the engine's prefetch thread reads chunks while the writer reads objects
         self._lock = threading.RLock()
+        self._paths: dict[str, Path] = {}
+
+    def path(self, file: str) -> Path:
+        """The path of a file of the checkpoint (made once: a chunk read asks for it)."""
+        path = self._paths.get(file)
+        if path is None:
+            path = self._paths[file] = self.ckpt.base_dir() / file
+        return path
 
     def __enter__(self) -> Reader:
         return self
@@ -71,7 +79,7 @@ class Reader:
         """A remote stand-in's bytes of ``loc`` fetched (whole: a reader outside a plan)."""
         if self.planned:
             return
-        path = self.ckpt.base_dir() / loc.file
+        path = self.path(loc.file)
         if loc.kind == "pickled":
             if remote.is_standin(path):  # the value's storage records (the pickle is there)
                 with self._lock:
@@ -88,7 +96,7 @@ class Reader:
     def _map_locked(self, file: str) -> mmap.mmap:
         m = self._maps.get(file)
         if m is None:
-            path = self.ckpt.base_dir() / file
+            path = self.path(file)
             with safefs.open_file(path) as f:
                 size = os.fstat(f.fileno()).st_size
                 if size == 0:
@@ -105,7 +113,7 @@ class Reader:
     def _bytes(self, loc: Location) -> memoryview:
         self._need(loc)
         m = self._map(loc.file)
-        safefs.check_span(loc.offset, loc.length, len(m), what=str(self.ckpt.base_dir() / loc.file))
+        safefs.check_span(loc.offset, loc.length, len(m), what=str(self.path(loc.file)))
         return memoryview(m)[loc.offset: loc.offset + loc.length]
 
     def _pickled(self, file: str) -> Any:
@@ -117,7 +125,7 @@ class Reader:
         if obj is None:
             from ..security.safeload import load_torch
 
-            obj = load_torch(self.ckpt.base_dir() / file)
+            obj = load_torch(self.path(file))
             self._loaded[file] = obj
             while self._cache_files is not None and len(self._loaded) > self._cache_files:
                 self._loaded.popitem(last=False)
@@ -132,7 +140,7 @@ class Reader:
             try:
                 obj = obj[k]
             except (KeyError, IndexError, TypeError) as e:
-                raise BadInput(f"{self.ckpt.base_dir() / loc.file}: no entry {loc.key!r}; the file changed since it was described") from e
+                raise BadInput(f"{self.path(loc.file)}: no entry {loc.key!r}; the file changed since it was described") from e
         return obj
 
     # -- public ---------------------------------------------------------------------------
@@ -155,9 +163,9 @@ class Reader:
             raise BadInput(f"{loc.file}: cannot read a {loc.kind!r} item as a tensor")
         value = _local(value)
         if not isinstance(value, torch.Tensor):
-            raise BadInput(f"{self.ckpt.base_dir() / loc.file}: {tensor.name!r} is a {type(value).__name__}, not a tensor")
+            raise BadInput(f"{self.path(loc.file)}: {tensor.name!r} is a {type(value).__name__}, not a tensor")
         if tuple(value.shape) != tuple(chunk.sizes) or value.dtype != tensor.dtype:
-            raise BadInput(f"{self.ckpt.base_dir() / loc.file}: {tensor.name!r} holds {tuple(value.shape)} "
+            raise BadInput(f"{self.path(loc.file)}: {tensor.name!r} holds {tuple(value.shape)} "
                            f"{value.dtype}, its metadata says {chunk.sizes} {tensor.dtype}")
         return value
 
@@ -167,7 +175,7 @@ class Reader:
         tensor of a ``torch.save`` file too); else None."""
         loc = chunk.location
         nbytes = chunk.numel * tensor.dtype.itemsize
-        path = self.ckpt.base_dir() / loc.file
+        path = self.path(loc.file)
         self._need(loc)
         if loc.kind == "raw" and loc.length == nbytes:
             return path, loc.offset, loc.length
@@ -195,7 +203,7 @@ class Reader:
 
         from ..security.safeload import load_torch_bytes, load_torch_meta
 
-        where = f"{self.ckpt.base_dir() / loc.file} ({name})"
+        where = f"{self.path(loc.file)} ({name})"
         self._need(loc)
         m = self._map(loc.file)
         safefs.check_span(loc.offset, loc.length, len(m), what=where)
@@ -216,7 +224,7 @@ class Reader:
 
         loc = obj.location
         if loc.kind == "bytes_item":
-            return load_torch_bytes(self._bytes(loc), where=f"{self.ckpt.base_dir() / loc.file} ({obj.name})")
+            return load_torch_bytes(self._bytes(loc), where=f"{self.path(loc.file)} ({obj.name})")
         if loc.kind == "pickled":
             return _local(self._lookup(loc))
         if loc.kind == "value":  # a plain value the description carries (a literal, never code)
@@ -236,7 +244,7 @@ class Reader:
             return None
         _, offset, length = found
         m = self._map(chunk.location.file)
-        safefs.check_span(offset, length, len(m), what=f"{self.ckpt.base_dir() / chunk.location.file} ({tensor.name})")
+        safefs.check_span(offset, length, len(m), what=f"{self.path(chunk.location.file)} ({tensor.name})")
         return scalar_from_bytes(m[offset:offset + length], tensor.dtype)
 
     def rows(self, tensor: TensorInfo, r0: int, r1: int, *, at: tuple[int, ...] = ()) -> torch.Tensor:

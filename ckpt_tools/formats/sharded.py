@@ -414,7 +414,7 @@ class Writer:
         # any other source (its base directory, for saved objects): trees built from the plan
         self.synth = synth
         self._zips: dict[str, TorchZip] = {}
-        self._crcs: dict[Path, dict[tuple[int, int], int]] = {}
+        self._crcs: dict[str, dict[tuple[int, int], int]] = {}
         self._rebuilt: dict[str, Rebuilt] = {}  # kind -> its files, rebuilt from the template
 
     def __getstate__(self) -> dict:
@@ -446,13 +446,14 @@ class Writer:
     def _record_crc(self, path: Path, offset: int, length: int) -> int | None:
         """The CRC-32 of the source record that is exactly ``length`` bytes at ``offset`` of
         ``path`` (so a copied record's CRC is combined, not recomputed), else None."""
-        path = Path(path)
-        if path.parent != self.template:
-            return None
-        if path not in self._crcs:
-            records = records_of(path)[1].values()  # (not the pickle: most files are not templates)
-            self._crcs[path] = {(r.offset, r.size): r.crc32 for r in records}
-        return self._crcs[path].get((offset, length))
+        key = str(path)  # (asked once per copied record: a str hashes faster than a Path)
+        crcs = self._crcs.get(key)
+        if crcs is None:
+            path = Path(path)
+            crcs = {} if path.parent != self.template else {  # (not the pickle: most files are not templates)
+                (r.offset, r.size): r.crc32 for r in records_of(path)[1].values()}
+            self._crcs[key] = crcs
+        return crcs.get((offset, length))
 
     def entry(self, entry: shardtree.Entry) -> tuple[TorchZip, Any]:
         zf = self._zip(entry.file)
