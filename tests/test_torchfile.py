@@ -24,6 +24,7 @@ import torch
 import torch.distributed.tensor  # noqa: F401 - makes DTensor & co. safe globals for weights_only loads
 from torch.distributed.tensor import DTensor
 
+from ckpt_tools.codecs import torchwriter
 from ckpt_tools.security import torchfile
 from ckpt_tools.errors import BadInput, UnsafeInput
 from ckpt_tools.codecs.torchwriter import TorchZipWriter, crc32_combine, dumps
@@ -298,7 +299,7 @@ def pickle_with_storage(key: str, numel: int) -> bytes:
 
 
 # ---------------------------------------------------------------------------- the writer
-@pytest.mark.parametrize("mode", ["mmap_crc", "combined_crc", "read_write_fallback"])
+@pytest.mark.parametrize("mode", ["mmap_crc", "combined_crc", "combined_crc_kernel_copy", "read_write_fallback"])
 def test_copy_record_concatenates_ranges_of_two_files(mode, tmp_path, monkeypatch):
     rng = random.Random(7)
     one, two = tmp_path / "one.bin", tmp_path / "two.bin"
@@ -306,8 +307,10 @@ def test_copy_record_concatenates_ranges_of_two_files(mode, tmp_path, monkeypatc
     two.write_bytes(rng.randbytes(90_000))
     ranges = [(one, 70_001, 100_000), (two, 13, 0), (two, 5, 60_000), (one, 0, 3)]  # unaligned, empty, tiny
     want = b"".join(p.read_bytes()[o:o + n] for p, o, n in ranges)
-    if mode == "combined_crc":
+    if mode.startswith("combined_crc"):
         ranges = [(p, o, n, zlib.crc32(p.read_bytes()[o:o + n])) for p, o, n in ranges]
+    if mode in ("combined_crc_kernel_copy", "read_write_fallback"):
+        monkeypatch.setattr(torchwriter, "_SMALL", 0)  # (a record this size is otherwise read whole)
     if mode == "read_write_fallback":
         def no_cfr(*_a, **_k):
             raise OSError(errno.EXDEV, "cross-device")
@@ -325,6 +328,25 @@ def test_copy_record_concatenates_ranges_of_two_files(mode, tmp_path, monkeypatc
     assert [n for n in TorchZip(out).records] == ["data.pkl", "data/0", "data/1", "version", "byteorder",
                                                   ".data/serialization_id"]
     assert all(r.offset % 64 == 0 for r in TorchZip(out).records.values())
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_copy_record_keeps_a_damaged_source_record_damaged(small, tmp_path, monkeypatch):
+    """A part whose known CRC its bytes do not match (a source record damaged on disk): the copy
+    carries the known CRCs combined, so a reader still sees the damage; it is never re-blessed."""
+    if not small:
+        monkeypatch.setattr(torchwriter, "_SMALL", 0)
+    src = tmp_path / "src.bin"
+    src.write_bytes(bytes(range(256)) * 40)
+    good = zlib.crc32(src.read_bytes()[:5000])
+    parts = [(src, 0, 5000, good ^ 1), (src, 5000, 5240, zlib.crc32(src.read_bytes()[5000:]))]
+    out = tmp_path / "out.pt"
+    with TorchZipWriter(out, "out") as w:
+        w.write_record("data.pkl", b"\x80\x02}.")
+        w.copy_record("data/0", parts)
+    with zipfile.ZipFile(out) as z:
+        assert z.getinfo("out/data/0").CRC == crc32_combine(good ^ 1, parts[1][3], 5240)
+        assert z.testzip() == "out/data/0"
 
 
 def test_page_phase_puts_each_record_at_its_source_offset_within_a_page(tmp_path):

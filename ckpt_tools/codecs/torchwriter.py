@@ -372,14 +372,21 @@ class TorchZipWriter:
             path, start, length = part[0], part[1], part[2]
             safefs.check_span(start, length, os.fstat(self._src(path)).st_size, what=str(path))
         full, ofs = self._begin(name, size, phase=parts[0][1] % PAGE if parts and self.page_phase else None)
-        if size <= _SMALL and not known:
+        if size <= _SMALL:
             # a small record (a few rows of a tensor of a many-rank save): read, CRC'd and written
-            # here; a thread hand-off and a kernel copy per record cost more than the bytes
-            data = b"".join(os.pread(self._src(part[0]), part[2], part[1]) for part in parts)
+            # here; a thread hand-off and a kernel copy per record cost more than the bytes, and
+            # zlib's CRC of a few KiB costs less than combining known CRCs in Python
+            blobs = [os.pread(self._src(part[0]), part[2], part[1]) for part in parts]
+            data = b"".join(blobs)
             if len(data) != size:
                 raise BadInput(f"{parts[0][0]}: a byte range ends before its file does; was it truncated?")
+            crc = crc32(data)
+            if known and any(crc32(blob) != part[3] for blob, part in zip(blobs, parts)):
+                crc = 0  # a damaged source record: its known CRC carried over, never re-blessed
+                for part in parts:
+                    crc = crc32_combine(crc, part[3], part[2])
             self._write(data)
-            self._end(full, ofs, size, crc32(data), data[:8])
+            self._end(full, ofs, size, crc, data[:8])
             return
         # the CRC is computed by another thread while the kernel copies (zlib releases the GIL)
         crc_job = None if known else _crc_pool().submit(_crc_of_parts, [tuple(p[:3]) for p in parts])
