@@ -260,9 +260,10 @@ class TorchZipWriter:
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if fd is None else fd
         # the file is flushed to disk while it is written (the caller's flusher for a shared fd)
         self._flusher = Flusher(self._fd) if fd is None else flusher
-        self._pos, self._central, self._names = 0, bytearray(), []
+        self._pos, self._central, self._names = 0, bytearray(), set()
         self._crc_hash = 0  # the CRC half of the serialization id, folded as torch does
         self._srcs: dict[Any, int] = {}  # source files open for copy_record
+        self._sizes: dict[int, int] = {}  # their sizes, by descriptor
         self._buf = bytearray()  # written, not yet at the fd (see _write)
 
     def __enter__(self) -> TorchZipWriter:
@@ -309,7 +310,7 @@ class TorchZipWriter:
     def _begin(self, name: str, size: int, phase: int | None = None) -> tuple[bytes, int]:
         if self._fd is None or name in self._names:
             raise ValueError(f"record {name!r} written twice, or the writer is closed")
-        self._names.append(name)
+        self._names.add(name)
         full, ofs = f"{self.prefix}/{name}".encode(), self._pos
         zip64 = self._zip64(size, ofs, 0)
         data = ofs + 30 + len(full) + len(zip64) + 4
@@ -364,13 +365,14 @@ class TorchZipWriter:
         copied kernel-side by ``os.copy_file_range`` (read/write in 1 MiB chunks where that fails).
         Its CRC is zlib's over an mmap of the sources; or, when every part carries a 4th item, its
         known CRC-32 (``TorchZip.part``), the CRCs are combined without reading the bytes at all,
-        which also keeps a damaged source record detectably damaged instead of re-blessing it."""
+        which also keeps a damaged source record detectably damaged instead of re-blessing it.
+        Records up to 256 KiB are read, CRC'd by zlib and written from memory."""
         if name == _SID:
             return
         size, known = sum(p[2] for p in parts), all(len(p) == 4 for p in parts)
         for part in parts:  # every range checked first: the CRC thread maps them
             path, start, length = part[0], part[1], part[2]
-            safefs.check_span(start, length, os.fstat(self._src(path)).st_size, what=str(path))
+            safefs.check_span(start, length, self._sizes[self._src(path)], what=str(path))
         full, ofs = self._begin(name, size, phase=parts[0][1] % PAGE if parts and self.page_phase else None)
         if size <= _SMALL:
             # a small record (a few rows of a tensor of a many-rank save): read, CRC'd and written
@@ -416,12 +418,14 @@ class TorchZipWriter:
             if len(self._srcs) >= _MAX_OPEN:
                 self._close_srcs()
             fd = self._srcs[path] = os.open(path, os.O_RDONLY)
+            self._sizes[fd] = os.fstat(fd).st_size  # (the sources do not change while copied: stamps)
         return fd
 
     def _close_srcs(self) -> None:
         for fd in self._srcs.values():
             os.close(fd)
         self._srcs.clear()
+        self._sizes.clear()
 
     def _copy(self, src: int, start: int, length: int, path: Any) -> None:
         self._flush()
@@ -438,7 +442,7 @@ class TorchZipWriter:
         if self._fd is None:
             raise ValueError("the writer is already closed")
         self._close_srcs()
-        if not {"version", ".data/version"} & set(self._names):
+        if not {"version", ".data/version"} & self._names:
             self.write_record("version", b"3\n")
         if "byteorder" not in self._names:
             self.write_record("byteorder", b"little")
