@@ -95,6 +95,24 @@ class TensorInfo:
             object.__setattr__(self, "_rows_index", got)
         return got
 
+    def row_tiles(self) -> bool:
+        """Whether the chunks with elements tile the rows: whole rows each (every column), no
+        two meeting, none missing. Then rows [a, b) are in the chunks from the one holding row
+        ``a`` on, in row order (a ``Shard(0)`` save; not replicas). Found once."""
+        got = self.__dict__.get("_row_tiles")
+        if got is None:
+            starts, order, _ = self.rows_index()
+            rest, end, got = self.shape[1:], 0, bool(self.shape)
+            for start, i in zip(starts, order):
+                c = self.chunks[i]
+                if start != end or c.sizes[1:] != rest or any(c.offsets[1:]):
+                    got = False
+                    break
+                end += c.sizes[0]
+            got = got and end == self.shape[0]
+            object.__setattr__(self, "_row_tiles", got)
+        return got
+
     @property
     def numel(self) -> int:
         return math.prod(self.shape)

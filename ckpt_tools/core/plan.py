@@ -10,7 +10,7 @@ the kernel to copy; :func:`by_piece` serves a stream of pieces to a writer in it
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -210,7 +210,34 @@ def rows_of(target: Target, world_size: int, rank: int) -> Piece:
     if not shape:
         return whole(target)
     start, stop = chunk_rows(shape[0], world_size, rank)
+    if target.computed is None and target.source.row_tiles():
+        return _tiled_rows(target, start, stop)
     return piece(target, (start, *([0] * (len(shape) - 1))), (stop - start, *shape[1:]))
+
+
+def _tiled_rows(target: Target, a: int, b: int) -> Piece:
+    """:func:`piece` of rows [a, b) of a target whose source chunks tile its rows
+    (:meth:`TensorInfo.row_tiles`): the chunks from the one holding row ``a``, each met in one
+    row interval (a many-rank reshard plans one such piece per tensor and rank)."""
+    source = target.source
+    starts, order, _ = source.rows_index()
+    rest = target.shape[1:]
+    zeros = (0,) * len(rest)
+    copies = []
+    j = bisect_right(starts, a) - 1
+    while a < b and j < len(starts) and starts[j] < b:
+        c0 = starts[j]
+        chunk = source.chunks[order[j]]
+        lo, hi = max(a, c0), min(b, c0 + chunk.sizes[0])
+        copies.append((order[j], Copy(chunk, (lo - c0, *zeros), (lo - a, *zeros), (hi - lo, *rest))))
+        j += 1
+    if len(copies) > 1:
+        copies.sort(key=_first)  # in the chunks' order, as piece() gives them
+    return Piece(target, (a, *zeros), (b - a, *rest), tuple([c for _, c in copies]))
+
+
+def _first(pair: tuple) -> Any:
+    return pair[0]
 
 
 def permuted_rows(target: Target, rows, *, rank: int = 0, world_size: int = 1) -> Piece:

@@ -1,0 +1,64 @@
+"""Rank pieces of row-sharded sources (core/plan.py ``rows_of``): the bisection over chunks that
+tile the rows gives exactly what the general rectangle intersection gives, in the same order."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ckpt_tools.core.describe import Chunk, Location, TensorInfo, chunk_rows
+from ckpt_tools.core.dtypes import DType
+from ckpt_tools.core.plan import Target, piece, rows_of
+from ckpt_tools.errors import BadInput
+
+
+def _tensor(rows: int, boxes: list[tuple[tuple[int, int], tuple[int, int]]]) -> TensorInfo:
+    chunks = tuple(Chunk(o, s, Location(f"f{i}", "raw", i * 100, s[0] * s[1] * 4), i) for i, (o, s) in enumerate(boxes))
+    return TensorInfo("model", "w", (rows, 6), DType("float32"), chunks)
+
+
+def _split(rows: int, parts: int, rng: random.Random) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    cuts = sorted(rng.choices(range(rows + 1), k=parts - 1))
+    edges = [0, *cuts, rows]
+    return [((a, 0), (b - a, 6)) for a, b in zip(edges, edges[1:])]  # (some empty: a rank without rows)
+
+
+def _general(target: Target, world_size: int, rank: int):
+    start, stop = chunk_rows(target.shape[0], world_size, rank)
+    return piece(target, (start, 0), (stop - start, 6))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_tiled_rows_are_the_general_plan(seed):
+    rng = random.Random(seed)
+    rows = rng.randrange(1, 40)
+    boxes = _split(rows, rng.randrange(1, 20), rng)
+    rng.shuffle(boxes)  # chunks in file order, not row order (rank 10 before rank 2)
+    t = _tensor(rows, boxes)
+    assert t.row_tiles()
+    target = Target(t, "model", "w", t.dtype)
+    for world_size in (1, 2, 3, 7, rows, rows + 3):
+        for r in range(world_size):
+            assert rows_of(target, world_size, r) == _general(target, world_size, r)
+
+
+@pytest.mark.parametrize("boxes,tiles", [
+    ([((0, 0), (4, 6)), ((4, 0), (4, 6))], True),
+    ([((0, 0), (4, 6)), ((0, 0), (4, 6)), ((4, 0), (4, 6)), ((4, 0), (4, 6))], False),  # replicas
+    ([((0, 0), (8, 3)), ((0, 3), (8, 3))], False),  # split by columns
+])
+def test_sources_that_do_not_tile_take_the_general_plan(boxes, tiles):
+    t = _tensor(8, boxes)
+    assert t.row_tiles() is tiles
+    target = Target(t, "model", "w", t.dtype)
+    for world_size in (1, 3, 8):
+        for r in range(world_size):
+            assert rows_of(target, world_size, r) == _general(target, world_size, r)
+
+
+def test_a_hole_is_refused_either_way():
+    t = _tensor(8, [((0, 0), (3, 6)), ((4, 0), (4, 6))])
+    assert not t.row_tiles()
+    with pytest.raises(BadInput, match="hole"):
+        rows_of(Target(t, "model", "w", t.dtype), 1, 0)
