@@ -7,6 +7,7 @@ reference: what torch.save writes, and what torch.load(weights_only=True) makes 
 from __future__ import annotations
 
 import errno
+import io
 import os
 import random
 import shlex
@@ -328,6 +329,35 @@ def test_copy_record_concatenates_ranges_of_two_files(mode, tmp_path, monkeypatc
     assert [n for n in TorchZip(out).records] == ["data.pkl", "data/0", "data/1", "version", "byteorder",
                                                   ".data/serialization_id"]
     assert all(r.offset % 64 == 0 for r in TorchZip(out).records.values())
+
+
+def test_item_writers_sharing_sources_open_each_source_once(tmp_path, monkeypatch):
+    """Zips appended to one file (a DCP file's items) with one Sources: each source file is
+    opened once for all of them, stays open until the Sources closes, and every copy is right."""
+    src = tmp_path / "src.bin"
+    src.write_bytes(bytes(range(256)) * 64)
+    opened = []
+    real_open = os.open
+    monkeypatch.setattr(torchwriter.os, "open", lambda p, *a, **k: (opened.append(str(p)), real_open(p, *a, **k))[1])
+    out = tmp_path / "items.bin"
+    fd = real_open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    starts = []
+    try:
+        with torchwriter.Flusher(fd) as flusher, torchwriter.Sources() as sources:
+            for i in range(5):
+                starts.append(os.lseek(fd, 0, os.SEEK_CUR))
+                with TorchZipWriter(out, "archive", fd=fd, flusher=flusher, sources=sources) as z:
+                    z.write_record("data.pkl", b"\x80\x02}.")
+                    z.copy_record("data/0", [(src, i * 100, 100)])
+            assert opened.count(str(src)) == 1
+    finally:
+        os.close(fd)
+    data = out.read_bytes()
+    for i, start in enumerate(starts):
+        end = starts[i + 1] if i + 1 < len(starts) else len(data)
+        with zipfile.ZipFile(io.BytesIO(data[start:end])) as z:
+            assert z.read("archive/data/0") == src.read_bytes()[i * 100:i * 100 + 100]
+            assert z.testzip() is None
 
 
 @pytest.mark.parametrize("small", [True, False])

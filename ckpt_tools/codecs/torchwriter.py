@@ -239,6 +239,40 @@ _SID = ".data/serialization_id"
 Part = tuple[str | os.PathLike, int, int] | tuple[str | os.PathLike, int, int, int]
 
 
+class Sources:
+    """Source files open for :meth:`TorchZipWriter.copy_record`, with their sizes: opened once
+    per writer, or once per output file when its writers share one (a DCP file of a many-rank
+    save is thousands of item zips, each copying a few rows from the same source files)."""
+
+    def __init__(self) -> None:
+        self._fds: dict[Any, int] = {}
+        self._sizes: dict[int, int] = {}  # by descriptor (the sources do not change while copied: stamps)
+
+    def fd(self, path: Any) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            if len(self._fds) >= _MAX_OPEN:
+                self.close()
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            self._sizes[fd] = os.fstat(fd).st_size
+        return fd
+
+    def size(self, fd: int) -> int:
+        return self._sizes[fd]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._sizes.clear()
+
+    def __enter__(self) -> Sources:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
+
 class TorchZipWriter:
     """Writes a zip laid out byte-for-byte as torch's PyTorchStreamWriter does: each record's data
     aligned by padding the local header's extra field (``'FB' <u16 n> 'Z'*n``), CRC and sizes in a
@@ -247,7 +281,7 @@ class TorchZipWriter:
     ``close`` adds ``version`` (and ``byteorder``) if missing, then ``.data/serialization_id``."""
 
     def __init__(self, path: str | os.PathLike, prefix: str, *, alignment: int = 64, page_phase: bool = False,
-                 fd: int | None = None, flusher: Flusher | None = None) -> None:
+                 fd: int | None = None, flusher: Flusher | None = None, sources: Sources | None = None) -> None:
         self.path, self.prefix, self.alignment = Path(path), prefix, alignment
         # copy_record puts each record's data at its first source's offset within a page, not
         # at the next multiple of ``alignment`` (padding of up to a page; the file then differs
@@ -262,8 +296,9 @@ class TorchZipWriter:
         self._flusher = Flusher(self._fd) if fd is None else flusher
         self._pos, self._central, self._names = 0, bytearray(), set()
         self._crc_hash = 0  # the CRC half of the serialization id, folded as torch does
-        self._srcs: dict[Any, int] = {}  # source files open for copy_record
-        self._sizes: dict[int, int] = {}  # their sizes, by descriptor
+        # source files open for copy_record: the caller's (it closes them), else this writer's
+        self._own_sources = sources is None
+        self._sources = Sources() if sources is None else sources
         self._buf = bytearray()  # written, not yet at the fd (see _write)
 
     def __enter__(self) -> TorchZipWriter:
@@ -372,7 +407,7 @@ class TorchZipWriter:
         size, known = sum(p[2] for p in parts), all(len(p) == 4 for p in parts)
         for part in parts:  # every range checked first: the CRC thread maps them
             path, start, length = part[0], part[1], part[2]
-            safefs.check_span(start, length, self._sizes[self._src(path)], what=str(path))
+            safefs.check_span(start, length, self._sources.size(self._src(path)), what=str(path))
         full, ofs = self._begin(name, size, phase=parts[0][1] % PAGE if parts and self.page_phase else None)
         if size <= _SMALL:
             # a small record (a few rows of a tensor of a many-rank save): read, CRC'd and written
@@ -411,21 +446,13 @@ class TorchZipWriter:
         self._end(full, ofs, size, crc, head)
 
     def _src(self, path: Any) -> int:
-        """A source file's descriptor, opened once per writer (a record of a many-rank reshard
-        reads a few rows from each of several files; one open per record costs more)."""
-        fd = self._srcs.get(path)
-        if fd is None:
-            if len(self._srcs) >= _MAX_OPEN:
-                self._close_srcs()
-            fd = self._srcs[path] = os.open(path, os.O_RDONLY)
-            self._sizes[fd] = os.fstat(fd).st_size  # (the sources do not change while copied: stamps)
-        return fd
+        """A source file's descriptor, opened once (a record of a many-rank reshard reads a few
+        rows from each of several files; one open per record costs more)."""
+        return self._sources.fd(path)
 
     def _close_srcs(self) -> None:
-        for fd in self._srcs.values():
-            os.close(fd)
-        self._srcs.clear()
-        self._sizes.clear()
+        if self._own_sources:
+            self._sources.close()
 
     def _copy(self, src: int, start: int, length: int, path: Any) -> None:
         self._flush()

@@ -32,7 +32,7 @@ from typing import Any
 
 from ..codecs import metapickle as mp
 from ..codecs.tensornodes import REBUILD_V2, STORAGE_DTYPES, contiguous_stride
-from ..codecs.torchwriter import TorchZipWriter, dumps
+from ..codecs.torchwriter import Sources, TorchZipWriter, dumps
 from ..core.describe import Checkpoint, ObjectInfo
 from ..core.plan import Span
 from ..errors import BadInput, Damaged
@@ -301,12 +301,13 @@ class Writer:
     def write(self, path: Path, job, pieces, objects) -> list:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            with Flusher(fd) as flusher:  # the file reaches the disk while it is written
-                return self._write_items(path, fd, flusher, job, pieces)
+            # the file reaches the disk while it is written; its items' sources open once
+            with Flusher(fd) as flusher, Sources() as sources:
+                return self._write_items(path, fd, flusher, sources, job, pieces)
         finally:
             os.close(fd)
 
-    def _write_items(self, path: Path, fd: int, flusher: Flusher, job, pieces) -> list:
+    def _write_items(self, path: Path, fd: int, flusher: Flusher, sources: Sources, job, pieces) -> list:
         """Each item, written at ``fd``'s position: ``(kind, which, offset, length)`` each."""
 
         records = []
@@ -316,7 +317,7 @@ class Writer:
             if got is not p:
                 raise RuntimeError("the engine's stream is out of the plan's order")
             start = os.lseek(fd, 0, os.SEEK_CUR)
-            with TorchZipWriter(path, "archive", fd=fd, flusher=flusher) as z:
+            with TorchZipWriter(path, "archive", fd=fd, flusher=flusher, sources=sources) as z:
                 z.write_record("data.pkl", tensor_pickle(p.target.dtype, p.sizes))
                 for name, data in _SMALL:
                     z.write_record(name, data)
