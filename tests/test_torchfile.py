@@ -482,6 +482,38 @@ def test_zip64_matches_torch_save(tmp_path):
         b.unlink(missing_ok=True)
 
 
+def test_blob_records_of_a_blob_like_the_last_are_its_own():
+    """Two items of one tensor (same zip, other values): the second's records come from the
+    first's layout, with its own CRCs; a blob of that length differing anywhere the parse reads
+    (a name, a header) is parsed afresh, and refused like any other."""
+    import io
+
+    def blob(value):
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        return buf.getvalue()
+
+    def parsed(b):
+        torchfile._BLOB_LAYOUTS.clear()
+        return torchfile.blob_records(b)
+
+    one, two = blob(torch.arange(12, dtype=torch.float32)), blob(torch.arange(12, dtype=torch.float32) * 3)
+    assert len(one) == len(two) and one != two
+    torchfile._BLOB_LAYOUTS.clear()
+    assert torchfile.blob_records(one) == parsed(one)
+    want = parsed(two)
+    torchfile.blob_records(one)  # (its layout cached)
+    got = torchfile.blob_records(two)
+    assert got == want and got != torchfile.blob_records(one)  # (the CRCs differ)
+    i = two.index(b"PK\x01\x02")
+    renamed = two[:i + 46] + b"X" + two[i + 47:]  # a central name no longer its local header's
+    torchfile.blob_records(one)
+    assert torchfile.blob_records(renamed) is None
+    deflated = two[:i + 10] + b"\x08" + two[i + 11:]
+    torchfile.blob_records(one)
+    assert torchfile.blob_records(deflated) is None
+
+
 @pytest.mark.parametrize("value", [torch.arange(7, dtype=torch.float32), torch.zeros(0), torch.ones(3, 5, dtype=torch.bfloat16),
                                    torch.tensor(3.5)])
 def test_blob_records_match_zipfile(value):
