@@ -168,6 +168,26 @@ class _Pickler(pickle._Pickler):
     dispatch[_Global] = save_global
     dispatch[type] = save_global
 
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        # pickle._Pickler.save's own steps for the objects a many-rank .metadata is mostly made
+        # of (hundreds of thousands of ints, strings and small tuples), without its generic
+        # lookups: no persistent ids here, no reducer_override; ints are never memoized
+        t = type(obj)
+        if t is int:
+            self.framer.commit_frame()
+            self.save_long(obj)
+        elif t is str or t is tuple:
+            self.framer.commit_frame()
+            x = self.memo.get(id(obj))
+            if x is not None:
+                self.write(self.get(x[0]))
+            elif t is str:
+                self.save_str(obj)
+            else:
+                self.save_tuple(obj)
+        else:
+            super().save(obj, save_persistent_id)
+
 
 def dumps(meta: Metadata, protocol: int | None = None) -> bytes:
     """What ``pickle.dump`` writes for torch's ``Metadata`` with this content."""
