@@ -349,7 +349,7 @@ def blob_records(blob: bytes | memoryview) -> dict[str, tuple[int, int, int]] | 
     has that one's records (only its CRCs are read again), found by a few slice compares."""
     n = len(blob)
     known = _BLOB_LAYOUTS.get(n)
-    if known is not None and all(blob[a:b] == want for a, b, want in known[0]):
+    if known is not None and all(bytes(blob[a:b]) == want for a, b, want in known[0]):
         return {name: (start, size, _U32(blob, crc_at)[0]) for name, start, size, crc_at in known[1]}
     regions: list[tuple[int, int]] = []
     records = _blob_records(blob, regions)
