@@ -21,7 +21,7 @@ from ..errors import BadInput
 GROUPS = ("model", "optimizer", "extra")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Location:
     """Where the bytes of one stored chunk (or object) live.
 
@@ -41,7 +41,7 @@ class Location:
     key: tuple[Any, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """One stored rectangle of a logical tensor."""
 

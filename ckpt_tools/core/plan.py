@@ -71,7 +71,7 @@ class Target:
         return self.numel * dtype_size(self.dtype)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Copy:
     """Copy ``sizes`` elements from ``chunk`` (starting at ``src_start`` within it) to
     ``dst_start`` within the destination piece."""
