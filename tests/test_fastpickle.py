@@ -177,6 +177,30 @@ def test_mutated_metadata_reads_the_same_or_is_declined(seed):
     assert agreed and declined
 
 
+@pytest.mark.parametrize("target", [("pathlib", "PosixPath"),
+                                    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+                                    ("torch.serialization", "_get_layout")])
+def test_build_into_a_class_or_function_is_refused_and_changes_nothing(tmp_path, target):
+    """BUILD with slot state is ``setattr`` on whatever is on the stack: on a class find_class
+    gave (a ``_str`` on PosixPath would rename every path written afterwards) it would change
+    that class for the whole process. Both readers refuse it before any attribute is set."""
+    module, name = (s.encode() for s in target)
+    found = dcpmeta.MetadataUnpickler(io.BytesIO(b"")).find_class(*target)
+    data = (b"\x80\x04\x8c" + bytes([len(module)]) + module + b"\x8c" + bytes([len(name)]) + name + b"\x93"
+            + b"N}\x8c\x0dckpt_test_bad\x4b\x01s\x86b.")  # BUILD (None, {"ckpt_test_bad": 1})
+    p = tmp_path / ".metadata"
+    p.write_bytes(data)
+    try:
+        with pytest.raises(fastpickle.Decline):
+            _fast(data)
+        with pytest.raises(UnsafeInput, match="sets attributes of"):
+            load_dcp_metadata(p)
+        assert not hasattr(found, "ckpt_test_bad")
+    finally:
+        if hasattr(found, "ckpt_test_bad"):
+            delattr(found, "ckpt_test_bad")
+
+
 def _refusal(path: Path) -> tuple[type, str] | None:
     try:
         load_dcp_metadata(path)

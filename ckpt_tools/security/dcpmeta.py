@@ -223,6 +223,18 @@ class MetadataUnpickler(pickle._Unpickler):
             raise NewerTorch(f"it names {module}.{name}, a DCP class no torch from 2.10 to 2.15 pickles")
         raise Forbidden(f"global {module}.{name} is not a DCP metadata class")
 
+    def load_build(self) -> None:
+        # state goes only into an object the pickle built, never into a class or function
+        # find_class gave it: BUILD's setattr would change that for the whole process (a
+        # ``_str`` set on PosixPath renames every path the tool writes afterwards)
+        if len(self.stack) > 1 and callable(self.stack[-2]):
+            target = self.stack[-2]
+            raise Forbidden(f"it sets attributes of {getattr(target, '__qualname__', type(target).__name__)} "
+                            "itself, not of an object it built")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
+
 
 bounded.register(_Record, lambda r: vars(r).values())
 

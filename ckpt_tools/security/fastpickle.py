@@ -9,7 +9,8 @@ follows an opcode with it, about 4x fewer Python calls per opcode.
 It is an accelerator, never a second judge: it does only what the careful reader would do
 (globals through the same ``find_class``; every dict key through
 :func:`~ckpt_tools.security.bounded.check_key` before it is hashed; REDUCE, NEWOBJ and BUILD the
-same calls on the same objects, which only ``find_class`` can have put on the stack), and it
+same calls on the same objects, which only ``find_class`` can have put on the stack; BUILD never
+into a class or function, which the careful reader refuses), and it
 knows only the opcodes protocol 4 and 5 picklers write for plain data. On anything else (another
 opcode, a frame that does not end where an opcode does, a missing memo entry, any exception
 raised by what it builds) it raises :class:`Decline` and the caller reads the file the careful
@@ -99,7 +100,10 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:  # noqa: C9
             continue
         if op == 0x62:  # BUILD
             state = stack.pop()
-            setstate = getattr(stack[-1], "__setstate__", None)
+            inst = stack[-1]
+            if callable(inst):  # a class or function find_class gave: the careful reader refuses it
+                raise Decline("BUILD on a class or function")
+            setstate = getattr(inst, "__setstate__", None)
             if setstate is None:  # plain __dict__/slots update: rare, the careful reader's
                 raise Decline("BUILD without __setstate__")
             setstate(state)
