@@ -1,10 +1,12 @@
 """A faster careful unpickler for the few opcodes DCP's ``.metadata`` is made of.
 
 The careful reader (``pickle._Unpickler`` with :func:`~ckpt_tools.security.bounded.guard_dispatch`)
-costs about 1 µs an opcode: a method call, a ``read`` through the unframer and a dispatch per
-opcode. A 256-rank ``.metadata`` holds 4.5 million opcodes. :func:`load` runs the same steps
-over the file's bytes in one loop with the stack in local variables, and takes each MEMOIZE that
-follows an opcode with it, about 4x fewer Python calls per opcode.
+costs about 0.5 µs an opcode: a method call, a ``read`` through the unframer and a dispatch per
+opcode. A 256-rank ``.metadata`` with optimizer state holds 14.7 million opcodes (39 MB).
+:func:`load` runs the same steps over the file's bytes in one loop with the stack in local
+variables, and takes each MEMOIZE that follows an opcode with it: that file in 4.9 s instead of
+7.6 s. What is left is mostly building the records (``__new__`` and ``__setstate__`` of 655,000
+of them, the same calls in either reader) and the if-chain itself.
 
 It is an accelerator, never a second judge: it does only what the careful reader would do
 (globals through the same ``find_class``; every dict key through
