@@ -2,12 +2,15 @@
 
 :class:`MetadataUnpickler` maps DCP's class names onto plain stand-ins and torch's dtypes onto
 :class:`~ckpt_tools.core.dtypes.DType`, so reading a DCP checkpoint neither imports torch (over a
-second of start-up) nor lets the pickle reach any code. Writing uses torch's own classes, so the
+second of start-up) nor lets the pickle reach any code. :func:`load_dcp_metadata` first tries
+:mod:`~ckpt_tools.security.fastpickle`, the same steps in one loop, and falls back to
+:class:`MetadataUnpickler` for any file it declines. Writing uses torch's own classes, so the
 ``.metadata`` the tool writes is exactly what ``dcp.save`` writes.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import struct
@@ -15,7 +18,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from . import bounded, safefs
+from . import bounded, fastpickle, safefs
 from ..core.dtypes import DType, known
 from ..errors import BadInput, Damaged, NewerFormat, UnsafeInput, first_line
 
@@ -220,24 +223,54 @@ class MetadataUnpickler(pickle._Unpickler):
             raise NewerTorch(f"it names {module}.{name}, a DCP class no torch from 2.10 to 2.15 pickles")
         raise Forbidden(f"global {module}.{name} is not a DCP metadata class")
 
+    def load_build(self) -> None:
+        # state goes only into an object the pickle built, never into a class or function
+        # find_class gave it: BUILD's setattr would change that for the whole process (a
+        # ``_str`` set on PosixPath renames every path the tool writes afterwards)
+        if len(self.stack) > 1 and callable(self.stack[-2]):
+            target = self.stack[-2]
+            raise Forbidden(f"it sets attributes of {getattr(target, '__qualname__', type(target).__name__)} "
+                            "itself, not of an object it built")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
+
 
 bounded.register(_Record, lambda r: vars(r).values())
 
 
+# the fast reader holds the file's bytes while it builds the tree; over this, the file is
+# streamed through the careful reader instead, so memory stays what the tree needs
+FAST_MAX_BYTES = 128 * 1024 * 1024
+
+
+def _unpickle(f: Any, size: int) -> Any:
+    """The pickle in ``f``: by :func:`fastpickle.load` when it vouches for the whole file, else
+    (from the start, so refusals are always its own) by :class:`MetadataUnpickler`."""
+    if size > FAST_MAX_BYTES:
+        return MetadataUnpickler(f).load()
+    data = f.read(size)
+    careful = MetadataUnpickler(io.BytesIO(data))
+    careful.proto = 4  # what its find_class consults; fastpickle reads protocol 4 and 5 only
+    try:
+        return fastpickle.load(data, careful.find_class)
+    except fastpickle.Decline:
+        return MetadataUnpickler(io.BytesIO(data)).load()
+
+
 def load_dcp_metadata(path: Path) -> Any:
-    """Read a DCP ``.metadata`` file through :class:`MetadataUnpickler`: refused unless a
+    """Read a DCP ``.metadata`` file as :class:`MetadataUnpickler` reads it: refused unless a
     regular file under :data:`~ckpt_tools.security.safefs.MAX_METADATA_BYTES`, and its objects must pass
     :func:`~ckpt_tools.security.bounded.check_tree` (no runaway depth or sharing) before anything uses them."""
     try:
         with safefs.open_file(path) as f:
-            # the size is checked before reading: a sparse multi-GB file is refused, not read;
-            # under the cap the file is streamed, so memory follows what the pickle holds
+            # the size is checked before reading: a sparse multi-GB file is refused, not read
             size = os.fstat(f.fileno()).st_size
             if size > safefs.MAX_METADATA_BYTES:
                 raise BadInput(f"{path}: {size} bytes, over the {safefs.MAX_METADATA_BYTES >> 20} MiB a DCP "
                                ".metadata may hold; corrupt or not a checkpoint")
             with bounded.gc_paused():
-                meta = MetadataUnpickler(f).load()
+                meta = _unpickle(f, size)
     except NewerTorch as e:
         raise NewerFormat(f"{path}: written by a newer torch ({first_line(e)}) than this ckpt-tools reads; "
                        "upgrade ckpt-tools (pip install -U ckpt-tools)") from e

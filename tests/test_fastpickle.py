@@ -1,0 +1,231 @@
+"""The fast reader of DCP ``.metadata`` (security/fastpickle.py) against the careful one.
+
+It must build exactly what the careful reader builds (the same classes, fields, keys in order,
+and shared objects), or decline; never admit what the careful reader refuses. Checked on the
+committed DCP fixtures (torch 2.14, 2.15, accelerate's), on a pickle using every opcode it
+knows, on hostile pickles, and on thousands of seeded mutations of a real ``.metadata``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import pickletools
+import random
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+
+from ckpt_tools.errors import BadInput, UnsafeInput
+from ckpt_tools.security import bounded, dcpmeta, fastpickle
+from ckpt_tools.security.dcpmeta import load_dcp_metadata
+
+FIX = Path(__file__).resolve().parents[1] / "fixtures"
+REAL = ["llama_dcp", "dcp_torch214", "dcp_torch215", "llama_accelerate/optimizer_0",
+        "llama_accelerate/pytorch_model_fsdp_0"]
+
+
+def _careful(data: bytes):
+    return dcpmeta.MetadataUnpickler(io.BytesIO(data)).load()
+
+
+def _fast(data: bytes):
+    u = dcpmeta.MetadataUnpickler(io.BytesIO(data))
+    u.proto = 4
+    return fastpickle.load(data, u.find_class)
+
+
+def _shape(x, ids: dict) -> object:
+    """``x`` as plain nested data, its classes named and every shared container marked by the
+    order it was first met, so two trees are equal only if built alike, sharing included."""
+    if type(x) in (str, int, float, bool, bytes, type(None)):
+        return (type(x).__name__, x)
+    if id(x) in ids:
+        return ("shared", ids[id(x)])
+    ids[id(x)] = len(ids)
+    if isinstance(x, dcpmeta._Record):
+        return (type(x).__name__, _shape(vars(x), ids))
+    if isinstance(x, dict):
+        return (type(x).__name__, [(_shape(k, ids), _shape(v, ids)) for k, v in x.items()],
+                _shape(getattr(x, "__dict__", None), ids))
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, [_shape(v, ids) for v in x])
+    return (type(x).__name__, repr(x))
+
+
+def _same(a, b) -> bool:
+    return _shape(a, {}) == _shape(b, {})
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_a_real_metadata_reads_the_same_both_ways(name):
+    data = (FIX / name / ".metadata").read_bytes()
+    assert _same(_fast(data), _careful(data))
+
+
+def test_torchs_dcp_classes_with_every_opcode_read_the_same(tmp_path):
+    """torch's own classes, pickled by dcp.save's pickler, holding every kind of plain data the
+    fast reader knows (long strings, bytes, floats, big ints, None/True, lists, OrderedDict)."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    chunks = [ChunkStorageMetadata(offsets=torch.Size([i * 2, 0]), sizes=torch.Size([2, 3])) for i in range(300)]
+    meta = Metadata(
+        state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16),
+                                                        torch.Size([600, 3]), chunks)},
+        planner_data={"w": ("w",), "x" * 300: [1.5, -(2 ** 70), 2 ** 40, None, True, b"\x00" * 300, []],
+                      "od": OrderedDict(a=1, b=(2, 3, 4, 5))},
+        storage_data={MetadataIndex("w", [i * 2, 0], i): i for i in range(300)})
+    for protocol in (4, 5):
+        data = pickle.dumps(meta, protocol=protocol)
+        assert _same(_fast(data), _careful(data))
+        p = tmp_path / ".metadata"
+        p.write_bytes(data)
+        assert load_dcp_metadata(p).storage_data[dcpmeta.MetadataIndex(fqn="w", offset=(4, 0))] == 2
+
+
+@pytest.mark.parametrize("case", ["global", "deep", "tuple-key", "shared-key", "set", "protocol-2"])
+def test_hostile_pickles_are_declined_and_refused(tmp_path, case):
+    import os
+
+    if case == "global":
+        data = pickle.dumps(os.system, protocol=4)
+    elif case == "deep":  # lists 200,000 deep: the tree check after the read refuses it
+        data = b"\x80\x04" + b"]" * 200_000 + b"a" * 199_999 + b"."
+    elif case == "tuple-key":  # a key whose hash would recurse 200,000 deep in C: refused before it is hashed
+        data = b"\x80\x04}" + b")" + b"\x85" * 200_000 + b"K\x01s."
+    elif case == "shared-key":  # ((k, k), (k, k)) 60 levels: written by hand, as {k: 1} would hash it here
+        key = b"K\x01\x85\x94" + b"".join(b"h" + bytes([i]) + b"h" + bytes([i]) + b"\x86\x94" for i in range(60))
+        data = b"\x80\x04}" + key + b"K\x01s."
+    elif case == "set":
+        data = pickle.dumps({1, 2}, protocol=4)
+    else:
+        data = pickle.dumps(OrderedDict(a=1), protocol=2)
+    if case != "deep":
+        with pytest.raises(fastpickle.Decline):
+            _fast(data)
+    p = tmp_path / ".metadata"
+    p.write_bytes(data)
+    with pytest.raises(BadInput) as e:
+        load_dcp_metadata(p)
+    if case == "global":
+        assert isinstance(e.value, UnsafeInput)
+    if case in ("tuple-key", "shared-key", "deep", "set"):
+        assert isinstance(e.value, bounded.HostileTree)
+
+
+def test_frames_are_read_as_the_careful_reader_reads_them():
+    data = (FIX / "llama_dcp" / ".metadata").read_bytes()
+    assert data[2] == 0x95  # FRAME
+    size = int.from_bytes(data[3:11], "little")
+
+    def framed(n: int) -> bytes:
+        return data[:3] + n.to_bytes(8, "little") + data[11:]
+
+    # a frame that ends inside a string's bytes (the last name of two or more characters): the
+    # careful reader refuses the read across its end; the fast one declines
+    pos = max(pos for op, arg, pos in pickletools.genops(data) if op.name == "SHORT_BINUNICODE" and len(arg) > 1)
+    with pytest.raises(fastpickle.Decline):
+        _fast(framed(pos + 3 - 11))
+    with pytest.raises(pickle.UnpicklingError, match="exhausted before end of frame"):
+        _careful(framed(pos + 3 - 11))
+    # a frame claiming a byte more than the file holds: the careful reader reads the shorter
+    # frame it gets; the fast one declines rather than judge it, and the careful tree is the answer
+    with pytest.raises(fastpickle.Decline):
+        _fast(framed(size + 1))
+    assert _same(_careful(framed(size + 1)), _careful(data))
+
+
+def _mutations(data: bytes, seed: int, n: int):
+    rng = random.Random(seed)
+    for _ in range(n):
+        buf = bytearray(data)
+        for _ in range(rng.randint(1, 3)):
+            i = rng.randrange(len(buf))
+            kind = rng.randrange(4)
+            if kind == 0:
+                buf[i] ^= rng.randint(1, 255)
+            elif kind == 1:
+                buf[i:i] = bytes([rng.randrange(256)])
+            elif kind == 2:
+                del buf[i]
+            else:
+                del buf[i:]
+            if not buf:
+                break
+        yield bytes(buf)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mutated_metadata_reads_the_same_or_is_declined(seed):
+    """Whatever the bytes, the fast reader gives the careful reader's tree or declines (then the
+    careful reader decides); it never gives a tree where the careful reader fails."""
+    data = (FIX / "dcp_torch215" / ".metadata").read_bytes()
+    agreed = declined = 0
+    for m in _mutations(data, seed, 400):
+        try:
+            fast = _fast(m)
+        except fastpickle.Decline:
+            declined += 1
+            continue
+        with bounded.gc_paused():
+            careful = _careful(m)  # must not raise: the fast reader vouched for these bytes
+        assert _same(fast, careful)
+        agreed += 1
+    assert agreed and declined
+
+
+@pytest.mark.parametrize("target", [("pathlib", "PosixPath"),
+                                    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+                                    ("torch.serialization", "_get_layout")])
+def test_build_into_a_class_or_function_is_refused_and_changes_nothing(tmp_path, target):
+    """BUILD with slot state is ``setattr`` on whatever is on the stack: on a class find_class
+    gave (a ``_str`` on PosixPath would rename every path written afterwards) it would change
+    that class for the whole process. Both readers refuse it before any attribute is set."""
+    module, name = (s.encode() for s in target)
+    found = dcpmeta.MetadataUnpickler(io.BytesIO(b"")).find_class(*target)
+    data = (b"\x80\x04\x8c" + bytes([len(module)]) + module + b"\x8c" + bytes([len(name)]) + name + b"\x93"
+            + b"N}\x8c\x0dckpt_test_bad\x4b\x01s\x86b.")  # BUILD (None, {"ckpt_test_bad": 1})
+    p = tmp_path / ".metadata"
+    p.write_bytes(data)
+    try:
+        with pytest.raises(fastpickle.Decline):
+            _fast(data)
+        with pytest.raises(UnsafeInput, match="sets attributes of"):
+            load_dcp_metadata(p)
+        assert not hasattr(found, "ckpt_test_bad")
+    finally:
+        if hasattr(found, "ckpt_test_bad"):
+            delattr(found, "ckpt_test_bad")
+
+
+def _refusal(path: Path) -> tuple[type, str] | None:
+    try:
+        load_dcp_metadata(path)
+    except Exception as e:  # noqa: BLE001 - compared, not handled
+        return type(e), str(e)
+    return None
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_declined_file_gets_the_careful_readers_own_refusal(tmp_path, monkeypatch, seed):
+    """Through load_dcp_metadata, with the fast reader and without it: the same refusal (type
+    and message) for every mutated file, and the same tree for every one both accept."""
+    data = (FIX / "dcp_torch214" / ".metadata").read_bytes()
+    p = tmp_path / ".metadata"
+    refused = 0
+    for m in _mutations(data, 100 + seed, 150):
+        p.write_bytes(m)
+        with monkeypatch.context() as mp:
+            mp.setattr(dcpmeta, "FAST_MAX_BYTES", -1)  # careful reader only
+            careful = _refusal(p)
+            careful_tree = None if careful else load_dcp_metadata(p)
+        fast = _refusal(p)
+        assert fast == careful
+        if careful:
+            refused += 1
+        else:
+            assert _same(load_dcp_metadata(p), careful_tree)
+    assert refused
