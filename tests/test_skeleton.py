@@ -19,7 +19,7 @@ from ckpt_tools.codecs.torchwriter import TorchZipWriter, dumps
 from ckpt_tools.errors import BadInput, UnsafeInput
 from ckpt_tools.formats import sharded, shardtree
 from ckpt_tools.security import skeleton
-from ckpt_tools.security.torchfile import Global, NewObj, Reduce, StorageRef, TorchZip
+from ckpt_tools.security.torchfile import Global, NewObj, Reduce, StorageRef, Template, TorchZip
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
@@ -198,3 +198,13 @@ def test_bad_text_in_a_changed_value_is_damage_not_a_crash(tmp_path):
     bad = a[:i] + b"\xff" + a[i + 1:]  # not UTF-8
     with pytest.raises(BadInput, match="damaged pickle"):
         TorchZip(_zip(tmp_path / "b.pt", bad, {"data/0": bytes(16)}), like=[good])
+
+
+def test_a_file_is_compared_with_the_two_models_nearest_its_length(tmp_path, monkeypatch):
+    # a file like no model is parsed the careful way; its cost stays two walks, whatever `like` holds
+    like = [Template(_tensor_pickle(n), frozenset()) for n in (1 << 300, 70_000, 5, 300)]
+    tried = []
+    monkeypatch.setattr(skeleton.Skeleton, "same_shape", lambda self, other: tried.append(self.data) or False)
+    zf = TorchZip(_zip(tmp_path / "a.pt", _tensor_pickle(4), {"data/0": bytes(16)}), like=like)
+    assert zf.exact and tried == [like[2].pickle, like[3].pickle]
+    assert like[2].skeleton() is like[2].skeleton()  # built once per model
