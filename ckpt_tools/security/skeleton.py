@@ -12,7 +12,9 @@ An int is pickled at the width its value needs (``BININT1`` up to 255, ``BININT2
 65,535, ``BININT`` for other 32-bit values, ``LONG1`` beyond), so rank files whose local sizes
 differ (a trailing rank's fewer rows, 256 against 255) have pickles of different lengths. Any of
 these four in place of another is still one int: the same node of the same tree, so it counts
-as a value too, and the rest of the pickle is compared shifted by the width's change.
+as a value too, and the rest of the pickle is compared shifted by the width's change. (Picklers
+of protocol 2 and up never memoize an int; a memo put after one is no value and must be where
+the model has it, like every other byte outside the values.)
 
 :class:`Skeleton` is where a pickle's values lie; :meth:`Skeleton.same_shape` walks another
 pickle in step with it: C-speed block compares up to each difference, then a look at what
