@@ -19,7 +19,7 @@ from ckpt_tools.codecs.torchwriter import TorchZipWriter, dumps
 from ckpt_tools.errors import BadInput, UnsafeInput
 from ckpt_tools.formats import sharded, shardtree
 from ckpt_tools.security import skeleton
-from ckpt_tools.security.torchfile import Global, NewObj, Reduce, StorageRef, TorchZip
+from ckpt_tools.security.torchfile import Global, NewObj, Reduce, StorageRef, Template, TorchZip
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
@@ -95,11 +95,74 @@ def test_skeleton_admits_value_changes_only():
     assert s.same_shape(_tensor_pickle(5))  # an int's value
     assert s.same_shape(_tensor_pickle(4, "v"))  # a string's contents, same length
     assert not s.same_shape(_tensor_pickle(4, "vv"))  # another length
-    assert not s.same_shape(_tensor_pickle(300))  # BININT1 -> BININT2: another opcode
+    assert not s.same_shape(_tensor_pickle(4) + b"K\x01")  # more after STOP
     i = a.index(b"q")  # a BINPUT: a memo index is shape, not value
     assert not s.same_shape(a[:i + 1] + bytes([a[i + 1] ^ 1]) + a[i + 2:])
     j = a.index(b"cdatetime") if b"cdatetime" in a else a.index(b"ctorch")  # a GLOBAL's name
     assert not s.same_shape(a[:j + 1] + b"X" + a[j + 2:])
+
+
+@pytest.mark.parametrize("numel", [255, 300, 70_000, -1, 1 << 40, 1 << 300])
+def test_an_int_of_another_width_is_the_same_shape(numel):
+    # BININT1 (4) for BININT2, BININT, LONG1 of any length, and back: one int all the same,
+    # the rest of the pickle compared shifted
+    small, other = _tensor_pickle(4), _tensor_pickle(numel)
+    assert skeleton.Skeleton(small).same_shape(other) and skeleton.Skeleton(other).same_shape(small)
+    if numel != 255:
+        assert len(other) != len(small)
+
+
+def _ops(*parts: bytes) -> bytes:
+    return b"\x80\x02]q\x00" + b"".join(parts) + b"."  # PROTO 2, a memoized list, parts, STOP
+
+
+def test_an_int_of_another_width_changes_nothing_else():
+    model = skeleton.Skeleton(_ops(b"K\x05a", b"K\x06a"))  # [5, 6]
+    assert model.same_shape(_ops(b"M\x2c\x01a", b"\x8a\x01\x07a"))  # BININT2, LONG1: [300, 7]
+    # a memo put after the int where the model has none: not a value, so another shape
+    assert not model.same_shape(_ops(b"M\x2c\x01q\x01a", b"K\x06a"))
+    assert not model.same_shape(_ops(b"K\x05q\x01a", b"K\x06a"))
+    # another opcode in an int's place: a float, a string, None, a bool, a memo get
+    for other in (b"G" + bytes(8), b"\x8c\x01x", b"N", b"\x88", b"h\x00"):
+        assert not model.same_shape(_ops(other + b"a", b"K\x06a")), other
+    # the int dropped or doubled, or a LONG1 whose length overruns the pickle
+    assert not model.same_shape(_ops(b"K\x06a"))
+    assert not model.same_shape(_ops(b"K\x05K\x05a", b"K\x06a"))
+    assert not model.same_shape(b"\x80\x02]q\x00\x8a\x09\x05a")
+    # a float is a value of its own width only; and it is no int
+    floats = skeleton.Skeleton(_ops(b"G" + bytes(8) + b"a"))
+    assert floats.same_shape(_ops(b"G" + bytes(7) + b"\x01a"))
+    assert not floats.same_shape(_ops(b"K\x05a"))
+
+
+def test_a_length_prefix_changes_into_nothing_else():
+    model = skeleton.Skeleton(_ops(b"\x8c\x02abq\x01a"))  # ['ab'], the string memoized
+    assert model.same_shape(_ops(b"\x8c\x02xyq\x01a"))
+    # a shorter string whose next bytes line up again, bytes for text, a LONG1 of the same bytes
+    assert not model.same_shape(_ops(b"\x8c\x01aq\x01a"))
+    assert not model.same_shape(_ops(b"C\x02abq\x01a"))
+    assert not model.same_shape(_ops(b"\x8a\x02abq\x01a"))
+    assert not model.same_shape(_ops(b"\x8c\x02abq\x02a"))  # the memo index
+    ints = skeleton.Skeleton(_ops(b"\x8a\x02ab" + b"a"))  # a LONG1 is an int: not a string
+    assert not ints.same_shape(_ops(b"\x8c\x02aba"))
+
+
+def test_scan_of_a_damaged_pickle_ends_in_value_error():
+    # every cut of a real pickle (a GLOBAL's name line cut short among them), and bytes no
+    # opcode has: a ValueError or an answer, never a hang or another exception
+    data = dumps({"w": [1, 300, 1 << 40, 1.5, "abc", b"xy", Global("torch", "Size")]})
+    assert b"ctorch\nSize\n" in data
+    for n in range(len(data)):
+        try:
+            skeleton._scan(data[:n])
+        except ValueError:
+            pass
+        assert not skeleton.Skeleton(data).same_shape(data[:n])
+    for bad in (b"\xff", b"c", b"ctorch\n", b"ctorch", b"X\xff\xff\xff\x7f", b"\x8b\xff\xff\xff\x7f",
+                b"I12", b"Fnot a float\n", b"V\\u12\n", b"S'abc\n", b"\x95\x01"):
+        with pytest.raises(ValueError):
+            skeleton._scan(b"\x80\x02" + bad)
+    assert skeleton.Skeleton(b"\x80\x02\xff.").same_shape(b"\x80\x02\xff.") is False
 
 
 def test_a_changed_value_is_still_checked(tmp_path):
@@ -107,6 +170,10 @@ def test_a_changed_value_is_still_checked(tmp_path):
     # the same shape, but the storage now claims 5 floats: its record holds 4
     with pytest.raises(BadInput, match="needs 20 bytes"):
         TorchZip(_zip(tmp_path / "b.pt", _tensor_pickle(5), {"data/0": bytes(16)}), like=[good])
+    # an int of another width too: a numel far past any record, or below zero (refused)
+    for numel in (1 << 2000, -4):
+        with pytest.raises(BadInput):
+            TorchZip(_zip(tmp_path / "d.pt", _tensor_pickle(numel), {"data/0": bytes(16)}), like=[good])
     ok = TorchZip(_zip(tmp_path / "c.pt", _tensor_pickle(4, "v"), {"data/0": bytes(16)}), like=[good])
     assert not ok.exact and list(ok.tree) == ["v"]
 
@@ -131,3 +198,13 @@ def test_bad_text_in_a_changed_value_is_damage_not_a_crash(tmp_path):
     bad = a[:i] + b"\xff" + a[i + 1:]  # not UTF-8
     with pytest.raises(BadInput, match="damaged pickle"):
         TorchZip(_zip(tmp_path / "b.pt", bad, {"data/0": bytes(16)}), like=[good])
+
+
+def test_a_file_is_compared_with_the_two_models_nearest_its_length(tmp_path, monkeypatch):
+    # a file like no model is parsed the careful way; its cost stays two walks, whatever `like` holds
+    like = [Template(_tensor_pickle(n), frozenset()) for n in (1 << 300, 70_000, 5, 300)]
+    tried = []
+    monkeypatch.setattr(skeleton.Skeleton, "same_shape", lambda self, other: tried.append(self.data) or False)
+    zf = TorchZip(_zip(tmp_path / "a.pt", _tensor_pickle(4), {"data/0": bytes(16)}), like=like)
+    assert zf.exact and tried == [like[2].pickle, like[3].pickle]
+    assert like[2].skeleton() is like[2].skeleton()  # built once per model

@@ -458,6 +458,9 @@ def _records(path: str, size: int, mtime_ns: int, ino: int) -> tuple[str, dict[s
     return zip_records(Path(path))
 
 
+MODELS_TRIED = 2  # ``like`` files a pickle is compared with (see TorchZip)
+
+
 @dataclass(eq=False)
 class Template:
     """A file read the careful way, as files read ``like`` it use it: its pickle (and where that
@@ -496,8 +499,11 @@ class TorchZip:
         # ``like``: files of the same job read the careful way; a pickle differing from one's
         # only in values has the same (safe) shape and is read by the C unpickler. Such a tree
         # (``exact`` False) is described, never re-emitted: its short strings are shared.
-        same = next((t for t in like if t.admit == admit and len(t.pickle) == len(self.pickle)), None)
-        self.exact = same is None or not same.skeleton().same_shape(self.pickle)
+        # At most MODELS_TRIED of them, nearest in length first (the same length unless ints
+        # changed width): a file like none is read the careful way and often becomes a model
+        # itself, so trying every one would cost each such file a walk per model.
+        models = sorted((t for t in like if t.admit == admit), key=lambda t: abs(len(t.pickle) - len(self.pickle)))
+        self.exact = not any(t.skeleton().same_shape(self.pickle) for t in models[:MODELS_TRIED])
         parse = _parse if self.exact else _fast_parse
         self.tree, self.storages = parse(self.pickle, str(self.path), admit)
         for key, ref in self.storages.items():
