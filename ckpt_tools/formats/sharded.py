@@ -18,10 +18,10 @@ from ..core.dtypes import DType
 from ..core.plan import Span, by_piece, Piece
 from ..core.state import gather, param_groups_keyed
 from ..errors import BadInput
-from ..security import bounded, safefs
+from ..security import safefs
 from ..security.torchfile import TorchZip, records_of
 from ..storage.castio import CastSpan
-from . import flatparams, ranknames, shardedtensor, shardtree, optim, shardsynth
+from . import flatparams, ranknames, rankread, shardedtensor, shardtree, optim, shardsynth
 from .hf import tensor_bytes
 from .shardsynth import SMALL_RECORDS
 from .shardrebuild import Rebuilt
@@ -112,36 +112,33 @@ def _entries(path: Path) -> list[FileEntry]:
 
 def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Checkpoint:
     """The common case without torch: FSDP2 DTensors (Shard(0) or Replicate on a 1-D mesh) and
-    plain tensors, every chunk a raw byte range of its storage record. NotSimple otherwise."""
+    plain tensors, every chunk a raw byte range of its storage record. NotSimple otherwise.
+
+    Each kind's rank 0 file is parsed, and so is rank 1's; where the two differ only in their
+    mesh's rank (:class:`~.shardtree.RankTemplate`), every other rank whose pickle is rank 0's
+    with its own rank in those places holds rank 0's entries, on its own coordinate."""
     pieces: dict[tuple[str, str], dict[str, Any]] = {}
     objects: list[ObjectInfo] = []
     param_order: tuple[str, ...] = ()
     details: dict[str, Any] = {"fsdp": None}
-    like: dict[str, list] = {"model": [], "optim": []}  # rank files read so far, by kind
+    kinds = {"model": rankread.Kind(), "optim": rankread.Kind()}  # rank files read so far, by kind
     for rank in range(ws):
         name = found["model"][rank]
         file = path / name
-        zf = _tree_of(file, like["model"])
-        sd = zf.tree
-        if not isinstance(sd, dict):
-            raise BadInput(f"{path / name}: holds a {type(sd).__name__}, not a state dict")
+        zf, entries, coord = kinds["model"].read(file, rank, lambda sd, file=file: rankread.model_entries(sd, file))
         order, seen = [], set()
-        for key, v in sd.items():
-            d = shardtree.dtensor_of(v)
+        for key, d, local in entries:
             if d is not None:
                 # tied parameters: two names, one storage; the optimizer numbers it once
-                if (d.local.storage.key, d.local.offset) not in seen:
+                if (local.storage.key, local.offset) not in seen:
                     order.append(key)
-                    seen.add((d.local.storage.key, d.local.offset))
-                shape, chunk = _tree_chunk(d, rank, ws, zf, name, key)
+                    seen.add((local.storage.key, local.offset))
+                shape, chunk = _tree_chunk(d, rank, ws, zf, name, key, coord=coord)
                 details["fsdp"] = "FSDP2 (DTensor)"
                 if "mesh_dim_names" not in details:  # a loading job's mesh must have the same names
                     details["mesh_dim_names"] = shardtree.mesh_names(d.mesh)
-                _add(pieces, ("model", key), shape, d.local.dtype, chunk, file)
+                _add(pieces, ("model", key), shape, local.dtype, chunk, file)
                 continue
-            local = shardtree.local_of(v)
-            if local is None:
-                raise shardtree.NotSimple("a model entry that is not a tensor")
             loc = shardtree.tensor_location(zf, name, local, (key,))
             chunk = Chunk((0,) * len(local.size), local.size, loc, rank)
             _add(pieces, ("model", key), local.size, local.dtype, chunk, file)
@@ -154,23 +151,22 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
         if rank in found["optim"]:
             oname = found["optim"][rank]
             ofile = path / oname
-            zo = _tree_of(ofile, like["optim"])
-            _optimizer_header(osd := zo.tree, ofile, rank, details, objects)
-            for fqn, skey, v, kp in optim.state_entries(osd, param_order):
-                tname = f"state.{fqn}.{skey}"
-                d = shardtree.dtensor_of(v)
+
+            def entries_of(osd: Any, ofile: Path = ofile, rank: int = rank) -> list:
+                _optimizer_header(osd, ofile, rank, details, objects)
+                return rankread.optim_entries(osd, param_order)
+
+            zo, oentries, ocoord = kinds["optim"].read(ofile, rank, entries_of)
+            for tname, fqn, skey, kp, d, local in oentries:
                 if d is not None:
-                    shape, chunk = _tree_chunk(d, rank, ws, zo, oname, tname, key=kp)
-                    _add(pieces, ("optimizer", tname), shape, d.local.dtype, chunk, ofile, fqn, skey)
+                    shape, chunk = _tree_chunk(d, rank, ws, zo, oname, tname, key=kp, coord=ocoord)
+                    _add(pieces, ("optimizer", tname), shape, local.dtype, chunk, ofile, fqn, skey)
                     continue
-                local = shardtree.local_of(v)
-                if local is None:
-                    raise shardtree.NotSimple("an optimizer state value that is not a tensor")
                 chunk = Chunk((0,) * len(local.size), local.size, shardtree.tensor_location(zo, oname, local, kp), rank)
                 _add(pieces, ("optimizer", tname), local.size, local.dtype, chunk, ofile, fqn, skey)
         if rank in found["extra_state"]:
             ename = found["extra_state"][rank]
-            _extra_objects(_tree_of(path / ename).tree, path / ename, rank, objects)
+            _extra_objects(rankread.tree_of(path / ename).tree, path / ename, rank, objects)
     param_order = _check_flat_optimizer(path, pieces, details, param_order, objects)
     return Checkpoint("sharded", path, ws, _tensors(pieces), tuple(objects), tuple(_entries(path)), (ws,),
                       details, param_order)
@@ -234,25 +230,16 @@ def _optimizer_header(osd: Any, file: Path, rank: int, details: dict, objects: l
                                   path=("optimizer", "param_groups")))
 
 
-def _tree_of(file: Path, like: list | None = None) -> TorchZip:
-    """The file parsed as a pickle tree (``like``: to describe it only, read like the job's other
-    files); anything the tree reader refuses or finds damaged goes to the torch path, which is
-    the one that refuses (weights_only) and explains."""
-    try:
-        return shardtree.parsed(file) if like is None else shardtree.described(file, like)
-    except bounded.HostileTree:
-        raise  # torch's loader would build the same runaway tree
-    except BadInput as e:
-        raise NotSimple(str(e)) from e
-
-
 def _tree_chunk(d: shardtree.DTensorNode, rank: int, ws: int, zf: TorchZip, file: str, name: str,
-                key: tuple = ()) -> tuple[tuple[int, ...], Chunk]:
+                key: tuple = (), coord: int | None = None) -> tuple[tuple[int, ...], Chunk]:
+    """``d``'s global shape and the chunk ``rank`` holds, checked against its placement
+    (``coord``: the coordinate its file says, where ``d`` is another file's)."""
     if d.world != ws:
         raise BadInput(f"{zf.path}: tensor {name!r} lives on a mesh of {d.world} devices, "
                        f"but the files say world size {ws}")
-    if d.coord != rank:
-        raise BadInput(f"{zf.path}: tensor {name!r} was saved by rank {d.coord} of its mesh, not rank {rank}")
+    coord = d.coord if coord is None else coord
+    if coord != rank:
+        raise BadInput(f"{zf.path}: tensor {name!r} was saved by rank {coord} of its mesh, not rank {rank}")
     offsets, sizes = [0] * len(d.shape), list(d.shape)
     if d.sharded and d.shape:
         start, stop = chunk_rows(d.shape[0], ws, rank)

@@ -26,7 +26,10 @@ from typing import Any
 from ..core.describe import Location
 from ..codecs.torchwriter import Slot, TorchZipWriter, dumps
 from ..codecs.tensornodes import REBUILD_V2, Local, NotSimple, contiguous_stride, local_of  # noqa: F401 - served here too
-from ..security.torchfile import Global, NewObj, Reduce, StorageRef, TorchZip
+from ..errors import BadInput
+from ..security import bounded
+from ..security.skeleton import int_opcode, int_value
+from ..security.torchfile import Global, NewObj, Reduce, StorageRef, TorchZip, loads_like
 from ..storage.castio import blocks
 
 _T = "torch._utils"
@@ -75,15 +78,98 @@ def _parsed(path: str, size: int, mtime_ns: int) -> TorchZip:
     return TorchZip(path)
 
 
-def described(path: Path, like: list) -> TorchZip:
+def described(path: Path, like: list, repeat: tuple[RankTemplate, int] | None = None) -> TorchZip:
     """``path`` parsed to be described only (not cached, never re-emitted): read like one of
     ``like`` (files of the same job already parsed) when its pickle has the same shape, else
     parsed as :func:`parsed` does, and then added to ``like`` (a few at most, their pickles
-    only: a tree each would hold a many-tensor job's description several times over)."""
-    zf = TorchZip(path, like=like) if like else parsed(path)  # the first: kept, a writer's template
+    only: a tree each would hold a many-tensor job's description several times over).
+    ``repeat``: a template and this file's rank; a file whose pickle is the template's for that
+    rank is not parsed at all (its ``tree`` is None: it is the template's model, on that rank)."""
+    if repeat is not None:
+        template, rank = repeat
+        zf = TorchZip(path, like=like, repeats=(template.pickle_of(rank), template.model))
+    else:
+        zf = TorchZip(path, like=like) if like else parsed(path)  # the first: kept, a writer's template
     if zf.exact and len(like) < 8:
         like.append(zf.template())
     return zf
+
+
+_SENTINEL = (1 << 62) + 0x5EED  # a rank no mesh has, put where a template's rank is to find where it lands
+
+
+class RankTemplate:
+    """A job's rank file as its other ranks repeat it: the pickle of ``model`` (a file read the
+    careful way, its tree kept) is every rank's, but for the int opcodes at ``slots`` (byte
+    ranges), which hold the rank. Proved, not assumed (:meth:`learn`): those opcodes land in the
+    tree as the rank and coordinate of its one device mesh and nowhere else, and as a pickle is
+    read the same whatever its ints' values, a file whose pickle is :meth:`pickle_of` ``(r)`` is
+    ``model`` on rank ``r``: the same tensors, their local shapes and storages, on coordinate ``r``.
+    Such a file is described from ``model``'s tree, not parsed (a many-rank job's cost was a
+    parse and a walk per file)."""
+
+    def __init__(self, model: TorchZip, slots: tuple[tuple[int, int], ...]) -> None:
+        self.model, self.slots = model, slots
+
+    def pickle_of(self, rank: int) -> bytes:
+        """The model's pickle with ``rank`` in the slots, as the pickler writes that int."""
+        value, data, parts, at = int_opcode(rank), self.model.pickle, [], 0
+        for start, end in self.slots:
+            parts += (data[at:start], value)
+            at = end
+        parts.append(data[at:])
+        return b"".join(parts)
+
+    @classmethod
+    def learn(cls, model: TorchZip, rank: int, other: TorchZip, other_rank: int) -> RankTemplate | None:
+        """The template of ``model`` (rank ``rank``, read the careful way) if ``other`` (rank
+        ``other_rank``) differs from it only in ints that are their ranks, and those ints are
+        its mesh's rank and coordinate only; else None."""
+        if not model.exact or model.tree is None or rank == other_rank:
+            return None
+        slots = model.template().skeleton().differing_values(other.pickle)
+        if not slots or any(int_value(model.pickle, s, e) != rank or int_value(other.pickle, s, e) != other_rank
+                            for s, e in slots):
+            return None
+        template = cls(model, tuple(slots))
+        try:
+            probe = loads_like(template.pickle_of(_SENTINEL), model.template(), where=str(model.path))
+        except BadInput:
+            return None
+        try:
+            return template if _only_mesh_rank(probe, _SENTINEL) else None
+        except NotSimple:  # a mesh pickled another way: the files are parsed one by one
+            return None
+
+
+def _only_mesh_rank(tree: Any, value: int) -> bool:
+    """Whether ``tree`` holds one DeviceMesh node, whose rank and coordinate are ``value``, and
+    ``value`` nowhere else (the int leaves of every node, storages' included, looked at)."""
+    meshes: list[NewObj] = []
+    seen: set[int] = set()
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if type(x) is int:
+            if x == value:
+                return False
+            continue
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if type(x) is NewObj and x.func is DEVICE_MESH:
+            meshes.append(x)
+            state = _state_dict(x)
+            stack += [x.args, *state.keys()]
+            stack += [v for k, v in state.items() if k not in ("_rank", "_coordinate_on_dim")]
+        elif type(x) is StorageRef:
+            stack += [x.key, x.location, x.numel]
+        else:
+            stack += bounded.children(x) or ()
+    if len(meshes) != 1:
+        return False
+    state = _state_dict(meshes[0])
+    return state.get("_rank") == value and state.get("_coordinate_on_dim") == (value,)
 
 
 def _state_dict(node: NewObj | Reduce) -> dict:

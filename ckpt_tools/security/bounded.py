@@ -65,7 +65,7 @@ def _cycle(x: Any) -> str:
 _LEAVES = frozenset({str, int, float, bool, bytes, type(None)})
 
 
-def _children(x: Any) -> Iterable[Any] | None:
+def children(x: Any) -> Iterable[Any] | None:
     """The children of a container or registered node; None for a leaf."""
     t = type(x)
     if t in _LEAVES:
@@ -91,7 +91,7 @@ def _children(x: Any) -> Iterable[Any] | None:
 def check_tree(tree: Any, *, where: str, max_depth: int = MAX_DEPTH) -> None:
     """Raise :class:`HostileTree` naming ``where`` if ``tree`` is too deep, cyclic, or blows up
     when walked as a tree; else return, having touched each distinct container once."""
-    kids = _children(tree)
+    kids = children(tree)
     if kids is None:
         return
     sizes: dict[int, int] = {}  # id -> size walked as a tree, for finished containers
@@ -114,7 +114,7 @@ def check_tree(tree: Any, *, where: str, max_depth: int = MAX_DEPTH) -> None:
             if known is not None:
                 total += known
                 continue
-            grand = _children(child)
+            grand = children(child)
             if grand is None:
                 total += 1
                 continue
@@ -143,7 +143,7 @@ def distinct_nodes(tree: Any) -> Iterator[Any]:
     while todo:
         x = todo.pop()
         yield x
-        kids = _children(x)
+        kids = children(x)
         if kids is not None and id(x) not in seen:
             seen.add(id(x))
             todo.extend(kids)

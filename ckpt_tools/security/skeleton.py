@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import io
+import pickle
 import pickletools
 import re
 from array import array
@@ -156,3 +157,39 @@ class Skeleton:
                 i, j = end, other_end
             if j > len(other):
                 return False
+
+    def differing_values(self, other: bytes) -> list[tuple[int, int]] | None:
+        """Where ``other``, of this pickle's length, differs from it: the ``(start, end)`` of
+        each opcode holding a value whose bytes differ (same opcode, same length). None if any
+        other byte differs, or the lengths do."""
+        a, starts, ends = self.data, self._starts, self._ends
+        if starts is None or len(other) != len(a):
+            return None
+        found: list[tuple[int, int]] = []
+        i = 0
+        while (k := _first_difference(a, i, other, i)) is not None:
+            at = i + k
+            n = bisect.bisect_right(starts, at) - 1
+            if n < 0 or at >= ends[n]:
+                return None
+            start, end = starts[n], ends[n]
+            if at < start + 1 + _SIZED.get(a[start], 0):
+                return None  # the opcode or a length prefix differs
+            found.append((start, end))
+            i = end
+        return found
+
+
+def int_value(data: bytes, start: int, end: int) -> int | None:
+    """The int that the opcode at ``data[start:end]`` pushes; None if it pushes no int."""
+    code = data[start]
+    if code == _LONG1:
+        return int.from_bytes(data[start + 2:end], "little", signed=True)
+    if code not in _INTS:
+        return None
+    return int.from_bytes(data[start + 1:end], "little", signed=code == ord("J"))
+
+
+def int_opcode(value: int) -> bytes:
+    """``value`` as the pickler writes it (protocol 2 and up): the narrowest int opcode."""
+    return pickle.dumps(value, protocol=2)[2:-1]

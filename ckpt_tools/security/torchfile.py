@@ -306,6 +306,14 @@ def loads(data: bytes, *, where: str = "the pickle") -> Any:
     return _parse(data, where)[0]
 
 
+def loads_like(data: bytes, model: Template, *, where: str = "the pickle") -> Any:
+    """The tree of ``data``, a pickle that differs from ``model``'s in values only (read as a file
+    read ``like`` it is); BadInput if it differs in anything else."""
+    if not model.skeleton().same_shape(data):
+        raise BadInput(f"{where}: not of the shape of the pickle it was made from")
+    return _fast_parse(data, where, model.admit)[0]
+
+
 def loads_blob(f: Any, *, where: str = "a torch.save blob") -> Any:
     """The tree of a small in-file ``torch.save`` blob (a DCP item), given as a file-like object:
     only its ``data.pkl`` is read, and only when it is stored (not compressed) within the blob.
@@ -484,7 +492,7 @@ class TorchZip:
     as inert :class:`Global` nodes like every other: named, never imported or constructed."""
 
     def __init__(self, path: str | os.PathLike, *, admit: frozenset[tuple[str, str]] = frozenset(),
-                 like: Sequence[Template] = ()) -> None:
+                 like: Sequence[Template] = (), repeats: tuple[bytes, TorchZip] | None = None) -> None:
         self.path, self.admit = Path(path), admit
         self.prefix, self.records = records_of(self.path)
         names = self.records.keys()
@@ -496,6 +504,13 @@ class TorchZip:
             raise BadInput(f"{self.path}: its pickle claims {self.records['data.pkl'].size} bytes; "
                            "corrupt or not a checkpoint file")
         self.pickle = self.read("data.pkl")
+        if repeats is not None and self.pickle == repeats[0]:
+            # ``repeats``: a pickle the caller made from a file it read (``repeats[1]``), changing
+            # values whose place in the tree it proved; a file with those very bytes has that
+            # tree, changed there, and the same storages: no tree is built (``tree`` None)
+            self.exact, self.tree, self.storages = False, None, repeats[1].storages
+            self._check_storages()
+            return
         # ``like``: files of the same job read the careful way; a pickle differing from one's
         # only in values has the same (safe) shape and is read by the C unpickler. Such a tree
         # (``exact`` False) is described, never re-emitted: its short strings are shared.
@@ -506,6 +521,9 @@ class TorchZip:
         self.exact = not any(t.skeleton().same_shape(self.pickle) for t in models[:MODELS_TRIED])
         parse = _parse if self.exact else _fast_parse
         self.tree, self.storages = parse(self.pickle, str(self.path), admit)
+        self._check_storages()
+
+    def _check_storages(self) -> None:
         for key, ref in self.storages.items():
             rec = self.records.get(f"data/{key}")
             if rec is None or rec.size != ref.nbytes:

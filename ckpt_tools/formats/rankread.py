@@ -1,0 +1,86 @@
+"""A many-rank job's rank files read as pickle trees, kind by kind (model, optimizer), for
+:mod:`.sharded` to describe: each file's tensors as ``(DTensor or None, local tensor)`` entries.
+
+A job's ranks save one state dict: their files differ in the mesh's rank, and in the local
+shapes of tensors some ranks hold fewer rows of. Each kind's first two files are parsed; where
+they differ only in that rank (:class:`~.shardtree.RankTemplate`), a later file that is the
+first on its own rank is read, checked and described from the first's entries, never parsed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import BadInput
+from ..security import bounded
+from ..security.torchfile import TorchZip
+from . import optim, shardtree
+
+
+def tree_of(file: Path, like: list | None = None, repeat: tuple | None = None) -> TorchZip:
+    """The file parsed as a pickle tree (``like``, ``repeat``: to describe it only, read like the
+    job's other files, see :func:`.shardtree.described`); anything the tree reader refuses or
+    finds damaged goes to the torch path, which is the one that refuses (weights_only) and
+    explains."""
+    try:
+        return shardtree.parsed(file) if like is None else shardtree.described(file, like, repeat)
+    except bounded.HostileTree:
+        raise  # torch's loader would build the same runaway tree
+    except BadInput as e:
+        raise shardtree.NotSimple(str(e)) from e
+
+
+class Kind:
+    """One kind's rank files as :mod:`.sharded` reads them, rank by rank: its first file's
+    entries, and the template the other ranks' files repeat, once learned from the first two."""
+
+    def __init__(self) -> None:
+        self.like: list = []
+        self.first: tuple[TorchZip, int, list] | None = None
+        self.template: shardtree.RankTemplate | None = None
+        self.tried = False
+
+    def read(self, file: Path, rank: int, entries_of: Callable[[Any], list]) -> tuple[TorchZip, list, int | None]:
+        """``file`` (of ``rank``), its entries and their DTensors' coordinate where it is not
+        theirs: rank 0's entries and ``rank`` where the file repeats rank 0's (their DTensors
+        say rank 0's coordinate), else its own (``entries_of`` its tree) and None."""
+        repeat = (self.template, rank) if self.template is not None else None
+        zf = tree_of(file, self.like, repeat)
+        if zf.tree is None:
+            return zf, self.first[2], rank
+        entries = entries_of(zf.tree)
+        if self.first is None:
+            self.first = (zf, rank, entries)
+        elif not self.tried:
+            self.tried = True
+            self.template = shardtree.RankTemplate.learn(self.first[0], self.first[1], zf, rank)
+        return zf, entries, None
+
+
+def model_entries(sd: Any, file: Path) -> list[tuple[str, shardtree.DTensorNode | None, shardtree.Local]]:
+    """A model file's tensors: ``(key, DTensor or None, local tensor)``."""
+    if not isinstance(sd, dict):
+        raise BadInput(f"{file}: holds a {type(sd).__name__}, not a state dict")
+    entries = []
+    for key, v in sd.items():
+        d = shardtree.dtensor_of(v)
+        local = d.local if d is not None else shardtree.local_of(v)
+        if local is None:
+            raise shardtree.NotSimple("a model entry that is not a tensor")
+        entries.append((key, d, local))
+    return entries
+
+
+def optim_entries(osd: Any, param_order: tuple[str, ...]) -> list[tuple]:
+    """An optimizer file's state tensors: ``(name, fqn, state key, key path, DTensor or None,
+    local tensor)``."""
+    entries = []
+    for fqn, skey, v, kp in optim.state_entries(osd, param_order):
+        d = shardtree.dtensor_of(v)
+        local = d.local if d is not None else shardtree.local_of(v)
+        if local is None:
+            raise shardtree.NotSimple("an optimizer state value that is not a tensor")
+        entries.append((f"state.{fqn}.{skey}", fqn, skey, kp, d, local))
+    return entries

@@ -1,0 +1,132 @@
+"""A many-rank job's rank files described from one file's tree (formats.shardtree.RankTemplate):
+files written by torch's own ``torch.save`` under its fake process group; every description made
+through the template equals the one made by parsing each file, and a file that is not its
+rank's template is parsed (and refused where it is wrong)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckpt_tools.cli.main import main as cli
+from ckpt_tools.errors import BadInput
+from ckpt_tools.formats import sharded, shardtree
+from ckpt_tools.security import torchfile
+from ckpt_tools.security.torchfile import Global, NewObj, StorageRef, TorchZip
+from fw_scale import make_verl
+
+UNIFORM = {"embed.weight": (64, 4), "layers.0.w": (32, 3), "layers.0.norm": (16,), "head.weight": (48, 2)}
+TRAILING = {"embed.weight": (300, 4), "layers.0.w": (257, 3), "layers.0.norm": (8,), "head.weight": (5, 4)}
+
+
+def _facts(ckpt) -> list:
+    """Everything a description says, chunk by chunk."""
+    return [(t.group, t.name, t.shape, str(t.dtype), t.param, t.state,
+             [(c.offsets, c.sizes, c.rank, c.location) for c in t.chunks]) for t in ckpt.tensors] + \
+        [repr(ckpt.objects), repr(sorted(ckpt.details.items(), key=str)), ckpt.param_order]
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the files described without a tree (read as their rank's template)."""
+    seen = {"templated": 0, "parsed": 0}
+    init = TorchZip.__init__
+
+    def counting(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        seen["templated" if self.tree is None else "parsed"] += 1
+
+    monkeypatch.setattr(TorchZip, "__init__", counting)
+    return seen
+
+
+def _without_templates(path: Path, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(shardtree.RankTemplate, "learn", classmethod(lambda cls, *a: None))
+        return sharded.describe(path)
+
+
+@pytest.mark.parametrize("shapes,ws,templated", [(UNIFORM, 16, 2 * 14), (TRAILING, 16, 2 * 3)])
+def test_template_describes_as_parsing_does(tmp_path, monkeypatch, counted, shapes, ws, templated):
+    make_verl(tmp_path / "src", ws, optim=True, shapes=shapes)
+    got = sharded.describe(tmp_path / "src")
+    # model and optimizer files: ranks 0 and 1 parsed, then every rank whose local shapes are
+    # rank 0's (TRAILING: ranks 2-4 only, the rest hold fewer rows of some tensor)
+    assert counted["templated"] == templated
+    assert _facts(got) == _facts(_without_templates(tmp_path / "src", monkeypatch))
+
+
+def test_a_file_under_another_ranks_name_is_parsed_and_refused(tmp_path):
+    make_verl(tmp_path / "src", 8, shapes=UNIFORM)
+    shutil.copy(tmp_path / "src" / "model_world_size_8_rank_2.pt", tmp_path / "src" / "model_world_size_8_rank_5.pt")
+    with pytest.raises(BadInput, match="rank 2 .*not rank 5|rank 5"):
+        sharded.describe(tmp_path / "src")
+
+
+def test_templated_reshard_reads_back(tmp_path, counted):
+    state = make_verl(tmp_path / "src", 16, optim=True, shapes=UNIFORM)
+    r = CliRunner().invoke(cli, ["reshard", str(tmp_path / "src"), str(tmp_path / "out"), "--to", "6", "--quiet"],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert counted["templated"] >= 2 * 14
+    for kind, expect in (("model", state), ("optim", None)):
+        parts: dict[str, list] = {}
+        for rank in range(6):
+            sd = torch.load(tmp_path / "out" / f"{kind}_world_size_6_rank_{rank}.pt", weights_only=False)
+            if kind == "optim":
+                sd = {f"{i}": s["exp_avg"] for i, s in sd["state"].items()}
+            for k, v in sd.items():
+                assert list(v.device_mesh.get_coordinate()) == [rank]
+                parts.setdefault(k, []).append(v.to_local())
+        for i, (k, v) in enumerate(state.items()):
+            got = torch.cat(parts[k] if kind == "model" else parts[str(i)])
+            assert torch.equal(got, v if kind == "model" else v * 0.1), (kind, k)
+
+
+def _pair(tmp_path: Path, shapes: dict, ws: int, a: int, b: int) -> tuple[TorchZip, TorchZip]:
+    make_verl(tmp_path / "src", ws, shapes=shapes)
+    first = TorchZip(tmp_path / "src" / f"model_world_size_{ws}_rank_{a}.pt")
+    return first, TorchZip(tmp_path / "src" / f"model_world_size_{ws}_rank_{b}.pt", like=[first.template()])
+
+
+def test_learn_finds_the_mesh_rank_and_nothing_else(tmp_path):
+    first, second = _pair(tmp_path, UNIFORM, 8, 0, 1)
+    template = shardtree.RankTemplate.learn(first, 0, second, 1)
+    assert template is not None and len(template.slots) == 2
+    assert template.pickle_of(1) == second.pickle
+    # rank 300 needs a wider int: the pickle torch would write for it
+    wide = torchfile.loads_like(template.pickle_of(300), first.template())
+    mesh = shardtree.dtensor_of(next(iter(wide.values()))).mesh
+    assert shardtree._state_dict(mesh)["_rank"] == 300
+
+
+def test_learn_declines_what_is_not_the_rank(tmp_path):
+    first, second = _pair(tmp_path, UNIFORM, 8, 0, 2)
+    assert shardtree.RankTemplate.learn(first, 0, second, 1) is None  # the ints are 0 and 2, not 0 and 1
+    assert shardtree.RankTemplate.learn(first, 0, first, 0) is None
+    first, trailing = _pair(tmp_path / "t", TRAILING, 16, 0, 15)
+    assert shardtree.RankTemplate.learn(first, 0, trailing, 15) is None  # its local sizes differ too
+
+
+MESH = Global("torch.distributed.device_mesh", "DeviceMesh")
+S = shardtree._SENTINEL
+
+
+def _mesh(rank: int, coord: tuple = None) -> NewObj:
+    return NewObj(MESH, (MESH,), {"_rank": rank, "_coordinate_on_dim": (rank,) if coord is None else coord})
+
+
+def test_only_mesh_rank():
+    mesh = _mesh(S)
+    assert shardtree._only_mesh_rank({"a": [mesh, mesh], "b": 3}, S)
+    assert not shardtree._only_mesh_rank({"a": mesh, "b": S}, S)  # elsewhere too
+    assert not shardtree._only_mesh_rank({"a": mesh, S: 1}, S)  # as a key
+    storage = StorageRef(Global("torch", "FloatStorage"), "0", "cpu", S)
+    assert not shardtree._only_mesh_rank({"a": mesh, "b": (storage,)}, S)  # a storage's size
+    assert not shardtree._only_mesh_rank({"a": mesh, "b": _mesh(S)}, S)  # two meshes
+    assert not shardtree._only_mesh_rank({"a": _mesh(S, (0,))}, S)  # the coordinate is not the rank
+    assert not shardtree._only_mesh_rank({"a": 1}, S)  # no mesh
