@@ -26,7 +26,7 @@ import torch.distributed.tensor  # noqa: F401 - makes DTensor & co. safe globals
 from torch.distributed.tensor import DTensor
 
 from ckpt_tools.codecs import torchwriter
-from ckpt_tools.security import torchfile
+from ckpt_tools.security import torchfile, zipdir
 from ckpt_tools.errors import BadInput, UnsafeInput
 from ckpt_tools.codecs.torchwriter import TorchZipWriter, crc32_combine, dumps
 from ckpt_tools.security.torchfile import Global, NewObj, Reduce, StorageRef, TorchZip, loads
@@ -494,24 +494,24 @@ def test_blob_records_of_a_blob_like_the_last_are_its_own():
         return buf.getvalue()
 
     def parsed(b):
-        torchfile._BLOB_LAYOUTS.clear()
-        return torchfile.blob_records(b)
+        zipdir._BLOB_LAYOUTS.clear()
+        return zipdir.blob_records(b)
 
     one, two = blob(torch.arange(12, dtype=torch.float32)), blob(torch.arange(12, dtype=torch.float32) * 3)
     assert len(one) == len(two) and one != two
-    torchfile._BLOB_LAYOUTS.clear()
-    assert torchfile.blob_records(one) == parsed(one)
+    zipdir._BLOB_LAYOUTS.clear()
+    assert zipdir.blob_records(one) == parsed(one)
     want = parsed(two)
-    torchfile.blob_records(one)  # (its layout cached)
-    got = torchfile.blob_records(two)
-    assert got == want and got != torchfile.blob_records(one)  # (the CRCs differ)
+    zipdir.blob_records(one)  # (its layout cached)
+    got = zipdir.blob_records(two)
+    assert got == want and got != zipdir.blob_records(one)  # (the CRCs differ)
     i = two.index(b"PK\x01\x02")
     renamed = two[:i + 46] + b"X" + two[i + 47:]  # a central name no longer its local header's
-    torchfile.blob_records(one)
-    assert torchfile.blob_records(renamed) is None
+    zipdir.blob_records(one)
+    assert zipdir.blob_records(renamed) is None
     deflated = two[:i + 10] + b"\x08" + two[i + 11:]
-    torchfile.blob_records(one)
-    assert torchfile.blob_records(deflated) is None
+    zipdir.blob_records(one)
+    assert zipdir.blob_records(deflated) is None
 
 
 @pytest.mark.parametrize("value", [torch.arange(7, dtype=torch.float32), torch.zeros(0), torch.ones(3, 5, dtype=torch.bfloat16),
@@ -526,7 +526,7 @@ def test_blob_records_match_zipfile(value):
     buf = io.BytesIO()
     torch.save(value, buf)
     blob = buf.getvalue()
-    got = torchfile.blob_records(blob)
+    got = zipdir.blob_records(blob)
     with zipfile.ZipFile(io.BytesIO(blob)) as z:
         want = {}
         for i in z.infolist():
@@ -535,8 +535,94 @@ def test_blob_records_match_zipfile(value):
             assert blob[start:start + i.file_size] == z.read(i)
             want[i.filename] = (start, i.file_size, i.CRC)
     assert got == want
-    assert torchfile.blob_records(memoryview(blob)) == want
-    assert torchfile.blob_records(blob[:-1]) is None  # truncated
-    assert torchfile.blob_records(blob[:-2] + b"\x01\x00" + b"x") is None  # a comment
+    assert zipdir.blob_records(memoryview(blob)) == want
+    assert zipdir.blob_records(blob[:-1]) is None  # truncated
+    assert zipdir.blob_records(blob[:-2] + b"\x01\x00" + b"x") is None  # a comment
     i = blob.index(b"PK\x01\x02")
-    assert torchfile.blob_records(blob[:i + 10] + b"\x08" + blob[i + 11:]) is None  # deflated
+    assert zipdir.blob_records(blob[:i + 10] + b"\x08" + blob[i + 11:]) is None  # deflated
+
+
+def _zip_mutations(tmp_path: Path) -> list[Path]:
+    """torch.save files, and the same altered in ways the zip reader's fast path must leave to
+    zipfile (or read as zipfile does)."""
+    out = []
+    plain = tmp_path / "plain.pt"
+    torch.save({"w": torch.arange(6.0), "b": torch.ones(2, dtype=torch.int64)}, plain)
+    out.append(plain)
+    accented = tmp_path / "accented.pt"  # an archive folder name that is not ASCII (a UTF-8 flagged name)
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(accented, "w") as dst:
+        for info in src.infolist():
+            dst.writestr("modèle/" + info.filename.split("/", 1)[1], src.read(info))
+    out.append(accented)
+    data = plain.read_bytes()
+    for name, blob in {
+        "prepended": b"junk" * 16 + data,
+        "truncated": data[: len(data) // 2] + data[-200:],
+        "cut": data[:-10],
+        "commented": data[:-2] + (7).to_bytes(2, "little") + b"comment",
+        "bad-central": data.replace(b"PK\x01\x02", b"PK\x01\x03", 1),
+        "bad-local": data.replace(b"PK\x03\x04", b"PK\x03\x05", 2),
+    }.items():
+        (p := tmp_path / f"{name}.pt").write_bytes(blob)
+        out.append(p)
+    deflated = tmp_path / "deflated.pt"
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(deflated, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info))
+    out.append(deflated)
+    # a job's files: one layout, other data and CRCs, and another folder name of that length
+    # (read from the first's layout), then that layout with one thing changed
+    for rank in "ABC":
+        torch.save({"w": torch.arange(6.0) + ord(rank), "b": torch.ones(2, dtype=torch.int64)}, p := tmp_path / f"job{rank}.pt")
+        out.append(p)
+    job = (tmp_path / "jobC.pt").read_bytes()
+    at = job.index(b"PK\x03\x04", 1)  # the second record's local header: its extra field one byte longer
+    extra = int.from_bytes(job[at + 28:at + 30], "little")
+    (p := tmp_path / "jobD.pt").write_bytes(job[:at + 28] + (extra + 1).to_bytes(2, "little") + job[at + 30:])
+    out.append(p)
+    at = job.rindex(b"jobC/data/0")  # its name in the central directory
+    (p := tmp_path / "jobE.pt").write_bytes(job[:at] + b"jobC/data/1" + job[at + 11:])  # a repeated name
+    out.append(p)
+    (p := tmp_path / "jobF.pt").write_bytes(job[:at] + b"jobX/data/0" + job[at + 11:])  # two folders
+    out.append(p)
+    (p := tmp_path / "jobG.pt").write_bytes(job.replace(b"jobC/", b"jo/C/"))  # a folder with a slash
+    out.append(p)
+    stray = tmp_path / "stray.pt"
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(stray, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info))
+        dst.writestr("other/data.pkl", b"x")
+    out.append(stray)
+    return out
+
+
+def test_zip_records_fast_path_reads_as_zipfile_does(tmp_path, monkeypatch):
+    """The struct reader of plain zips gives zipfile's records, or leaves the file to it: every
+    file, altered or not, gets the same records or the same refusal either way."""
+    def outcome(path: Path):
+        try:
+            return zipdir.zip_records(path)
+        except BadInput as e:
+            return type(e), str(e)
+
+    used, same = [], []
+    plain_records, same_layout = zipdir._plain_records, zipdir._same_layout
+    monkeypatch.setattr(zipdir, "_plain_records", lambda *a: used.append(r := plain_records(*a)) or r)
+    monkeypatch.setattr(zipdir, "_same_layout", lambda *a: same.append(r := same_layout(*a)) or r)
+    for path in _zip_mutations(tmp_path):
+        if path.stem in ("jobD", "jobE", "jobF", "jobG"):
+            zipdir.zip_records(tmp_path / "jobC.pt")  # the layout each is compared with: jobC's
+        used.clear()
+        same.clear()
+        fast = outcome(path)
+        with monkeypatch.context() as m:
+            m.setattr(zipdir, "_plain_records", lambda *a: None)
+            slow = outcome(path)
+        assert fast == slow, path.name
+        if path.stem in ("plain", "accented", "jobA", "jobB", "jobC"):
+            assert used and used[0] is not None, path.name  # read by the fast path itself
+        if path.stem in ("jobB", "jobC"):
+            assert same[0] == path.stem, path.name  # by the layout of the job's first file
+        if path.stem in ("jobD", "jobE", "jobF", "jobG"):
+            assert same and same[0] is None, path.name  # not by that layout
+    assert zipdir.zip_records(tmp_path / "accented.pt")[0] == "modèle"

@@ -26,7 +26,8 @@ from ..core.describe import Checkpoint, Chunk, Location, ObjectInfo, TensorInfo
 from ..core.dtypes import as_torch, scalar_from_bytes
 from ..errors import BadInput
 from ..security import safefs
-from ..security.torchfile import blob_records, loads, loads_blob
+from ..security.torchfile import loads, loads_blob
+from ..security.zipdir import blob_records
 from ..storage import remote
 from .torchranges import TorchRanges
 

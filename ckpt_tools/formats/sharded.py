@@ -19,7 +19,8 @@ from ..core.plan import Span, by_piece, Piece
 from ..core.state import gather, param_groups_keyed
 from ..errors import BadInput
 from ..security import safefs
-from ..security.torchfile import TorchZip, records_of
+from ..security.torchfile import TorchZip
+from ..security.zipdir import records_of
 from ..storage.castio import CastSpan
 from . import flatparams, ranknames, rankread, shardedtensor, shardtree, optim, shardsynth
 from .hf import tensor_bytes

@@ -29,7 +29,7 @@ from pathlib import Path
 from ..errors import BadInput
 from ..security import safefs, zeroglobals
 from ..security.dcpmeta import load_dcp_metadata
-from ..security.torchfile import zip_records
+from ..security.zipdir import zip_records
 from . import dcp, deepspeed, detect, hf, sharded, torchsave
 
 PENDING_METADATA = dcp.METADATA + ".tmp"  # what torch's FileSystemWriter renames at the end

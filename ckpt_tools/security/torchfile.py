@@ -8,11 +8,9 @@ stand-ins (allowlisted globals only; nothing from the file runs), which
 
 from __future__ import annotations
 
-import functools
 import io
 import os
 import pickle
-import struct
 import zipfile
 import zlib
 from collections import OrderedDict
@@ -23,7 +21,8 @@ from typing import Any
 
 from . import bounded, safefs
 from .skeleton import Skeleton
-from ..errors import BadInput, Damaged, UnsafeInput, brief
+from .zipdir import records_of
+from ..errors import BadInput, UnsafeInput, brief
 
 # Legacy typed storages torch.save names in persistent ids, with element sizes (torch.load checks
 # that a record holds numel * itemsize bytes; so do we).
@@ -332,138 +331,6 @@ def loads_blob(f: Any, *, where: str = "a torch.save blob") -> Any:
     except (zipfile.BadZipFile, ValueError, OSError, KeyError, EOFError) as e:
         raise BadInput(f"{where}: not a readable torch.save blob ({e})") from None
     return loads(data, where=where)
-
-
-
-
-_CENTRAL = struct.Struct("<4s6H3I5H2I")  # a central directory entry's 46 fixed bytes
-_END = struct.Struct("<4s4H2IH")  # the end of central directory record (22 bytes)
-
-
-_U32 = struct.Struct("<I").unpack_from
-# a blob length -> the structure of the last blob of that length read (see blob_records)
-_BLOB_LAYOUTS: dict[int, tuple[tuple[tuple[int, int, bytes], ...], tuple[tuple[str, int, int, int], ...]]] = {}
-
-
-def blob_records(blob: bytes | memoryview) -> dict[str, tuple[int, int, int]] | None:
-    """Name -> ``(offset, size, crc32)`` (offset within ``blob``) of the records of a small
-    ``torch.save`` zip (a DCP item), read from its end record, central directory and local
-    headers with no zipfile object (a many-rank DCP has one blob per tensor and rank). None for
-    anything but the plain case (zip64, a comment, compression, encryption, a record outside
-    the blob, names that disagree), which the zipfile path then reads or refuses.
-
-    One tensor's items on every rank are the same zip but for their data and CRCs: a blob
-    whose every byte this reads, CRC fields aside, equals those of the last blob of its length
-    has that one's records (only its CRCs are read again), found by a few slice compares."""
-    n = len(blob)
-    known = _BLOB_LAYOUTS.get(n)
-    if known is not None and all(bytes(blob[a:b]) == want for a, b, want in known[0]):
-        return {name: (start, size, _U32(blob, crc_at)[0]) for name, start, size, crc_at in known[1]}
-    regions: list[tuple[int, int]] = []
-    records = _blob_records(blob, regions)
-    if records is not None:
-        if len(_BLOB_LAYOUTS) >= 1024:
-            _BLOB_LAYOUTS.clear()
-        _BLOB_LAYOUTS[n] = (tuple((a, b, bytes(blob[a:b])) for a, b in regions),
-                            tuple((name, start, size, crc_at) for name, (start, size, crc_at) in records.items()))
-        records = {name: (start, size, _U32(blob, crc_at)[0]) for name, (start, size, crc_at) in records.items()}
-    return records
-
-
-def _blob_records(blob: bytes | memoryview, regions: list[tuple[int, int]]) -> dict[str, tuple[int, int, int]] | None:
-    """:func:`blob_records`, each record's CRC given by where it lies; ``regions`` gets every
-    byte range read, but the CRC fields."""
-    n = len(blob)
-    if n < _END.size:
-        return None
-    sig, disk, cd_disk, _count_here, count, cd_size, cd_offset, comment = _END.unpack_from(blob, n - _END.size)
-    regions.append((n - _END.size, n))
-    cd_end = cd_offset + cd_size
-    if sig != b"PK\x05\x06" or disk or cd_disk or comment or cd_end not in (n - _END.size, n - _END.size - 76):
-        return None
-    if cd_end != n - _END.size:  # torch's writer adds a zip64 end record (56 bytes) and its locator (20)
-        z64 = struct.unpack_from("<4sQ2H2I4Q", blob, cd_end)
-        regions.append((cd_end, cd_end + 60))
-        if (z64[0] != b"PK\x06\x06" or z64[6:] != (count, count, cd_size, cd_offset)
-                or bytes(blob[cd_end + 56:cd_end + 60]) != b"PK\x06\x07"):
-            return None
-    records, at = {}, cd_offset
-    for _ in range(count):
-        if at + _CENTRAL.size > n:
-            return None
-        (sig, _made, _need, flags, method, _t, _d, _crc, csize, size, name_len, extra_len, comment_len,
-         _disk, _iattr, _eattr, header) = _CENTRAL.unpack_from(blob, at)
-        name_at = at + _CENTRAL.size
-        name = bytes(blob[name_at:name_at + name_len])
-        regions += [(at, at + 16), (at + 20, name_at + name_len)]  # (at + 16: the CRC)
-        crc_at = at + 16
-        at = name_at + name_len + extra_len + comment_len
-        if sig != b"PK\x01\x02" or flags & 1 or method != zipfile.ZIP_STORED or csize != size or header + 30 > n:
-            return None
-        head = bytes(blob[header:header + 30])
-        if head[:4] != b"PK\x03\x04":
-            return None
-        local_name, local_extra = struct.unpack_from("<HH", head, 26)
-        start = header + 30 + local_name + local_extra
-        regions.append((header, header + 30 + local_name))
-        if bytes(blob[header + 30:header + 30 + local_name]) != name or start + size > cd_offset:
-            return None
-        records[name.decode("utf-8", "surrogateescape")] = (start, size, crc_at)
-    return records if at == cd_end and len(records) == count else None
-
-
-@dataclass(frozen=True, slots=True)
-class Record:
-    """A zip entry: ``name`` relative to the prefix; ``offset``: where its stored bytes start."""
-
-    name: str
-    offset: int
-    size: int
-    crc32: int
-
-
-def zip_records(path: Path) -> tuple[str, dict[str, Record]]:
-    """The archive folder and the records (name -> :class:`Record`, file order) of the
-    ``torch.save`` zip at ``path``, from its central directory and local headers alone: BadInput
-    unless it is a regular file, a readable stored zip, and every record lies inside the file
-    (a truncated or half-written file fails here). Reads no record's bytes."""
-    with safefs.open_file(path) as f:  # a FIFO or device is refused, never waited on
-        try:
-            with zipfile.ZipFile(f) as zf:
-                infos = zf.infolist()
-        except (OSError, zipfile.BadZipFile, ValueError, EOFError) as e:
-            raise BadInput(f"{path}: not a readable torch.save (zip) file: {e}") from None
-        fd, file_size = f.fileno(), os.fstat(f.fileno()).st_size
-        if not infos or "/" not in infos[0].filename:  # torch takes the first entry's folder
-            raise BadInput(f"{path}: the zip has no archive folder; not a torch.save file")
-        prefix = infos[0].filename.split("/", 1)[0]
-        records: dict[str, Record] = {}
-        for info in infos:
-            name = info.filename.removeprefix(prefix + "/")
-            if name == info.filename or name in records:
-                raise BadInput(f"{path}: stray or repeated zip entry {info.filename!r}")
-            if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 1 or info.compress_size != info.file_size:
-                raise BadInput(f"{path}: record {name} is compressed or encrypted; torch.save stores records")
-            head = os.pread(fd, 30, info.header_offset)
-            if len(head) < 30 or head[:4] != b"PK\x03\x04":
-                raise BadInput(f"{path}: bad local header for record {name}")
-            offset = info.header_offset + 30 + sum(struct.unpack("<HH", head[26:30]))
-            if offset + info.file_size > file_size:
-                raise Damaged(f"{path}: record {name} runs past the end of the file (truncated?)")
-            records[name] = Record(name, offset, info.file_size, info.CRC)
-    return prefix, records
-
-
-def records_of(path: Path) -> tuple[str, dict[str, Record]]:
-    """:func:`zip_records`, read once per process while the file is unchanged (a many-rank job's
-    files are described, then copied from, record by record)."""
-    st = os.stat(path)
-    return _records(str(path), st.st_size, st.st_mtime_ns, st.st_ino)
-
-
-@functools.lru_cache(maxsize=1024)
-def _records(path: str, size: int, mtime_ns: int, ino: int) -> tuple[str, dict[str, Record]]:
-    return zip_records(Path(path))
 
 
 MODELS_TRIED = 2  # ``like`` files a pickle is compared with (see TorchZip)

@@ -1,0 +1,312 @@
+"""A zip's records (name, data offset, size, CRC) read from its central directory and local
+headers, without reading a record's bytes: ``torch.save`` files (:func:`zip_records`) and the
+small in-file ``torch.save`` blobs of a DCP (:func:`blob_records`).
+
+A many-rank job has hundreds of such files and tens of thousands of such blobs, alike but for
+their data and CRCs: each reader keeps the layout it last read and checks a new zip against it
+with a few compares of bytes, reading only the new CRCs, rather than parsing every entry again.
+Anything but the plain case (zip64 entries, a comment, compression, encryption, data before the
+zip) is left to :mod:`zipfile`, which reads it or says what is wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import struct
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import safefs
+from ..errors import BadInput, Damaged
+
+_CENTRAL = struct.Struct("<4s6H3I5H2I")  # a central directory entry's 46 fixed bytes
+_END = struct.Struct("<4s4H2IH")  # the end of central directory record (22 bytes)
+
+
+_U32 = struct.Struct("<I").unpack_from
+# a blob length -> the structure of the last blob of that length read (see blob_records)
+_BLOB_LAYOUTS: dict[int, tuple[tuple[tuple[int, int, bytes], ...], tuple[tuple[str, int, int, int], ...]]] = {}
+
+
+def blob_records(blob: bytes | memoryview) -> dict[str, tuple[int, int, int]] | None:
+    """Name -> ``(offset, size, crc32)`` (offset within ``blob``) of the records of a small
+    ``torch.save`` zip (a DCP item), read from its end record, central directory and local
+    headers with no zipfile object (a many-rank DCP has one blob per tensor and rank). None for
+    anything but the plain case (zip64, a comment, compression, encryption, a record outside
+    the blob, names that disagree), which the zipfile path then reads or refuses.
+
+    One tensor's items on every rank are the same zip but for their data and CRCs: a blob
+    whose every byte this reads, CRC fields aside, equals those of the last blob of its length
+    has that one's records (only its CRCs are read again), found by a few slice compares."""
+    n = len(blob)
+    known = _BLOB_LAYOUTS.get(n)
+    if known is not None and all(bytes(blob[a:b]) == want for a, b, want in known[0]):
+        return {name: (start, size, _U32(blob, crc_at)[0]) for name, start, size, crc_at in known[1]}
+    regions: list[tuple[int, int]] = []
+    records = _blob_records(blob, regions)
+    if records is not None:
+        if len(_BLOB_LAYOUTS) >= 1024:
+            _BLOB_LAYOUTS.clear()
+        _BLOB_LAYOUTS[n] = (tuple((a, b, bytes(blob[a:b])) for a, b in regions),
+                            tuple((name, start, size, crc_at) for name, (start, size, crc_at) in records.items()))
+        records = {name: (start, size, _U32(blob, crc_at)[0]) for name, (start, size, crc_at) in records.items()}
+    return records
+
+
+def _blob_records(blob: bytes | memoryview, regions: list[tuple[int, int]]) -> dict[str, tuple[int, int, int]] | None:
+    """:func:`blob_records`, each record's CRC given by where it lies; ``regions`` gets every
+    byte range read, but the CRC fields."""
+    n = len(blob)
+    if n < _END.size:
+        return None
+    sig, disk, cd_disk, _count_here, count, cd_size, cd_offset, comment = _END.unpack_from(blob, n - _END.size)
+    regions.append((n - _END.size, n))
+    cd_end = cd_offset + cd_size
+    if sig != b"PK\x05\x06" or disk or cd_disk or comment or cd_end not in (n - _END.size, n - _END.size - 76):
+        return None
+    if cd_end != n - _END.size:  # torch's writer adds a zip64 end record (56 bytes) and its locator (20)
+        z64 = struct.unpack_from("<4sQ2H2I4Q", blob, cd_end)
+        regions.append((cd_end, cd_end + 60))
+        if (z64[0] != b"PK\x06\x06" or z64[6:] != (count, count, cd_size, cd_offset)
+                or bytes(blob[cd_end + 56:cd_end + 60]) != b"PK\x06\x07"):
+            return None
+    records, at = {}, cd_offset
+    for _ in range(count):
+        if at + _CENTRAL.size > n:
+            return None
+        (sig, _made, _need, flags, method, _t, _d, _crc, csize, size, name_len, extra_len, comment_len,
+         _disk, _iattr, _eattr, header) = _CENTRAL.unpack_from(blob, at)
+        name_at = at + _CENTRAL.size
+        name = bytes(blob[name_at:name_at + name_len])
+        regions += [(at, at + 16), (at + 20, name_at + name_len)]  # (at + 16: the CRC)
+        crc_at = at + 16
+        at = name_at + name_len + extra_len + comment_len
+        if sig != b"PK\x01\x02" or flags & 1 or method != zipfile.ZIP_STORED or csize != size or header + 30 > n:
+            return None
+        head = bytes(blob[header:header + 30])
+        if head[:4] != b"PK\x03\x04":
+            return None
+        local_name, local_extra = struct.unpack_from("<HH", head, 26)
+        start = header + 30 + local_name + local_extra
+        regions.append((header, header + 30 + local_name))
+        if bytes(blob[header + 30:header + 30 + local_name]) != name or start + size > cd_offset:
+            return None
+        records[name.decode("utf-8", "surrogateescape")] = (start, size, crc_at)
+    return records if at == cd_end and len(records) == count else None
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A zip entry: ``name`` relative to the prefix; ``offset``: where its stored bytes start."""
+
+    name: str
+    offset: int
+    size: int
+    crc32: int
+
+
+def zip_records(path: Path) -> tuple[str, dict[str, Record]]:
+    """The archive folder and the records (name -> :class:`Record`, file order) of the
+    ``torch.save`` zip at ``path``, from its central directory and local headers alone: BadInput
+    unless it is a regular file, a readable stored zip, and every record lies inside the file
+    (a truncated or half-written file fails here). Reads no record's bytes."""
+    with safefs.open_file(path) as f:  # a FIFO or device is refused, never waited on
+        fd, file_size = f.fileno(), os.fstat(f.fileno()).st_size
+        found = _plain_records(fd, file_size)
+        if found is not None:
+            prefix, records = found
+            for name, rec in records.items():
+                if rec.offset + rec.size > file_size:
+                    raise Damaged(f"{path}: record {name} runs past the end of the file (truncated?)")
+            return prefix, records
+        try:
+            with zipfile.ZipFile(f) as zf:
+                infos = zf.infolist()
+        except (OSError, zipfile.BadZipFile, ValueError, EOFError) as e:
+            raise BadInput(f"{path}: not a readable torch.save (zip) file: {e}") from None
+        if not infos or "/" not in infos[0].filename:  # torch takes the first entry's folder
+            raise BadInput(f"{path}: the zip has no archive folder; not a torch.save file")
+        prefix = infos[0].filename.split("/", 1)[0]
+        records: dict[str, Record] = {}
+        for info in infos:
+            name = info.filename.removeprefix(prefix + "/")
+            if name == info.filename or name in records:
+                raise BadInput(f"{path}: stray or repeated zip entry {info.filename!r}")
+            if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 1 or info.compress_size != info.file_size:
+                raise BadInput(f"{path}: record {name} is compressed or encrypted; torch.save stores records")
+            head = os.pread(fd, 30, info.header_offset)
+            if len(head) < 30 or head[:4] != b"PK\x03\x04":
+                raise BadInput(f"{path}: bad local header for record {name}")
+            offset = info.header_offset + 30 + sum(struct.unpack("<HH", head[26:30]))
+            if offset + info.file_size > file_size:
+                raise Damaged(f"{path}: record {name} runs past the end of the file (truncated?)")
+            records[name] = Record(name, offset, info.file_size, info.CRC)
+    return prefix, records
+
+
+def _plain_records(fd: int, file_size: int) -> tuple[str, dict[str, Record]] | None:
+    """:func:`zip_records` of the plain case, read with ``struct`` (zipfile's objects cost a
+    many-rank job more than its bytes): one end record, no comment, nothing before the zip,
+    every entry stored, unencrypted, 32-bit, named ``<prefix>/...`` once. None for anything
+    else, which zipfile then reads, or refuses as the general case does.
+
+    A job's rank files are the same zip but for their data, CRCs and archive folder (torch
+    names it for the file): a file whose central directory, those aside, and local headers'
+    lengths equal the last such file's (of the same size and directory place) has its records,
+    with its own CRCs and folder."""
+    tail = min(file_size, _END.size + 76)
+    end = os.pread(fd, tail, file_size - tail)
+    if len(end) != tail or tail < _END.size:
+        return None
+    sig, disk, cd_disk, here, count, cd_size, cd_offset, comment = _END.unpack_from(end, tail - _END.size)
+    cd_end = cd_offset + cd_size
+    if sig != b"PK\x05\x06" or disk or cd_disk or comment or 0xFFFF in (count, here) or 0xFFFFFFFF in (cd_size, cd_offset):
+        return None
+    if cd_end != file_size - _END.size:  # torch's writer adds a zip64 end record (56 bytes) and its locator (20)
+        if cd_end != file_size - _END.size - 76:
+            return None
+        z64 = struct.unpack_from("<4sQ2H2I4Q", end, 0)
+        if z64[0] != b"PK\x06\x06" or z64[6:] != (count, count, cd_size, cd_offset) or end[56:60] != b"PK\x06\x07":
+            return None
+    central = os.pread(fd, cd_size, cd_offset)
+    if len(central) != cd_size:
+        return None
+    key = (file_size, cd_offset, cd_size, count)
+    known = _ZIP_LAYOUTS.get(key)
+    if known is not None:
+        prefix = _same_layout(fd, central, known)
+        if prefix is not None:
+            return prefix, {name: Record(name, offset, size, _U32(central, crc_at)[0])
+                            for name, offset, size, crc_at in known.records}
+    layout = _read_layout(fd, central, count)
+    if layout is None:
+        return None
+    if len(_ZIP_LAYOUTS) >= 64:
+        _ZIP_LAYOUTS.clear()
+    _ZIP_LAYOUTS[key] = layout
+    prefix = _same_layout(fd, central, layout)
+    if prefix is None:
+        return None
+    return prefix, {name: Record(name, offset, size, _U32(central, crc_at)[0])
+                           for name, offset, size, crc_at in layout.records}
+
+
+@dataclass(frozen=True)
+class _ZipLayout:
+    """What :func:`_plain_records` read of a zip, but its CRCs and folder: ``masked``, its
+    central directory (as a little-endian int) with the CRC fields and the folder's bytes at
+    the start of each name (``name_at``, ``folder_len`` bytes) cleared by ``mask``; whether
+    names are UTF-8; ``records`` as ``(name in the folder, data offset, size, CRC field
+    offset)``; each local header's place and length fields."""
+
+    mask: int
+    masked: int
+    name_at: tuple[int, ...]
+    folder_len: int
+    utf8: bool
+    records: tuple[tuple[str, int, int, int], ...]
+    headers: tuple[int, ...]
+    lens: tuple[bytes, ...]
+
+
+def _same_layout(fd: int, central: bytes, known: _ZipLayout) -> str | None:
+    """The archive folder of a zip whose central directory is ``central``, if its layout is
+    ``known``'s (the same bytes but for CRCs and one folder, local headers of the same
+    lengths); else None."""
+    n = known.folder_len
+    folder = central[known.name_at[0]:known.name_at[0] + n]
+    if b"/" in folder or b"\x00" in folder or any(central[a:a + n] != folder for a in known.name_at):
+        return None
+    if int.from_bytes(central, "little") & known.mask != known.masked:
+        return None
+    heads = _local_heads(fd, known.headers)
+    if not all(h[:4] == b"PK\x03\x04" and h[26:30] == lens for h, lens in zip(heads, known.lens)):
+        return None
+    try:
+        return folder.decode("utf-8" if known.utf8 else "cp437")
+    except UnicodeDecodeError:
+        return None
+
+
+_ZIP_LAYOUTS: dict[tuple[int, int, int, int], _ZipLayout] = {}
+_NEAR = 4096  # local headers at most this far apart are read by one pread
+
+
+def _local_heads(fd: int, headers: Sequence[int]) -> list[bytes]:
+    """The 30 fixed bytes of the local header at each offset (fewer where the file ends): one
+    read per run of headers each within _NEAR of the last (small records lie close together)."""
+    heads: list[bytes] = []
+    i, n = 0, len(headers)
+    while i < n:
+        j = i + 1
+        while j < n and 0 <= headers[j] - headers[j - 1] <= _NEAR:
+            j += 1
+        base = headers[i]
+        window = os.pread(fd, headers[j - 1] + 30 - base, base)
+        heads += [window[h - base:h - base + 30] for h in headers[i:j]]
+        i = j
+    return heads
+
+
+def _read_layout(fd: int, central: bytes, count: int) -> _ZipLayout | None:
+    """:func:`_plain_records`' full read of a central directory and its local headers."""
+    entries, names, prefix, at = [], set(), None, 0
+    crc_mask, name_at, folder_len, utf8 = 0, [], 0, False
+    for _ in range(count):
+        if at + _CENTRAL.size > len(central):
+            return None
+        (sig, _made, _need, flags, method, _t, _d, _crc, csize, size, name_len, extra_len, comment_len,
+         disk, _iattr, _eattr, header) = _CENTRAL.unpack_from(central, at)
+        raw = central[at + _CENTRAL.size:at + _CENTRAL.size + name_len]
+        crc_mask |= 0xFFFFFFFF << (8 * (at + 16))
+        crc_at = at + 16
+        at += _CENTRAL.size + name_len + extra_len + comment_len
+        if (sig != b"PK\x01\x02" or flags & 1 or method != zipfile.ZIP_STORED or csize != size or disk
+                or 0xFFFFFFFF in (size, header) or len(raw) != name_len):
+            return None
+        try:
+            full = raw.decode("utf-8" if flags & 0x800 else "cp437")
+        except UnicodeDecodeError:
+            return None
+        if "\x00" in full:  # zipfile cuts a name there
+            return None
+        if prefix is None:
+            if "/" not in full:
+                return None
+            prefix = full.split("/", 1)[0]
+            folder_len, utf8 = raw.index(b"/"), bool(flags & 0x800)
+        name = full.removeprefix(prefix + "/")
+        if name == full or name in names or bool(flags & 0x800) != utf8:
+            return None
+        names.add(name)
+        name_at.append(at_name := crc_at - 16 + _CENTRAL.size)
+        crc_mask |= ((1 << (8 * folder_len)) - 1) << (8 * at_name)
+        entries.append((name, header, size, crc_at))
+    if at != len(central) or prefix is None:
+        return None
+    headers = tuple(e[1] for e in entries)
+    heads = _local_heads(fd, headers)
+    records = []
+    for (name, header, size, crc_at), head in zip(entries, heads):
+        if len(head) < 30 or head[:4] != b"PK\x03\x04":
+            return None
+        local_name, local_extra = struct.unpack_from("<HH", head, 26)
+        records.append((name, header + 30 + local_name + local_extra, size, crc_at))
+    mask = ((1 << (8 * len(central))) - 1) & ~crc_mask
+    return _ZipLayout(mask, int.from_bytes(central, "little") & mask, tuple(name_at), folder_len, utf8,
+                      tuple(records), headers, tuple(h[26:30] for h in heads))
+
+
+def records_of(path: Path) -> tuple[str, dict[str, Record]]:
+    """:func:`zip_records`, read once per process while the file is unchanged (a many-rank job's
+    files are described, then copied from, record by record)."""
+    st = os.stat(path)
+    return _records(str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@functools.lru_cache(maxsize=1024)
+def _records(path: str, size: int, mtime_ns: int, ino: int) -> tuple[str, dict[str, Record]]:
+    return zip_records(Path(path))
