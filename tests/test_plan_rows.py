@@ -62,3 +62,35 @@ def test_a_hole_is_refused_either_way():
     assert not t.row_tiles()
     with pytest.raises(BadInput, match="hole"):
         rows_of(Target(t, "model", "w", t.dtype), 1, 0)
+
+
+def _coverage(t: TensorInfo) -> str | None:
+    from ckpt_tools.core.describe import Checkpoint, check_coverage
+
+    try:
+        check_coverage(Checkpoint("sharded", "root", 1, (t,), (), (), None, {}, ()))
+    except BadInput as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("boxes,refused", [
+    ([((0, 0), (4, 6)), ((4, 0), (4, 6)), ((8, 0), (0, 6))], None),  # tiles, an empty chunk at the end
+    ([((0, 0), (4, 6)), ((4, 0), (4, 6)), ((9, 0), (0, 6))], "outside"),  # tiles, an empty chunk past the end
+    ([((0, 0), (4, 6)), ((4, 0), (4, 6)), ((-1, 0), (0, 6))], "outside"),  # ... before the start
+    ([((0, 0), (4, 6)), ((4, 0), (4, 6)), ((4, 0), (0, 7))], "outside"),  # ... too wide
+    ([((0, 0), (9, 6)), ((9, 0), (-1, 6))], "outside"),  # rows that add up, one count negative
+    ([((0, 0), (4, 6)), ((4,), (4, 6))], "outside"),  # an offset of too few dimensions
+    ([((0, 0), (4, 6)), ((0, 0), (4, 6)), ((4, 0), (4, 6))], None),  # replicas: the general check
+    ([((0, 0), (4, 6)), ((2, 0), (6, 6))], "overlapping"),
+    ([((0, 0), (3, 6)), ((4, 0), (4, 6))], "hole"),
+])
+def test_coverage_of_tiled_rows_is_the_general_check(boxes, refused, monkeypatch):
+    """A tiling is accepted without the box-by-box check; anything else gets that check, and
+    the answer is the same with the shortcut off."""
+    from ckpt_tools.core import describe
+
+    got = _coverage(_tensor(8, boxes))
+    assert (got is None) if refused is None else (refused in got), got
+    monkeypatch.setattr(describe, "_tiled", lambda t: False)
+    assert _coverage(_tensor(8, boxes)) == got
