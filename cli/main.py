@@ -16,6 +16,7 @@ import click
 
 import ckpt_tools
 from ckpt_tools.errors import CkptError, UsageError, count, one_line
+from ckpt_tools.security import bounded
 
 
 def _fail(message: str, code: int) -> None:
@@ -339,6 +340,7 @@ def run() -> None:
     from ckpt_tools.runtime.lifeline import tie_to_launcher
 
     tie_to_launcher()  # under torchrun: end with the launcher, even if it dies while we start up
+    bounded.freeze_after_pauses()  # this process ends with its command
     try:
         main(prog_name="ckpt")
         code = 0

@@ -419,3 +419,30 @@ def test_deep_manifest_is_a_verify_finding(tmp_path: Path, fixtures_dir: Path) -
     assert "unreadable manifest" in result["stdout"] and "nests too deeply" in result["stdout"], result
     assert "Traceback" not in result["stderr"] and "internal error" not in result["stderr"], result
     assert result["seconds"] < SECONDS
+
+
+def test_gc_pause_freezes_only_for_the_cli_process(monkeypatch):
+    """A library caller's objects are never frozen out of collection; the CLI's process (which
+    ends with its command) freezes what a pause built, and collects as before."""
+    import gc
+
+    from ckpt_tools.security import bounded
+
+    before = gc.get_freeze_count()
+    with bounded.gc_paused():
+        kept = [[i] for i in range(1000)]
+    assert gc.get_freeze_count() == before and gc.isenabled()
+    monkeypatch.setattr(bounded, "_FREEZE", True)
+    try:
+        with bounded.gc_paused():
+            kept = [[i] for i in range(1000)]
+        assert gc.get_freeze_count() >= before + len(kept) and gc.isenabled()
+    finally:
+        gc.unfreeze()
+    gc.disable()
+    try:
+        with bounded.gc_paused():  # nested in a pause the caller holds: left to the caller
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
