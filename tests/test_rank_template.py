@@ -95,7 +95,7 @@ def _pair(tmp_path: Path, shapes: dict, ws: int, a: int, b: int) -> tuple[TorchZ
 
 def test_learn_finds_the_mesh_rank_and_nothing_else(tmp_path):
     first, second = _pair(tmp_path, UNIFORM, 8, 0, 1)
-    template = shardtree.RankTemplate.learn(first, 0, second, 1)
+    template = shardtree.RankTemplate.learn(first, 0, second.pickle, 1)
     assert template is not None and len(template.slots) == 2
     assert template.pickle_of(1) == second.pickle
     # rank 300 needs a wider int: the pickle torch would write for it
@@ -106,10 +106,10 @@ def test_learn_finds_the_mesh_rank_and_nothing_else(tmp_path):
 
 def test_learn_declines_what_is_not_the_rank(tmp_path):
     first, second = _pair(tmp_path, UNIFORM, 8, 0, 2)
-    assert shardtree.RankTemplate.learn(first, 0, second, 1) is None  # the ints are 0 and 2, not 0 and 1
-    assert shardtree.RankTemplate.learn(first, 0, first, 0) is None
+    assert shardtree.RankTemplate.learn(first, 0, second.pickle, 1) is None  # the ints are 0 and 2, not 0 and 1
+    assert shardtree.RankTemplate.learn(first, 0, first.pickle, 0) is None
     first, trailing = _pair(tmp_path / "t", TRAILING, 16, 0, 15)
-    assert shardtree.RankTemplate.learn(first, 0, trailing, 15) is None  # its local sizes differ too
+    assert shardtree.RankTemplate.learn(first, 0, trailing.pickle, 15) is None  # its local sizes differ too
 
 
 MESH = Global("torch.distributed.device_mesh", "DeviceMesh")

@@ -19,13 +19,13 @@ from ..security.torchfile import TorchZip
 from . import optim, shardtree
 
 
-def tree_of(file: Path, like: list | None = None, repeat: tuple | None = None) -> TorchZip:
-    """The file parsed as a pickle tree (``like``, ``repeat``: to describe it only, read like the
+def tree_of(file: Path, like: list | None = None, repeats: Callable | None = None) -> TorchZip:
+    """The file parsed as a pickle tree (``like``, ``repeats``: to describe it only, read like the
     job's other files, see :func:`.shardtree.described`); anything the tree reader refuses or
     finds damaged goes to the torch path, which is the one that refuses (weights_only) and
     explains."""
     try:
-        return shardtree.parsed(file) if like is None else shardtree.described(file, like, repeat)
+        return shardtree.parsed(file) if like is None else shardtree.described(file, like, repeats)
     except bounded.HostileTree:
         raise  # torch's loader would build the same runaway tree
     except BadInput as e:
@@ -34,29 +34,41 @@ def tree_of(file: Path, like: list | None = None, repeat: tuple | None = None) -
 
 class Kind:
     """One kind's rank files as :mod:`.sharded` reads them, rank by rank: its first file's
-    entries, and the template the other ranks' files repeat, once learned from the first two."""
+    entries, and the template the other ranks' files repeat. That is learned from the first two
+    files once a third file's pickle has the second's length (not before: where every rank
+    differs, as when tensors' rows do not divide evenly, no file would use it)."""
 
     def __init__(self) -> None:
         self.like: list = []
         self.first: tuple[TorchZip, int, list] | None = None
+        self.second: tuple[bytes, int] | None = None
         self.template: shardtree.RankTemplate | None = None
         self.tried = False
 
     def read(self, file: Path, rank: int, entries_of: Callable[[Any], list]) -> tuple[TorchZip, list, int | None]:
         """``file`` (of ``rank``), its entries and their DTensors' coordinate where it is not
-        theirs: rank 0's entries and ``rank`` where the file repeats rank 0's (their DTensors
-        say rank 0's coordinate), else its own (``entries_of`` its tree) and None."""
-        repeat = (self.template, rank) if self.template is not None else None
-        zf = tree_of(file, self.like, repeat)
+        theirs: the first file's entries and ``rank`` where the file repeats the first (their
+        DTensors say the first's coordinate), else its own (``entries_of`` its tree) and None."""
+        repeats = (lambda data: self._repeats(data, rank)) if self.second or self.template else None
+        zf = tree_of(file, self.like, repeats)
         if zf.tree is None:
             return zf, self.first[2], rank
         entries = entries_of(zf.tree)
         if self.first is None:
             self.first = (zf, rank, entries)
-        elif not self.tried:
-            self.tried = True
-            self.template = shardtree.RankTemplate.learn(self.first[0], self.first[1], zf, rank)
+        elif self.second is None and not self.tried:
+            self.second = (zf.pickle, rank)
         return zf, entries, None
+
+    def _repeats(self, data: bytes, rank: int) -> TorchZip | None:
+        """The first file, if ``data`` is its pickle on ``rank``."""
+        if not self.tried and len(data) == len(self.second[0]):
+            self.tried = True
+            self.template = shardtree.RankTemplate.learn(self.first[0], self.first[1], *self.second)
+            self.second = None
+        if self.template is not None and data == self.template.pickle_of(rank):
+            return self.first[0]
+        return None
 
 
 def model_entries(sd: Any, file: Path) -> list[tuple[str, shardtree.DTensorNode | None, shardtree.Local]]:

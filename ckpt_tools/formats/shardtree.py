@@ -78,16 +78,15 @@ def _parsed(path: str, size: int, mtime_ns: int) -> TorchZip:
     return TorchZip(path)
 
 
-def described(path: Path, like: list, repeat: tuple[RankTemplate, int] | None = None) -> TorchZip:
+def described(path: Path, like: list, repeats: Callable[[bytes], TorchZip | None] | None = None) -> TorchZip:
     """``path`` parsed to be described only (not cached, never re-emitted): read like one of
     ``like`` (files of the same job already parsed) when its pickle has the same shape, else
     parsed as :func:`parsed` does, and then added to ``like`` (a few at most, their pickles
     only: a tree each would hold a many-tensor job's description several times over).
-    ``repeat``: a template and this file's rank; a file whose pickle is the template's for that
-    rank is not parsed at all (its ``tree`` is None: it is the template's model, on that rank)."""
-    if repeat is not None:
-        template, rank = repeat
-        zf = TorchZip(path, like=like, repeats=(template.pickle_of(rank), template.model))
+    ``repeats``: as :class:`TorchZip` takes it (a file whose pickle is a template's for its
+    rank is not parsed at all: its ``tree`` is None)."""
+    if repeats is not None:
+        zf = TorchZip(path, like=like, repeats=repeats)
     else:
         zf = TorchZip(path, like=like) if like else parsed(path)  # the first: kept, a writer's template
     if zf.exact and len(like) < 8:
@@ -121,14 +120,14 @@ class RankTemplate:
         return b"".join(parts)
 
     @classmethod
-    def learn(cls, model: TorchZip, rank: int, other: TorchZip, other_rank: int) -> RankTemplate | None:
-        """The template of ``model`` (rank ``rank``, read the careful way) if ``other`` (rank
-        ``other_rank``) differs from it only in ints that are their ranks, and those ints are
-        its mesh's rank and coordinate only; else None."""
+    def learn(cls, model: TorchZip, rank: int, other: bytes, other_rank: int) -> RankTemplate | None:
+        """The template of ``model`` (rank ``rank``, read the careful way) if ``other``, the
+        pickle of rank ``other_rank``, differs from its pickle only in ints that are their
+        ranks, and those ints are its mesh's rank and coordinate only; else None."""
         if not model.exact or model.tree is None or rank == other_rank:
             return None
-        slots = model.template().skeleton().differing_values(other.pickle)
-        if not slots or any(int_value(model.pickle, s, e) != rank or int_value(other.pickle, s, e) != other_rank
+        slots = model.template().skeleton().differing_values(other)
+        if not slots or any(int_value(model.pickle, s, e) != rank or int_value(other, s, e) != other_rank
                             for s, e in slots):
             return None
         template = cls(model, tuple(slots))

@@ -14,7 +14,7 @@ import pickle
 import zipfile
 import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -359,7 +359,7 @@ class TorchZip:
     as inert :class:`Global` nodes like every other: named, never imported or constructed."""
 
     def __init__(self, path: str | os.PathLike, *, admit: frozenset[tuple[str, str]] = frozenset(),
-                 like: Sequence[Template] = (), repeats: tuple[bytes, TorchZip] | None = None) -> None:
+                 like: Sequence[Template] = (), repeats: Callable[[bytes], TorchZip | None] | None = None) -> None:
         self.path, self.admit = Path(path), admit
         self.prefix, self.records = records_of(self.path)
         names = self.records.keys()
@@ -371,11 +371,12 @@ class TorchZip:
             raise BadInput(f"{self.path}: its pickle claims {self.records['data.pkl'].size} bytes; "
                            "corrupt or not a checkpoint file")
         self.pickle = self.read("data.pkl")
-        if repeats is not None and self.pickle == repeats[0]:
-            # ``repeats``: a pickle the caller made from a file it read (``repeats[1]``), changing
-            # values whose place in the tree it proved; a file with those very bytes has that
+        model = repeats(self.pickle) if repeats is not None else None
+        if model is not None:
+            # ``repeats``: given this pickle, a file the caller read whose pickle this one is with
+            # values changed whose place in the tree the caller proved. This file has that
             # tree, changed there, and the same storages: no tree is built (``tree`` None)
-            self.exact, self.tree, self.storages = False, None, repeats[1].storages
+            self.exact, self.tree, self.storages = False, None, model.storages
             self._check_storages()
             return
         # ``like``: files of the same job read the careful way; a pickle differing from one's

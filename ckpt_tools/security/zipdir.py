@@ -184,9 +184,15 @@ def _plain_records(fd: int, file_size: int) -> tuple[str, dict[str, Record]] | N
     layout = _read_layout(fd, central, count)
     if layout is None:
         return None
-    if len(_ZIP_LAYOUTS) >= 64:
-        _ZIP_LAYOUTS.clear()
-    _ZIP_LAYOUTS[key] = layout
+    # kept from the second zip of its size and place on (the first is only noted): files that
+    # are all unlike (a job whose ranks hold different rows) keep no layout of 25k records each
+    if key in _ZIP_LAYOUTS or count <= _SMALL:
+        _ZIP_LAYOUTS.pop(key, None)
+        _ZIP_LAYOUTS[key] = layout
+    else:
+        _ZIP_LAYOUTS[key] = None
+    while len(_ZIP_LAYOUTS) > _LAYOUTS_KEPT:  # the oldest go (a job's kinds of file take turns)
+        del _ZIP_LAYOUTS[next(iter(_ZIP_LAYOUTS))]
     prefix = _same_layout(fd, central, layout)
     if prefix is None:
         return None
@@ -231,8 +237,11 @@ def _same_layout(fd: int, central: bytes, known: _ZipLayout) -> str | None:
         return None
 
 
-_ZIP_LAYOUTS: dict[tuple[int, int, int, int], _ZipLayout] = {}
-_NEAR = 4096  # local headers at most this far apart are read by one pread
+_ZIP_LAYOUTS: dict[tuple[int, int, int, int], _ZipLayout | None] = {}
+_LAYOUTS_KEPT = 8  # a layout of 25k records holds ~10 MB
+_SMALL = 4096  # records of a layout kept from the first zip of its kind
+_NEAR = 4096  # local headers at most this far apart are read by one pread (a page apiece at most)
+_WINDOW = 8 << 20  # of at most this many bytes
 
 
 def _local_heads(fd: int, headers: Sequence[int]) -> list[bytes]:
@@ -242,9 +251,9 @@ def _local_heads(fd: int, headers: Sequence[int]) -> list[bytes]:
     i, n = 0, len(headers)
     while i < n:
         j = i + 1
-        while j < n and 0 <= headers[j] - headers[j - 1] <= _NEAR:
-            j += 1
         base = headers[i]
+        while j < n and 0 <= headers[j] - headers[j - 1] <= _NEAR and headers[j] - base < _WINDOW:
+            j += 1
         window = os.pread(fd, headers[j - 1] + 30 - base, base)
         heads += [window[h - base:h - base + 30] for h in headers[i:j]]
         i = j
@@ -254,14 +263,15 @@ def _local_heads(fd: int, headers: Sequence[int]) -> list[bytes]:
 def _read_layout(fd: int, central: bytes, count: int) -> _ZipLayout | None:
     """:func:`_plain_records`' full read of a central directory and its local headers."""
     entries, names, prefix, at = [], set(), None, 0
-    crc_mask, name_at, folder_len, utf8 = 0, [], 0, False
+    keep = bytearray(b"\xff") * len(central)  # the mask's bytes: 0 where a file's own values lie
+    name_at, folder_len, utf8 = [], 0, False
     for _ in range(count):
         if at + _CENTRAL.size > len(central):
             return None
         (sig, _made, _need, flags, method, _t, _d, _crc, csize, size, name_len, extra_len, comment_len,
          disk, _iattr, _eattr, header) = _CENTRAL.unpack_from(central, at)
         raw = central[at + _CENTRAL.size:at + _CENTRAL.size + name_len]
-        crc_mask |= 0xFFFFFFFF << (8 * (at + 16))
+        keep[at + 16:at + 20] = bytes(4)
         crc_at = at + 16
         at += _CENTRAL.size + name_len + extra_len + comment_len
         if (sig != b"PK\x01\x02" or flags & 1 or method != zipfile.ZIP_STORED or csize != size or disk
@@ -283,7 +293,7 @@ def _read_layout(fd: int, central: bytes, count: int) -> _ZipLayout | None:
             return None
         names.add(name)
         name_at.append(at_name := crc_at - 16 + _CENTRAL.size)
-        crc_mask |= ((1 << (8 * folder_len)) - 1) << (8 * at_name)
+        keep[at_name:at_name + folder_len] = bytes(folder_len)
         entries.append((name, header, size, crc_at))
     if at != len(central) or prefix is None:
         return None
@@ -295,7 +305,7 @@ def _read_layout(fd: int, central: bytes, count: int) -> _ZipLayout | None:
             return None
         local_name, local_extra = struct.unpack_from("<HH", head, 26)
         records.append((name, header + 30 + local_name + local_extra, size, crc_at))
-    mask = ((1 << (8 * len(central))) - 1) & ~crc_mask
+    mask = int.from_bytes(keep, "little")
     return _ZipLayout(mask, int.from_bytes(central, "little") & mask, tuple(name_at), folder_len, utf8,
                       tuple(records), headers, tuple(h[26:30] for h in heads))
 
