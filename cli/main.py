@@ -79,6 +79,8 @@ def inspect_cmd(path: str, as_json: bool, tensors: bool, progress: bool) -> None
     """Say what the checkpoint at PATH is and what it holds (reads headers only)."""
     from ckpt_tools.commands.inspect import format_run, format_summary
 
+    bounded.promote_after_pauses()  # a description, then nothing built but a summary
+
     info = ckpt_tools.inspect(path, tensors=tensors)
     emit_json(info) if as_json else click.echo(format_run(info) if "checkpoints" in info else format_summary(info))
 
@@ -340,7 +342,6 @@ def run() -> None:
     from ckpt_tools.runtime.lifeline import tie_to_launcher
 
     tie_to_launcher()  # under torchrun: end with the launcher, even if it dies while we start up
-    bounded.freeze_after_pauses()  # this process ends with its command
     try:
         main(prog_name="ckpt")
         code = 0

@@ -421,27 +421,33 @@ def test_deep_manifest_is_a_verify_finding(tmp_path: Path, fixtures_dir: Path) -
     assert result["seconds"] < SECONDS
 
 
-def test_gc_pause_freezes_only_for_the_cli_process(monkeypatch):
-    """A library caller's objects are never frozen out of collection; the CLI's process (which
-    ends with its command) freezes what a pause built, and collects as before."""
+def test_gc_pause_promotes_only_when_asked(monkeypatch):
+    """A pause's objects go to the collector's oldest generation only for a command that asked
+    (inspect) and a pause that asks (a description); they stay collectable (nothing frozen)."""
     import gc
 
     from ckpt_tools.security import bounded
 
-    before = gc.get_freeze_count()
-    with bounded.gc_paused():
-        kept = [[i] for i in range(1000)]
-    assert gc.get_freeze_count() == before and gc.isenabled()
-    monkeypatch.setattr(bounded, "_FREEZE", True)
+    def young_after(promote: bool) -> int:
+        gc.collect()
+        with bounded.gc_paused(promote=promote):
+            kept = [[i] for i in range(20_000)]
+        young = gc.get_count()[0]
+        del kept
+        return young
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1_000_000)  # no pass while the test counts
     try:
-        with bounded.gc_paused():
-            kept = [[i] for i in range(1000)]
-        assert gc.get_freeze_count() >= before + len(kept) and gc.isenabled()
+        assert young_after(True) >= 20_000  # not asked by the command: left young
+        monkeypatch.setattr(bounded, "_PROMOTE", True)
+        assert young_after(False) >= 20_000  # not asked by the pause
+        assert young_after(True) < 1_000 and gc.get_freeze_count() == 0 and gc.isenabled()
     finally:
-        gc.unfreeze()
+        gc.set_threshold(*thresholds)
     gc.disable()
     try:
-        with bounded.gc_paused():  # nested in a pause the caller holds: left to the caller
+        with bounded.gc_paused(promote=True):  # nested in a pause the caller holds: left to the caller
             pass
         assert not gc.isenabled()
     finally:

@@ -46,7 +46,7 @@ def describe(path: Path | str, *, check: bool = True) -> Checkpoint:
     name = detect(path)
     module = dict(_ORDER)[name]
     before = safefs.stamps(path)  # before reading a byte: what is described is what is copied
-    with bounded.gc_paused():  # a description is many small objects: linear without the collector
+    with bounded.gc_paused(promote=True):  # a description is many small objects: linear without the collector
         ckpt = replace(module.describe(path), stamps=before)
     if check:
         check_coverage(ckpt)

@@ -153,32 +153,35 @@ def _magnitude(n: int) -> str:
     return f"about 2^{n.bit_length() - 1}" if n > 1 << 40 else f"{n:,}"
 
 
-_FREEZE = False
+_PROMOTE = False
 
 
-def freeze_after_pauses() -> None:
-    """For a process that ends with its command (the CLI's): what :func:`gc_paused` built is
-    then frozen (``gc.freeze``) as the pause ends. Without it, the collector's first pass after
-    the pause walks every object built in it (a 256-rank description: half a second), and a
-    full pass later walks them again; frozen, they are freed by their reference counts as
-    ever, but never walked. Not for a library's caller: cycles frozen are never freed."""
-    global _FREEZE
-    _FREEZE = True
+def promote_after_pauses() -> None:
+    """For a command that builds little after its description (inspect): what a
+    ``gc_paused(promote=True)`` built goes to the collector's oldest generation as the pause
+    ends (``gc.freeze`` then ``gc.unfreeze``). Otherwise the first pass after the pause walks
+    every object built in it (a 256-rank description: 0.2-0.5 s), and the next passes again.
+    Still collected by a full pass; not done for commands that go on to plan and copy, whose
+    peak memory it raised (their cyclic garbage waits for the rarer full passes)."""
+    global _PROMOTE
+    _PROMOTE = True
 
 
 @contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
+def gc_paused(*, promote: bool = False) -> Iterator[None]:
     """No cyclic garbage collection while a file's many small objects are built: each pass of
     the collector walks the whole growing heap, which makes building N objects cost N^2
-    (10^5 DCP items: 3.4 s instead of 1.1 s). Pickles and descriptions hold no cycles to free."""
+    (10^5 DCP items: 3.4 s instead of 1.1 s). Pickles and descriptions hold no cycles to free.
+    ``promote``: a description, which lives to the command's end: see :func:`promote_after_pauses`."""
     was = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if was:
-            if _FREEZE:
+            if _PROMOTE and promote:
                 gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 
