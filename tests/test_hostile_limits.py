@@ -439,6 +439,7 @@ def test_gc_pause_promotes_only_when_asked(monkeypatch):
     thresholds = gc.get_threshold()
     gc.set_threshold(1_000_000)  # no pass while the test counts
     try:
+        monkeypatch.setattr(bounded, "_PROMOTE", False)  # (an inspect run in this process asked)
         assert young_after(True) >= 20_000  # not asked by the command: left young
         monkeypatch.setattr(bounded, "_PROMOTE", True)
         assert young_after(False) >= 20_000  # not asked by the pause

@@ -99,9 +99,15 @@ def _describe_one(path: Path, prefix: str):
     tensors, objects, files = [], [], set()
     inside: set[str] = set()  # relative paths already resolved inside the root (few, reused)
 
+    # the index by plain tuples: a many-rank save looks up one entry per item, and the records'
+    # own hash and compare cost more than the rest of describing it
+    index = {k._key(): v for k, v in storage.items()} \
+        if type(storage) is dict and all(type(k) is MetadataIndex for k in storage) else None
+
     def location(fqn: str, offset=None, kind: str = "torch_item") -> Location:
         try:
-            info = storage[MetadataIndex(fqn=fqn, offset=offset)]
+            info = storage[MetadataIndex(fqn=fqn, offset=offset)] if index is None \
+                else index[MetadataIndex.key_of(fqn, offset)]
         except KeyError:
             raise BadInput(f"{path / METADATA}: no storage entry for {fqn!r} at {offset}; the metadata is incomplete") from None
         if info.relative_path not in inside:

@@ -81,11 +81,17 @@ class MetadataIndex(_Record):
     _safe_hash = True  # the unpickler may use it as a dict key (bounded.check_key)
 
     def _key(self) -> tuple:
-        offset = None if self.offset is None else tuple(self.offset)
-        if not isinstance(self.fqn, str) or offset is not None and (
+        return self.key_of(self.fqn, self.offset)
+
+    @staticmethod
+    def key_of(fqn: Any, offset: Any) -> tuple:
+        """What an index of ``fqn`` at ``offset`` hashes and compares as (a plain tuple, for a
+        reader's own dict); ValueError unless a name and a short sequence of ints (or None)."""
+        offset = None if offset is None else tuple(offset)
+        if not isinstance(fqn, str) or offset is not None and (
                 len(offset) > 64 or not all(type(o) is int for o in offset)):
             raise ValueError("MetadataIndex: fqn must be a name and offset a short list of integers")
-        return (self.fqn, offset)
+        return (fqn, offset)
 
     def __hash__(self) -> int:
         return hash(self._key())
