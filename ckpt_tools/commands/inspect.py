@@ -73,9 +73,10 @@ def summarize(ckpt: Checkpoint, *, tensors: bool = False) -> dict[str, Any]:
     if ckpt.world_size and ckpt.format == "sharded":
         per_rank = Counter()
         for t in ckpt.tensors:
+            itemsize = t.nbytes // max(t.numel, 1)  # (once per tensor: a 256-rank save has 256 chunks each)
             for c in t.chunks:
                 if c.rank is not None:
-                    per_rank[c.rank] += c.numel * (t.nbytes // max(t.numel, 1))
+                    per_rank[c.rank] += math.prod(c.sizes) * itemsize
         out["bytes_per_rank"] = [per_rank.get(r, 0) for r in range(ckpt.world_size)]
     if tensors:
         out["tensors"] = [{"name": t.name, "group": t.group, "shape": list(t.shape), "dtype": dtype_name(t.dtype)}

@@ -309,8 +309,11 @@ def _describe_torch(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
 def _add(pieces: dict, key: tuple[str, str], shape: tuple[int, ...], dtype: DType, chunk: Chunk | None,
          file: Path, param: str | None = None, state: str | None = None) -> None:
     dtype = DType.of(dtype)
-    entry = pieces.setdefault(key, {"shape": shape, "dtype": dtype, "chunks": [], "param": param, "state": state})
-    if entry["shape"] != shape or entry["dtype"] != dtype:
+    entry = pieces.get(key)
+    if entry is None:
+        entry = pieces[key] = {"shape": shape, "dtype": dtype, "chunks": [], "param": param, "state": state}
+    elif entry["shape"] != shape or entry["dtype"] is not dtype and entry["dtype"] != dtype:
+        # (a rank file read as rank 0's repeats its very objects: compared by identity first)
         raise BadInput(f"{file}: tensor {key[1]!r} is {tuple(shape)} {dtype} here but "
                        f"{entry['shape']} {entry['dtype']} on rank 0; the files are not from one save")
     if chunk is not None:
