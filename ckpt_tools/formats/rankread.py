@@ -75,24 +75,20 @@ def model_entries(sd: Any, file: Path) -> list[tuple[str, shardtree.DTensorNode 
     """A model file's tensors: ``(key, DTensor or None, local tensor)``."""
     if not isinstance(sd, dict):
         raise BadInput(f"{file}: holds a {type(sd).__name__}, not a state dict")
-    entries = []
-    for key, v in sd.items():
-        d = shardtree.dtensor_of(v)
-        local = d.local if d is not None else shardtree.local_of(v)
-        if local is None:
-            raise shardtree.NotSimple("a model entry that is not a tensor")
-        entries.append((key, d, local))
-    return entries
+    return [(key, *_tensor(v, "a model entry")) for key, v in sd.items()]
 
 
 def optim_entries(osd: Any, param_order: tuple[str, ...]) -> list[tuple]:
     """An optimizer file's state tensors: ``(name, fqn, state key, key path, DTensor or None,
     local tensor)``."""
-    entries = []
-    for fqn, skey, v, kp in optim.state_entries(osd, param_order):
-        d = shardtree.dtensor_of(v)
-        local = d.local if d is not None else shardtree.local_of(v)
-        if local is None:
-            raise shardtree.NotSimple("an optimizer state value that is not a tensor")
-        entries.append((f"state.{fqn}.{skey}", fqn, skey, kp, d, local))
-    return entries
+    return [(f"state.{fqn}.{skey}", fqn, skey, kp, *_tensor(v, "an optimizer state value"))
+            for fqn, skey, v, kp in optim.state_entries(osd, param_order)]
+
+
+def _tensor(v: Any, what: str) -> tuple[shardtree.DTensorNode | None, shardtree.Local]:
+    """The DTensor a node stands for (or None) and its local tensor; NotSimple for no tensor."""
+    d = shardtree.dtensor_of(v)
+    local = d.local if d is not None else shardtree.local_of(v)
+    if local is None:
+        raise shardtree.NotSimple(f"{what} that is not a tensor")
+    return d, local

@@ -126,13 +126,14 @@ class RankTemplate:
         ranks, and those ints are its mesh's rank and coordinate only; else None."""
         if not model.exact or model.tree is None or rank == other_rank:
             return None
-        slots = model.template().skeleton().differing_values(other)
+        shape = model.template()  # (one: its skeleton is a scan of the whole pickle)
+        slots = shape.skeleton().differing_values(other)
         if not slots or any(int_value(model.pickle, s, e) != rank or int_value(other, s, e) != other_rank
                             for s, e in slots):
             return None
         template = cls(model, tuple(slots))
         try:
-            probe = loads_like(template.pickle_of(_SENTINEL), model.template(), where=str(model.path))
+            probe = loads_like(template.pickle_of(_SENTINEL), shape, where=str(model.path))
         except BadInput:
             return None
         try:

@@ -181,9 +181,10 @@ def _plain_records(fd: int, file_size: int) -> tuple[str, dict[str, Record]] | N
         if prefix is not None:
             return prefix, {name: Record(name, offset, size, _U32(central, crc_at)[0])
                             for name, offset, size, crc_at in known.records}
-    layout = _read_layout(fd, central, count)
-    if layout is None:
+    read = _read_layout(fd, central, count)
+    if read is None:
         return None
+    prefix, layout = read
     # kept from the second zip of its size and place on (the first is only noted): files that
     # are all unlike (a job whose ranks hold different rows) keep no layout of 25k records each
     if key in _ZIP_LAYOUTS or count <= _SMALL:
@@ -193,9 +194,6 @@ def _plain_records(fd: int, file_size: int) -> tuple[str, dict[str, Record]] | N
         _ZIP_LAYOUTS[key] = None
     while len(_ZIP_LAYOUTS) > _LAYOUTS_KEPT:  # the oldest go (a job's kinds of file take turns)
         del _ZIP_LAYOUTS[next(iter(_ZIP_LAYOUTS))]
-    prefix = _same_layout(fd, central, layout)
-    if prefix is None:
-        return None
     return prefix, {name: Record(name, offset, size, _U32(central, crc_at)[0])
                            for name, offset, size, crc_at in layout.records}
 
@@ -260,8 +258,9 @@ def _local_heads(fd: int, headers: Sequence[int]) -> list[bytes]:
     return heads
 
 
-def _read_layout(fd: int, central: bytes, count: int) -> _ZipLayout | None:
-    """:func:`_plain_records`' full read of a central directory and its local headers."""
+def _read_layout(fd: int, central: bytes, count: int) -> tuple[str, _ZipLayout] | None:
+    """:func:`_plain_records`' full read of a central directory and its local headers: the
+    archive folder and the layout."""
     entries, names, prefix, at = [], set(), None, 0
     keep = bytearray(b"\xff") * len(central)  # the mask's bytes: 0 where a file's own values lie
     name_at, folder_len, utf8 = [], 0, False
@@ -306,8 +305,8 @@ def _read_layout(fd: int, central: bytes, count: int) -> _ZipLayout | None:
         local_name, local_extra = struct.unpack_from("<HH", head, 26)
         records.append((name, header + 30 + local_name + local_extra, size, crc_at))
     mask = int.from_bytes(keep, "little")
-    return _ZipLayout(mask, int.from_bytes(central, "little") & mask, tuple(name_at), folder_len, utf8,
-                      tuple(records), headers, tuple(h[26:30] for h in heads))
+    return prefix, _ZipLayout(mask, int.from_bytes(central, "little") & mask, tuple(name_at), folder_len, utf8,
+                              tuple(records), headers, tuple(h[26:30] for h in heads))
 
 
 def records_of(path: Path) -> tuple[str, dict[str, Record]]:
