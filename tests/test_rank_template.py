@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from ckpt_tools.cli.main import main as cli
 from ckpt_tools.errors import BadInput
-from ckpt_tools.formats import sharded, shardtree
+from ckpt_tools.formats import rankread, sharded, shardtree
 from ckpt_tools.security import torchfile
 from ckpt_tools.security.torchfile import Global, NewObj, StorageRef, TorchZip
 from fw_scale import make_verl
@@ -50,13 +50,17 @@ def _without_templates(path: Path, monkeypatch):
         return sharded.describe(path)
 
 
-@pytest.mark.parametrize("shapes,ws,templated", [(UNIFORM, 16, 2 * 14), (TRAILING, 16, 2 * 3)])
-def test_template_describes_as_parsing_does(tmp_path, monkeypatch, counted, shapes, ws, templated):
+# TRAILING at 16 ranks: ranks 0-4 hold a row of every small tensor, 5-7 none of head.weight,
+# 8-14 none of head.weight or layers.0.norm, 15 fewer rows of the big ones too. Each group's first
+# two files are parsed and the rest repeat the first (5-7: 7; 8-14: 10-14); 15 is parsed.
+@pytest.mark.parametrize("shapes,ws,bases,templated,parsed", [(UNIFORM, 16, 4, 2 * 14, 2 * 2),
+                                                            (TRAILING, 16, 4, 2 * 9, 2 * 7),
+                                                            (TRAILING, 16, 1, 2 * 3, 2 * 13)])
+def test_template_describes_as_parsing_does(tmp_path, monkeypatch, counted, shapes, ws, bases, templated, parsed):
     make_verl(tmp_path / "src", ws, optim=True, shapes=shapes)
+    monkeypatch.setattr(rankread.Kind, "MAX_BASES", bases)
     got = sharded.describe(tmp_path / "src")
-    # model and optimizer files: ranks 0 and 1 parsed, then every rank whose local shapes are
-    # rank 0's (TRAILING: ranks 2-4 only, the rest hold fewer rows of some tensor)
-    assert counted["templated"] == templated
+    assert (counted["templated"], counted["parsed"]) == (templated, parsed + ws)  # (+ extra_state files)
     assert _facts(got) == _facts(_without_templates(tmp_path / "src", monkeypatch))
 
 

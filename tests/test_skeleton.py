@@ -68,7 +68,8 @@ def test_describe_is_the_same_with_and_without_the_fast_reader(monkeypatch):
     careful = sharded.describe(path)
     assert fast.tensors == careful.tensors and fast.objects == careful.objects
     read = []
-    monkeypatch.setattr(shardtree, "TorchZip", lambda p, like=(): read.append(bool(like)) or TorchZip(p, like=like))
+    monkeypatch.setattr(shardtree, "TorchZip",
+                        lambda p, like=(), **kw: read.append(bool(like)) or TorchZip(p, like=like, **kw))
     sharded.describe(path)
     assert read and all(read)  # every file after the first is offered the first as a model
 

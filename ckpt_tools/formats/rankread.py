@@ -5,6 +5,7 @@ A job's ranks save one state dict: their files differ in the mesh's rank, and in
 shapes of tensors some ranks hold fewer rows of. Each kind's first two files are parsed; where
 they differ only in that rank (:class:`~.shardtree.RankTemplate`), a later file that is the
 first on its own rank is read, checked and described from the first's entries, never parsed.
+The ranks at the end that hold fewer rows do the same among themselves.
 """
 
 from __future__ import annotations
@@ -32,42 +33,71 @@ def tree_of(file: Path, like: list | None = None, repeats: Callable | None = Non
         raise shardtree.NotSimple(str(e)) from e
 
 
-class Kind:
-    """One kind's rank files as :mod:`.sharded` reads them, rank by rank: its first file's
-    entries, and the template the other ranks' files repeat. That is learned from the first two
-    files once a third file's pickle has the second's length (not before: where every rank
-    differs, as when tensors' rows do not divide evenly, no file would use it)."""
+class Base:
+    """A file other ranks' files may repeat: its entries, and once learned from the next file
+    (``second``), the template they repeat it by; ``table``: what the describer noted of its
+    entries to place them on another rank (dropped with the base)."""
 
-    def __init__(self) -> None:
-        self.like: list = []
-        self.first: tuple[TorchZip, int, list] | None = None
+    def __init__(self, zf: TorchZip, rank: int, entries: list) -> None:
+        self.zf, self.rank, self.entries = zf, rank, entries
+        self.table: list = []
         self.second: tuple[bytes, int] | None = None
         self.template: shardtree.RankTemplate | None = None
         self.tried = False
 
-    def read(self, file: Path, rank: int, entries_of: Callable[[Any], list]) -> tuple[TorchZip, list, int | None]:
-        """``file`` (of ``rank``), its entries and their DTensors' coordinate where it is not
-        theirs: the first file's entries and ``rank`` where the file repeats the first (their
-        DTensors say the first's coordinate), else its own (``entries_of`` its tree) and None."""
-        repeats = (lambda data: self._repeats(data, rank)) if self.second or self.template else None
+
+class Kind:
+    """One kind's rank files as :mod:`.sharded` reads them, rank by rank, and the files the
+    others repeat (:class:`Base`). A parsed file that repeats none becomes one, and the next
+    parsed file its ``second``; the template is learned from the two once a later file's pickle
+    has the second's length (not before: where every rank differs, as when tensors' rows do not
+    divide evenly, no file would use it). Ranks at the end that hold fewer rows than the others
+    repeat one of their own. A base that learned nothing is dropped for the next; at most
+    ``MAX_BASES`` are kept (each holds a tree)."""
+
+    MAX_BASES = 4
+
+    def __init__(self) -> None:
+        self.like: list = []
+        self.bases: list[Base] = []
+        self._hit: Base | None = None
+
+    def read(self, file: Path, rank: int, entries_of: Callable[[Any], list]
+             ) -> tuple[TorchZip, list, int | None, Base | None]:
+        """``file`` (of ``rank``), its entries, their DTensors' coordinate where it is not theirs,
+        and the base they are:
+        - a file that repeats a base: the base's entries, ``rank`` (their DTensors say the
+          base's coordinate) and the base;
+        - a file parsed that became a base: its own entries (``entries_of`` its tree), None and
+          that base;
+        - any other file parsed: its own entries, None, None."""
+        repeats = (lambda data: self._repeats(data, rank)) if self.bases else None
         zf = tree_of(file, self.like, repeats)
         if zf.tree is None:
-            return zf, self.first[2], rank
+            return zf, self._hit.entries, rank, self._hit
         entries = entries_of(zf.tree)
-        if self.first is None:
-            self.first = (zf, rank, entries)
-        elif self.second is None and not self.tried:
-            self.second = (zf.pickle, rank)
-        return zf, entries, None
+        last = self.bases[-1] if self.bases else None
+        if last is not None and last.template is None:
+            if last.second is None and not last.tried:
+                last.second = (zf.pickle, rank)
+                return zf, entries, None, None
+            self.bases.pop()  # it learned nothing, or its second's length never came again
+        if len(self.bases) >= self.MAX_BASES:
+            return zf, entries, None, None
+        self.bases.append(base := Base(zf, rank, entries))
+        return zf, entries, None, base
 
     def _repeats(self, data: bytes, rank: int) -> TorchZip | None:
-        """The first file, if ``data`` is its pickle on ``rank``."""
-        if not self.tried and len(data) == len(self.second[0]):
-            self.tried = True
-            self.template = shardtree.RankTemplate.learn(self.first[0], self.first[1], *self.second)
-            self.second = None
-        if self.template is not None and data == self.template.pickle_of(rank):
-            return self.first[0]
+        """The base file ``data`` is the pickle of on ``rank`` (the latest first), if any."""
+        for base in reversed(self.bases):
+            if base.template is None and base.second is not None and not base.tried \
+                    and len(data) == len(base.second[0]):
+                base.tried = True
+                base.template = shardtree.RankTemplate.learn(base.zf, base.rank, *base.second)
+                base.second = None
+            if base.template is not None and data == base.template.pickle_of(rank):
+                self._hit = base
+                return base.zf
         return None
 
 

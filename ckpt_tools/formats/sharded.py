@@ -117,7 +117,9 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
 
     Each kind's rank 0 file is parsed, and so is rank 1's; where the two differ only in their
     mesh's rank (:class:`~.shardtree.RankTemplate`), every other rank whose pickle is rank 0's
-    with its own rank in those places holds rank 0's entries, on its own coordinate."""
+    with its own rank in those places holds rank 0's entries, on its own coordinate: its chunks
+    are rank 0's on its rows (:func:`_repeat`), at its own records' places. Ranks at the end
+    that hold fewer rows repeat one of their own the same way (:class:`~.rankread.Kind`)."""
     pieces: dict[tuple[str, str], dict[str, Any]] = {}
     objects: list[ObjectInfo] = []
     param_order: tuple[str, ...] = ()
@@ -126,29 +128,31 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
     for rank in range(ws):
         name = found["model"][rank]
         file = path / name
-        zf, entries, coord = kinds["model"].read(file, rank, lambda sd, file=file: rankread.model_entries(sd, file))
-        order, seen = [], set()
-        for key, d, local in entries:
-            if d is not None:
-                # tied parameters: two names, one storage; the optimizer numbers it once
-                if (local.storage.key, local.offset) not in seen:
-                    order.append(key)
-                    seen.add((local.storage.key, local.offset))
-                shape, chunk = _tree_chunk(d, rank, ws, zf, name, key, coord=coord)
-                details["fsdp"] = "FSDP2 (DTensor)"
-                if "mesh_dim_names" not in details:  # a loading job's mesh must have the same names
-                    details["mesh_dim_names"] = shardtree.mesh_names(d.mesh)
-                _add(pieces, ("model", key), shape, local.dtype, chunk, file)
-                continue
-            loc = shardtree.tensor_location(zf, name, local, (key,))
-            chunk = Chunk((0,) * len(local.size), local.size, loc, rank)
-            _add(pieces, ("model", key), local.size, local.dtype, chunk, file)
-        if not order:
-            raise shardtree.NotSimple("no DTensor parameters")
-        if rank == 0:
-            param_order = tuple(order)
-        elif tuple(order) != param_order:
-            raise BadInput(f"{path / name}: its parameters differ from rank 0's; the files are not from one save")
+        zf, entries, coord, base = kinds["model"].read(file, rank, lambda sd, file=file: rankread.model_entries(sd, file))
+        if coord is not None:
+            _repeat(base.table, rank, ws, zf, name)
+        else:
+            order, seen, table = [], set(), None if base is None else base.table
+            for key, d, local in entries:
+                if d is not None:
+                    # tied parameters: two names, one storage; the optimizer numbers it once
+                    if (local.storage.key, local.offset) not in seen:
+                        order.append(key)
+                        seen.add((local.storage.key, local.offset))
+                    shape, chunk = _tree_chunk(d, rank, ws, zf, name, key)
+                    details["fsdp"] = "FSDP2 (DTensor)"
+                    if "mesh_dim_names" not in details:  # a loading job's mesh must have the same names
+                        details["mesh_dim_names"] = shardtree.mesh_names(d.mesh)
+                else:
+                    loc = shardtree.tensor_location(zf, name, local, (key,))
+                    shape, chunk = local.size, Chunk((0,) * len(local.size), local.size, loc, rank)
+                _add(pieces, ("model", key), shape, local.dtype, chunk, file, table=table, d=d, local=local)
+            if not order:
+                raise shardtree.NotSimple("no DTensor parameters")
+            if rank == 0:
+                param_order = tuple(order)
+            elif tuple(order) != param_order:
+                raise BadInput(f"{path / name}: its parameters differ from rank 0's; the files are not from one save")
         if rank in found["optim"]:
             oname = found["optim"][rank]
             ofile = path / oname
@@ -157,14 +161,19 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
                 _optimizer_header(osd, ofile, rank, details, objects)
                 return rankread.optim_entries(osd, param_order)
 
-            zo, oentries, ocoord = kinds["optim"].read(ofile, rank, entries_of)
+            zo, oentries, ocoord, obase = kinds["optim"].read(ofile, rank, entries_of)
+            if ocoord is not None:
+                _repeat(obase.table, rank, ws, zo, oname)
+                oentries = ()
+            table = None if obase is None or ocoord is not None else obase.table
             for tname, fqn, skey, kp, d, local in oentries:
                 if d is not None:
-                    shape, chunk = _tree_chunk(d, rank, ws, zo, oname, tname, key=kp, coord=ocoord)
-                    _add(pieces, ("optimizer", tname), shape, local.dtype, chunk, ofile, fqn, skey)
-                    continue
-                chunk = Chunk((0,) * len(local.size), local.size, shardtree.tensor_location(zo, oname, local, kp), rank)
-                _add(pieces, ("optimizer", tname), local.size, local.dtype, chunk, ofile, fqn, skey)
+                    shape, chunk = _tree_chunk(d, rank, ws, zo, oname, tname, key=kp)
+                else:
+                    loc = shardtree.tensor_location(zo, oname, local, kp)
+                    shape, chunk = local.size, Chunk((0,) * len(local.size), local.size, loc, rank)
+                _add(pieces, ("optimizer", tname), shape, local.dtype, chunk, ofile, fqn, skey,
+                     table=table, d=d, local=local)
         if rank in found["extra_state"]:
             ename = found["extra_state"][rank]
             _extra_objects(rankread.tree_of(path / ename).tree, path / ename, rank, objects)
@@ -229,6 +238,23 @@ def _optimizer_header(osd: Any, file: Path, rank: int, details: dict, objects: l
         details["param_groups"] = len(osd["param_groups"])
         objects.append(ObjectInfo("optimizer", "param_groups", Location(file.name, "pickled", key=("param_groups",)),
                                   path=("optimizer", "param_groups")))
+
+
+def _repeat(table: list, rank: int, ws: int, zf: TorchZip, file: str) -> None:
+    """The chunks of ``file``, which repeats its kind's first file on ``rank`` (see
+    :class:`.rankread.Kind`): each of that file's chunks (``table``: see :func:`_add`) on the
+    rows ``rank`` holds, at its own record's place in ``file``."""
+    records = zf.records
+    for chunks, d, name, chunk, record, delta in table:
+        offsets, sizes, loc = chunk.offsets, chunk.sizes, chunk.location
+        if d is not None and d.sharded and d.shape:
+            start, stop = chunk_rows(d.shape[0], ws, rank)
+            if stop - start != sizes[0]:  # raises: what the rank holds is not its rows
+                _tree_chunk(d, rank, ws, zf, file, name, key=loc.key, coord=rank)
+                raise BadInput(f"{zf.path}: tensor {name!r}: rank {rank} holds rows it should not")
+            offsets = (start, *offsets[1:])
+        at = Location(file, "raw", records[record].offset + delta, loc.length, loc.key)
+        chunks.append(Chunk(offsets, sizes, at, rank))
 
 
 def _tree_chunk(d: shardtree.DTensorNode, rank: int, ws: int, zf: TorchZip, file: str, name: str,
@@ -307,7 +333,10 @@ def _describe_torch(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
 
 
 def _add(pieces: dict, key: tuple[str, str], shape: tuple[int, ...], dtype: DType, chunk: Chunk | None,
-         file: Path, param: str | None = None, state: str | None = None) -> None:
+         file: Path, param: str | None = None, state: str | None = None, *, table: list | None = None,
+         d: shardtree.DTensorNode | None = None, local: shardtree.Local | None = None) -> None:
+    """``chunk`` added to tensor ``key``'s (``table``: noted there, with the DTensor ``d`` and
+    local tensor it is, for :func:`_repeat` to place on another rank)."""
     dtype = DType.of(dtype)
     entry = pieces.get(key)
     if entry is None:
@@ -318,6 +347,9 @@ def _add(pieces: dict, key: tuple[str, str], shape: tuple[int, ...], dtype: DTyp
                        f"{entry['shape']} {entry['dtype']} on rank 0; the files are not from one save")
     if chunk is not None:
         entry["chunks"].append(chunk)
+        if table is not None:
+            table.append((entry["chunks"], d, key[1], chunk, f"data/{local.storage.key}",
+                          local.offset * local.dtype.itemsize))
 
 
 def _chunk(v: torch.Tensor, rank: int, ws: int, loc: Location, file: Path, name: str):

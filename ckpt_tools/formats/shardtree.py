@@ -98,8 +98,8 @@ _SENTINEL = (1 << 62) + 0x5EED  # a rank no mesh has, put where a template's ran
 
 
 class RankTemplate:
-    """A job's rank file as its other ranks repeat it: the pickle of ``model`` (a file read the
-    careful way, its tree kept) is every rank's, but for the int opcodes at ``slots`` (byte
+    """A job's rank file as its other ranks repeat it: the pickle of ``model`` (a file parsed,
+    its tree kept) is every rank's, but for the int opcodes at ``slots`` (byte
     ranges), which hold the rank. Proved, not assumed (:meth:`learn`): those opcodes land in the
     tree as the rank and coordinate of its one device mesh and nowhere else, and as a pickle is
     read the same whatever its ints' values, a file whose pickle is :meth:`pickle_of` ``(r)`` is
@@ -121,12 +121,12 @@ class RankTemplate:
 
     @classmethod
     def learn(cls, model: TorchZip, rank: int, other: bytes, other_rank: int) -> RankTemplate | None:
-        """The template of ``model`` (rank ``rank``, read the careful way) if ``other``, the
+        """The template of ``model`` (rank ``rank``, its tree kept) if ``other``, the
         pickle of rank ``other_rank``, differs from its pickle only in ints that are their
         ranks, and those ints are its mesh's rank and coordinate only; else None."""
-        if not model.exact or model.tree is None or rank == other_rank:
+        if model.tree is None or rank == other_rank:
             return None
-        shape = model.template()  # (one: its skeleton is a scan of the whole pickle)
+        shape = model.shape()  # (one: its skeleton is a scan of the whole pickle)
         slots = shape.skeleton().differing_values(other)
         if not slots or any(int_value(model.pickle, s, e) != rank or int_value(other, s, e) != other_rank
                             for s, e in slots):

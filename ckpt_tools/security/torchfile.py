@@ -403,6 +403,11 @@ class TorchZip:
         read the careful way is one."""
         if not self.exact:
             raise ValueError(f"{self.path} was read like another file: it is no model for others")
+        return self.shape()
+
+    def shape(self) -> Template:
+        """Its pickle as :func:`loads_like` takes a model, to read pickles of its shape by: a
+        file read ``like`` another has that one's shape, which the careful reader walked."""
         return Template(self.pickle, self.admit)
 
     def read(self, name: str) -> bytes:
