@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from .describe import Chunk, ObjectInfo, TensorInfo, chunk_rows, dtype_size
 from .dtypes import DType
@@ -112,8 +113,8 @@ class Piece:
     def numel(self) -> int:
         return math.prod(self.sizes)
 
-    @property
-    def nbytes(self) -> int:
+    @cached_property
+    def nbytes(self) -> int:  # (asked several times per piece: progress, balance, each job's total)
         return self.numel * dtype_size(self.target.dtype)
 
     @property
@@ -133,7 +134,7 @@ class FileJob:
     kind: str = ""
     meta: dict = field(default_factory=dict, compare=False)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.pieces)
 

@@ -504,7 +504,7 @@ class Writer:
         if rebuilt is None:
             self.tree_for(job)
         else:
-            rebuilt.emitter(job)
+            rebuilt.emitter(job, check=True)
 
     def _write_tree(self, path: Path, job, pieces) -> None:
         rebuilt = self._rebuild(job)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..codecs.tensornodes import NotSimple, local_of
-from ..codecs.torchwriter import dumps, patch
+from ..codecs.torchwriter import dumps, patch, slot_places
 from ..security.torchfile import TorchZip
 from . import shardtree
 
@@ -32,7 +32,7 @@ class Rebuilt:
         self.template, self.world = template, world
         self._dtensors: dict[int, tuple[Any, Any]] = {}  # id(template node) -> (node, dtensor_of)
         self._recipe: list[tuple[Any, Any]] | None = None  # (entry key, DTensor or None) | (_MESH, rank map)
-        self._last: tuple | None = None  # the last pickle written whole: (shape, bytes, its slots)
+        self._last: tuple | None = None  # the last pickle written whole: (bytes, its slots' places, local sizes)
 
     def _dtensor(self, node: Any) -> shardtree.DTensorNode | None:
         got = self._dtensors.get(id(node))
@@ -74,38 +74,48 @@ class Rebuilt:
         self._recipe = recipe
         return tree, emitter
 
-    def emitter(self, job: Any) -> shardtree.Emitter:
-        """The storages and slot values ``job``'s tree would have, from the recipe (no tree)."""
+    def emitter(self, job: Any, *, check: bool = False, since: list | None = None) -> shardtree.Emitter | None:
+        """The storages and slot values ``job``'s tree would have, from the recipe (no tree);
+        ``check``: only whether it can be built (NotSimple if not), nothing kept. ``since``: the
+        local sizes, entry by entry, of a file whose slot values are known: an entry of the same
+        sizes gets its storage and no slots (its values are that file's). The emitter's
+        ``sizes`` are this file's."""
         if self._recipe is None:
             return self.tree(job)[1]
         emitter, by_key = shardtree.Emitter(), self._pieces(job)
+        sizes = emitter.sizes
         for key, d in self._recipe:
             if key is _MESH:  # rebuild_mesh's storage and slots
-                emitter.account((self.world,), d)
-                emitter.rank(job.rank)
+                if not check:
+                    size = (self.world,)
+                    emitter.record(d) if since is not None and since[len(sizes)] == size else emitter.account(size, d)
+                    emitter.rank(job.rank)
+                    sizes.append(size)
                 continue
             p = _take(by_key, key)
             if d is None:
                 _whole(p)
-            emitter.account(p.sizes, p)
+            if not check:
+                emitter.record(p) if since is not None and since[len(sizes)] == p.sizes else emitter.account(p.sizes, p)
+                sizes.append(p.sizes)
         if by_key:
             raise NotSimple("pieces the source file does not hold")
-        return emitter
+        return None if check else emitter
 
     def pickle(self, job: Any) -> tuple[bytes, shardtree.Emitter]:
-        """``job``'s pickle and storages: the last pickle patched where the slots are the same
-        ones in the same order and every value keeps its opcode; else its tree written whole."""
-        if self._last is not None:
-            emitter = self.emitter(job)
-            shape, data, where = self._last
-            if shape == (tuple(emitter.slots), len(emitter.records)):
-                patched = patch(data, where, emitter.slots)
-                if patched is not None:
-                    return patched, emitter
+        """``job``'s pickle and storages: the last pickle written whole, patched where its
+        tensors' local sizes and its rank differ, when every value keeps its opcode; else its
+        tree written whole."""
+        if self._last is not None and self._recipe is not None:
+            data, places, sizes = self._last
+            emitter = self.emitter(job, since=sizes)
+            patched = patch(data, places, emitter.slots)
+            if patched is not None:
+                return patched, emitter
         tree, emitter = self.tree(job)
         where: list = []
         data = dumps(tree, where)
-        self._last = ((tuple(emitter.slots), len(emitter.records)), data, where)
+        self._last = (data, slot_places(where), self.emitter(job).sizes)
         return data, emitter
 
 

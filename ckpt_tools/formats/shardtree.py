@@ -262,17 +262,21 @@ class Emitter:
     def __init__(self) -> None:
         self.records: list[tuple[str, Any]] = []  # (key, parts | bytes | piece)
         self.slots: dict[Any, int] = {}  # the values that differ between files of one shape
+        self.sizes: list[tuple[int, ...]] = []  # each storage's local sizes, where a replay notes them
 
     def storage(self, like: StorageRef, numel: int, source: Any) -> StorageRef:
+        return StorageRef(like.type, self.record(source), like.location, numel)
+
+    def record(self, source: Any) -> str:
+        """A storage filled from ``source``, with no node and no slots; its key."""
         key = str(len(self.records))
         self.records.append((key, source))
-        return StorageRef(like.type, key, like.location, numel)
+        return key
 
     def account(self, size: tuple[int, ...], source: Any) -> str:
         """A tensor's storage (filled from ``source``) and its slot values (numel, sizes,
         strides), with no node: what :meth:`local` records; its storage key."""
-        key = str(len(self.records))
-        self.records.append((key, source))
+        key = self.record(source)
         size = tuple(size)
         self.slots[(key, "numel")] = math.prod(size)
         self.slots.update({(key, "size", i): n for i, n in enumerate(size)})

@@ -148,9 +148,10 @@ def layout_sharded(src: Checkpoint, targets: list[Target], world_size: int, extr
     mobj = tuple(o for o in objects if o.group == "model" and o.rank in (None, 0))
     oobj = tuple(o for o in objects if o.group == "optimizer" and o.rank in (None, 0) and o.path[:2] == ("optimizer", "param_groups"))
     jobs = []
+    wholes = {id(t): whole(t) for t in targets if (t.group, t.name) in plain_targets}  # every rank's the same
     for r in range(world_size) if ranks is None else ranks:
         def pieces(ts):
-            return tuple(whole(t) if (t.group, t.name) in plain_targets else rows_of(t, world_size, r) for t in ts)
+            return tuple(wholes[id(t)] if id(t) in wholes else rows_of(t, world_size, r) for t in ts)
         jobs.append(FileJob(sharded.file_name("model", world_size, r), pieces(model), mobj, r, "model",
                             {"plain": plain_targets}))
         if optim and flat_units:
