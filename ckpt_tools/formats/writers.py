@@ -18,6 +18,7 @@ from ..core.describe import Checkpoint, ObjectInfo, TensorInfo
 from ..core.plan import FileJob, Piece, Target, rows_of, whole
 from ..core.state import per_rank_extras
 from ..errors import BadInput
+from ..security import bounded
 from . import dcp, dcpnative, flatparams, sharded, shardedtensor, shardsynth, shardtree, torchnative, torchsave
 
 OpenReader = Callable[[], AbstractContextManager]  # () -> a reader with .object(ObjectInfo)
@@ -147,6 +148,11 @@ def layout_sharded(src: Checkpoint, targets: list[Target], world_size: int, extr
     objects = src.rooted(src.objects)
     mobj = tuple(o for o in objects if o.group == "model" and o.rank in (None, 0))
     oobj = tuple(o for o in objects if o.group == "optimizer" and o.rank in (None, 0) and o.path[:2] == ("optimizer", "param_groups"))
+    with bounded.gc_paused():  # a plan is many small objects and no cycles: linear without the collector
+        return _layout_sharded(targets, world_size, extras, flat_units, ranks, model, optim, plain_targets, mobj, oobj)
+
+
+def _layout_sharded(targets, world_size, extras, flat_units, ranks, model, optim, plain_targets, mobj, oobj):
     jobs = []
     wholes = {id(t): whole(t) for t in targets if (t.group, t.name) in plain_targets}  # every rank's the same
     for r in range(world_size) if ranks is None else ranks:
