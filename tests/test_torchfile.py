@@ -360,6 +360,39 @@ def test_item_writers_sharing_sources_open_each_source_once(tmp_path, monkeypatc
             assert z.testzip() is None
 
 
+def test_sources_read_ahead_returns_what_pread_does(tmp_path, monkeypatch):
+    """Small source ranges read through a window read ahead: forward, backward, past the window,
+    at the file's end, over several files (more than the windows kept), each the bytes a pread
+    of that range gives; ranges that run on within a window cost no read of their own."""
+    monkeypatch.setattr(torchwriter, "_AHEAD_MIN", 256)
+    monkeypatch.setattr(torchwriter, "_AHEAD_MAX", 1024)
+    monkeypatch.setattr(torchwriter, "_WINDOWS_KEPT", 2)
+    rng = random.Random(0)
+    files = []
+    for i in range(3):
+        f = tmp_path / f"src{i}.bin"
+        f.write_bytes(rng.randbytes(3000 + 700 * i))
+        files.append(f)
+    calls = []
+    real_pread = os.pread
+    monkeypatch.setattr(torchwriter.os, "pread", lambda fd, n, at: (calls.append(n), real_pread(fd, n, at))[1])
+    with torchwriter.Sources() as sources:
+        fds = [sources.fd(f) for f in files]
+        for at in range(0, 1000, 10):  # record after record: a read of 256 bytes serves 25 of them
+            assert sources.read(fds[0], at, 10) == files[0].read_bytes()[at:at + 10]
+        assert calls == [256] * 4
+        calls.clear()
+        assert sources.read(fds[0], 1000, 100) == files[0].read_bytes()[1000:1100]  # 16x: capped at 1024
+        assert calls == [1024]
+        ranges = [(rng.randrange(3), rng.randrange(4400), rng.randrange(1, 300)) for _ in range(500)]
+        ranges += [(0, 2990, 10), (1, 3690, 10), (2, 4390, 10), (0, 2999, 1), (0, 3000, 0), (1, 0, 2000)]
+        for i, at, n in ranges:
+            data = files[i].read_bytes()
+            n = min(n, len(data) - at) if at < len(data) else 0
+            assert sources.read(fds[i], at, n) == data[at:at + n], (i, at, n)
+            assert sources.read(fds[i], at, n) == data[at:at + n], (i, at, n)  # (now from its window)
+
+
 @pytest.mark.parametrize("small", [True, False])
 def test_copy_record_keeps_a_damaged_source_record_damaged(small, tmp_path, monkeypatch):
     """A part whose known CRC its bytes do not match (a source record damaged on disk): the copy
