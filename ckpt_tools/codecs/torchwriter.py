@@ -453,11 +453,12 @@ class TorchZipWriter:
             # here; a thread hand-off and a kernel copy per record cost more than the bytes, and
             # zlib's CRC of a few KiB costs less than combining known CRCs in Python
             blobs = [self._sources.read(self._src(part[0]), part[1], part[2]) for part in parts]
-            data = b"".join(blobs)
+            data = b"".join(blobs) if len(blobs) != 1 else blobs[0]
             if len(data) != size:
                 raise BadInput(f"{parts[0][0]}: a byte range ends before its file does; was it truncated?")
             crc = crc32(data)
-            if known and any(crc32(blob) != part[3] for blob, part in zip(blobs, parts)):
+            if known and (crc != parts[0][3] if len(blobs) == 1 else
+                          any(crc32(blob) != part[3] for blob, part in zip(blobs, parts))):
                 crc = 0  # a damaged source record: its known CRC carried over, never re-blessed
                 for part in parts:
                     crc = crc32_combine(crc, part[3], part[2])

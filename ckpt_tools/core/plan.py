@@ -224,16 +224,18 @@ def _tiled_rows(target: Target, a: int, b: int) -> Piece:
     starts, order, _ = source.rows_index()
     rest = target.shape[1:]
     zeros = (0,) * len(rest)
+    chunks, n = source.chunks, len(starts)
     copies = []
     j = bisect_right(starts, a) - 1
-    while a < b and j < len(starts) and starts[j] < b:
-        c0 = starts[j]
-        chunk = source.chunks[order[j]]
+    while a < b and j < n and starts[j] < b:
+        c0, i = starts[j], order[j]
+        chunk = chunks[i]
         lo, hi = max(a, c0), min(b, c0 + chunk.sizes[0])
-        copies.append((order[j], Copy(chunk, (lo - c0, *zeros), (lo - a, *zeros), (hi - lo, *rest))))
+        copies.append((i, Copy(chunk, (lo - c0, *zeros), (lo - a, *zeros), (hi - lo, *rest))))
         j += 1
-    if len(copies) > 1:
-        copies.sort(key=_first)  # in the chunks' order, as piece() gives them
+    if len(copies) == 1:
+        return Piece(target, (a, *zeros), (b - a, *rest), (copies[0][1],))
+    copies.sort(key=_first)  # in the chunks' order, as piece() gives them
     return Piece(target, (a, *zeros), (b - a, *rest), tuple([c for _, c in copies]))
 
 

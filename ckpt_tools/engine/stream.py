@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..core.describe import Checkpoint, Chunk, ObjectInfo
+from ..core.describe import Checkpoint, ObjectInfo
 from ..core.dtypes import as_torch
 from ..core.plan import FileJob, Piece, Span
 from ..errors import BadInput
@@ -69,13 +69,14 @@ def spans_of(reader: Reader, piece: Piece, *, casts: bool = False) -> Span | Cas
         return None
     row = math.prod(piece.sizes[1:]) * target.source.dtype.itemsize
     parts = []
-    found: dict[Chunk, tuple | None] = {}  # a row-permuted piece copies from each chunk many times
-    for c in sorted(piece.copies, key=lambda c: c.dst_start):
+    found: dict[int, tuple | None] = {}  # a row-permuted piece copies from each chunk many times
+    copies = piece.copies if len(piece.copies) < 2 else sorted(piece.copies, key=_dst_start)
+    for c in copies:
         if c.sizes[1:] != piece.sizes[1:] or c.chunk.sizes[1:] != piece.sizes[1:]:
             return None
-        if c.chunk not in found:
-            found[c.chunk] = reader.span(target.source, c.chunk)
-        span = found[c.chunk]
+        span = found.get(id(c.chunk), found)  # (by identity: hashing a chunk hashes its location)
+        if span is found:
+            span = found[id(c.chunk)] = reader.span(target.source, c.chunk)
         if span is None:
             return None
         path, offset, _ = span
@@ -84,6 +85,10 @@ def spans_of(reader: Reader, piece: Piece, *, casts: bool = False) -> Span | Cas
     if sum(n for _, _, n in parts) != piece.numel * target.source.dtype.itemsize:
         return None
     return CastSpan(tuple(parts), target.source.dtype, target.dtype) if cast else Span(tuple(parts))
+
+
+def _dst_start(c: Any) -> tuple[int, ...]:
+    return c.dst_start
 
 
 def materialize(reader: Reader, piece: Piece, *, spans: bool = False,
