@@ -15,7 +15,7 @@ from ..core.describe import Checkpoint
 from ..core.plan import FileJob
 from ..errors import UsageError
 from ..runtime import env
-from ..security import safefs
+from ..security import bounded, safefs
 from ..storage import manifest, remote, streamup
 from ..storage.atomic import check_destination, staged
 from . import fetch, parallel
@@ -29,7 +29,14 @@ def execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path,
     renamed into place. ``after(staging)`` adds files (HF assets, manifest) before the commit.
     ``own_share``: under torchrun, ``jobs`` are this process's files only (it planned no others);
     otherwise each process takes its share of the whole plan."""
-    dst = Path(dst)
+    with bounded.gc_frozen():  # the description and plan: live to the end, walked by no collector pass
+        _execute(src, writer, jobs, Path(dst), overwrite=overwrite, progress=progress, desc=desc, fmt=fmt,
+                 workers=workers, after=after, own_share=own_share)
+
+
+def _execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path, *, overwrite: bool,
+             progress: bool, desc: str, fmt: str, workers: int, after: Callable[[Path], None] | None,
+             own_share: bool) -> None:
     sealed: dict[Path, tuple[int, str]] = {}
 
     def complete(tmp: Path, written: dict[str, Any], elsewhere: dict[str, tuple[int, str]] | None = None) -> None:

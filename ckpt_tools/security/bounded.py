@@ -185,6 +185,24 @@ def gc_paused(*, promote: bool = False) -> Iterator[None]:
             gc.enable()
 
 
+@contextlib.contextmanager
+def gc_frozen() -> Iterator[None]:
+    """What is alive as it starts (a description and its plan: many small objects that live to
+    the end) set aside from the cyclic collector (``gc.freeze``) while work that builds and
+    drops small objects runs: the collector's passes then walk only what that work builds. A
+    256 -> 192 reshard's full passes walked 1.5 million live objects: 15% of its time. After,
+    they are back in the oldest generation (``gc.unfreeze``), collectable as before. Left as
+    it is where the process froze objects of its own (a fork server's)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 MAX_KEY_ITEMS = 1024
 
 
