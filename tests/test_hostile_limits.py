@@ -453,3 +453,33 @@ def test_gc_pause_promotes_only_when_asked(monkeypatch):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_gc_frozen_sets_live_objects_aside_and_gives_them_back(tmp_path):
+    """While the engine moves bytes, what was alive before (the description, the plan) is out of
+    the collector's passes; after, it is back and collectable, also when the work fails. A
+    process that froze objects of its own keeps them frozen, and they stay so after."""
+    import gc
+
+    from ckpt_tools.security import bounded
+
+    gc.collect()
+    live = [[i] for i in range(10_000)]
+    seen = []
+    with bounded.gc_frozen():
+        seen.append(gc.get_freeze_count())
+    assert seen[0] >= 10_000 and gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError):
+        with bounded.gc_frozen():
+            raise RuntimeError("a failed write")
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # the process's own
+    try:
+        frozen = gc.get_freeze_count()
+        with bounded.gc_frozen():
+            extra = [[i] for i in range(1_000)]
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+    del live, extra
