@@ -52,13 +52,18 @@ def _without_templates(path: Path, monkeypatch):
 
 # TRAILING at 16 ranks: ranks 0-4 hold a row of every small tensor, 5-7 none of head.weight,
 # 8-14 none of head.weight or layers.0.norm, 15 fewer rows of the big ones too. Each group's first
-# two files are parsed and the rest repeat the first (5-7: 7; 8-14: 10-14); 15 is parsed.
-@pytest.mark.parametrize("shapes,ws,bases,templated,parsed", [(UNIFORM, 16, 4, 2 * 14, 2 * 2),
-                                                            (TRAILING, 16, 4, 2 * 9, 2 * 7),
-                                                            (TRAILING, 16, 1, 2 * 3, 2 * 13)])
-def test_template_describes_as_parsing_does(tmp_path, monkeypatch, counted, shapes, ws, bases, templated, parsed):
+# two files are parsed and the rest repeat the first (5-7: 7; 8-14: 10-14); 15 is parsed. With
+# at least 8 files left to learn a later group's template, 8-14's is not learned (at rank 10, 6 are
+# left): its files are parsed, and so are those of each base tried after it.
+@pytest.mark.parametrize("shapes,ws,bases,left,templated,parsed", [(UNIFORM, 16, 4, 1, 2 * 14, 2 * 2),
+                                                                 (TRAILING, 16, 4, 1, 2 * 9, 2 * 7),
+                                                                 (TRAILING, 16, 1, 1, 2 * 3, 2 * 13),
+                                                                 (TRAILING, 16, 4, 8, 2 * 4, 2 * 12)])
+def test_template_describes_as_parsing_does(tmp_path, monkeypatch, counted, shapes, ws, bases, left, templated,
+                                            parsed):
     make_verl(tmp_path / "src", ws, optim=True, shapes=shapes)
     monkeypatch.setattr(rankread.Kind, "MAX_BASES", bases)
+    monkeypatch.setattr(rankread.Kind, "LEFT_TO_LEARN", left)
     got = sharded.describe(tmp_path / "src")
     assert (counted["templated"], counted["parsed"]) == (templated, parsed + ws)  # (+ extra_state files)
     assert _facts(got) == _facts(_without_templates(tmp_path / "src", monkeypatch))
@@ -134,3 +139,23 @@ def test_only_mesh_rank():
     assert not shardtree._only_mesh_rank({"a": mesh, "b": _mesh(S)}, S)  # two meshes
     assert not shardtree._only_mesh_rank({"a": _mesh(S, (0,))}, S)  # the coordinate is not the rank
     assert not shardtree._only_mesh_rank({"a": 1}, S)  # no mesh
+
+
+def test_a_template_is_learned_only_where_the_group_repeats(tmp_path, monkeypatch):
+    """Learning waits for a file like the second (a few bits apart: their ranks); files that go on
+    changing (each rank its own local sizes) never pay for a learn, and are described as parsed."""
+    a = bytes(4096)
+    b = bytearray(a)
+    b[100:102] = b"\x05\x06"
+    assert rankread._alike(a, bytes(b))
+    b[200:300] = b"\xff" * 100
+    assert not rankread._alike(a, bytes(b))
+    make_verl(tmp_path / "src", 16, shapes=TRAILING)
+    learned = []
+    real = shardtree.RankTemplate.learn.__func__
+    monkeypatch.setattr(shardtree.RankTemplate, "learn",
+                        classmethod(lambda cls, *args: learned.append(args[1]) or real(cls, *args)))
+    monkeypatch.setattr(rankread, "_alike", lambda x, y: False)
+    got = sharded.describe(tmp_path / "src")
+    assert learned == []
+    assert _facts(got) == _facts(_without_templates(tmp_path / "src", monkeypatch))

@@ -34,12 +34,13 @@ def tree_of(file: Path, like: list | None = None, repeats: Callable | None = Non
 
 
 class Base:
-    """A file other ranks' files may repeat: its entries, and once learned from the next file
-    (``second``), the template they repeat it by; ``table``: what the describer noted of its
-    entries to place them on another rank (dropped with the base)."""
+    """A file other ranks' files may repeat and, once learned from the next file (``second``),
+    the template they repeat it by; ``table``: what the describer noted of its entries to place
+    them on another rank (dropped with the base). Its tree is not kept: the describer has its
+    entries, and learning needs its pickle only (a 25k-tensor job's trees are ~50 MB each)."""
 
-    def __init__(self, zf: TorchZip, rank: int, entries: list) -> None:
-        self.zf, self.rank, self.entries = zf, rank, entries
+    def __init__(self, zf: TorchZip, rank: int) -> None:
+        self.zf, self.rank = zf, rank
         self.table: list = []
         self.second: tuple[bytes, int] | None = None
         self.template: shardtree.RankTemplate | None = None
@@ -56,8 +57,13 @@ class Kind:
     ``MAX_BASES`` are kept (each holds a tree)."""
 
     MAX_BASES = 4
+    # a base past the first is learned only while this many files of the kind are left to
+    # repeat it: learning parses a pickle once more (at 25k tensors, a transient tree of ~100 MB
+    # on top of a description near its largest), which pays over several files only
+    LEFT_TO_LEARN = 8
 
-    def __init__(self) -> None:
+    def __init__(self, files: int) -> None:
+        self.files = files  # of this kind, ranks 0 .. files - 1
         self.like: list = []
         self.bases: list[Base] = []
         self._hit: Base | None = None
@@ -66,15 +72,15 @@ class Kind:
              ) -> tuple[TorchZip, list, int | None, Base | None]:
         """``file`` (of ``rank``), its entries, their DTensors' coordinate where it is not theirs,
         and the base they are:
-        - a file that repeats a base: the base's entries, ``rank`` (their DTensors say the
-          base's coordinate) and the base;
+        - a file that repeats a base: no entries (the base's ``table`` places them), ``rank``
+          and the base;
         - a file parsed that became a base: its own entries (``entries_of`` its tree), None and
           that base;
         - any other file parsed: its own entries, None, None."""
         repeats = (lambda data: self._repeats(data, rank)) if self.bases else None
         zf = tree_of(file, self.like, repeats)
         if zf.tree is None:
-            return zf, self._hit.entries, rank, self._hit
+            return zf, [], rank, self._hit
         entries = entries_of(zf.tree)
         last = self.bases[-1] if self.bases else None
         if last is not None and last.template is None:
@@ -84,7 +90,7 @@ class Kind:
             self.bases.pop()  # it learned nothing, or its second's length never came again
         if len(self.bases) >= self.MAX_BASES:
             return zf, entries, None, None
-        self.bases.append(base := Base(zf, rank, entries))
+        self.bases.append(base := Base(zf.without_tree(), rank))
         return zf, entries, None, base
 
     def _repeats(self, data: bytes, rank: int) -> TorchZip | None:
@@ -93,12 +99,29 @@ class Kind:
             if base.template is None and base.second is not None and not base.tried \
                     and len(data) == len(base.second[0]):
                 base.tried = True
-                base.template = shardtree.RankTemplate.learn(base.zf, base.rank, *base.second)
+                if self._worth_learning(base, data, rank):
+                    base.template = shardtree.RankTemplate.learn(base.zf, base.rank, *base.second)
                 base.second = None
             if base.template is not None and data == base.template.pickle_of(rank):
                 self._hit = base
                 return base.zf
         return None
+
+    def _worth_learning(self, base: Base, data: bytes, rank: int) -> bool:
+        """Whether ``base``'s template is worth learning as ``data`` (rank ``rank``'s pickle)
+        comes: it is like the base's second (the group repeats), and the base is the kind's
+        first file or enough files are left."""
+        return _alike(data, base.second[0]) and (base.rank == 0 or self.files - rank >= self.LEFT_TO_LEARN)
+
+
+_FEW_BITS = 256  # a rank's ints in a few places: what one rank's pickle changes in the next's
+
+
+def _alike(a: bytes, b: bytes) -> bool:
+    """Whether two pickles of one length differ in a few bits only, as two ranks' files of a
+    group that repeats differ in their rank: worth learning a template from (learning parses a
+    pickle: at 25k tensors, a transient tree of ~100 MB)."""
+    return (int.from_bytes(a, "little") ^ int.from_bytes(b, "little")).bit_count() <= _FEW_BITS
 
 
 def model_entries(sd: Any, file: Path) -> list[tuple[str, shardtree.DTensorNode | None, shardtree.Local]]:

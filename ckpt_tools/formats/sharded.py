@@ -124,7 +124,7 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
     objects: list[ObjectInfo] = []
     param_order: tuple[str, ...] = ()
     details: dict[str, Any] = {"fsdp": None}
-    kinds = {"model": rankread.Kind(), "optim": rankread.Kind()}  # rank files read so far, by kind
+    kinds = {"model": rankread.Kind(ws), "optim": rankread.Kind(ws)}  # rank files read so far, by kind
     for rank in range(ws):
         name = found["model"][rank]
         file = path / name
@@ -245,28 +245,26 @@ def _repeat(table: list, rank: int, ws: int, zf: TorchZip, file: str) -> None:
     :class:`.rankread.Kind`): each of that file's chunks (``table``: see :func:`_add`) on the
     rows ``rank`` holds, at its own record's place in ``file``."""
     records = zf.records
-    for chunks, d, name, chunk, record, delta in table:
+    for chunks, rows, name, chunk, record, delta in table:
         offsets, sizes, loc = chunk.offsets, chunk.sizes, chunk.location
-        if d is not None and d.sharded and d.shape:
-            start, stop = chunk_rows(d.shape[0], ws, rank)
-            if stop - start != sizes[0]:  # raises: what the rank holds is not its rows
-                _tree_chunk(d, rank, ws, zf, file, name, key=loc.key, coord=rank)
-                raise BadInput(f"{zf.path}: tensor {name!r}: rank {rank} holds rows it should not")
+        if rows is not None:
+            start, stop = chunk_rows(rows, ws, rank)
+            if stop - start != sizes[0]:
+                raise BadInput(f"{zf.path}: tensor {name!r}: rank {rank} holds {sizes}, but its placement "
+                               f"on world size {ws} gives {(stop - start, *sizes[1:])}")
             offsets = (start, *offsets[1:])
         at = Location(file, "raw", records[record].offset + delta, loc.length, loc.key)
         chunks.append(Chunk(offsets, sizes, at, rank))
 
 
 def _tree_chunk(d: shardtree.DTensorNode, rank: int, ws: int, zf: TorchZip, file: str, name: str,
-                key: tuple = (), coord: int | None = None) -> tuple[tuple[int, ...], Chunk]:
-    """``d``'s global shape and the chunk ``rank`` holds, checked against its placement
-    (``coord``: the coordinate its file says, where ``d`` is another file's)."""
+                key: tuple = ()) -> tuple[tuple[int, ...], Chunk]:
+    """``d``'s global shape and the chunk ``rank`` holds, checked against its placement."""
     if d.world != ws:
         raise BadInput(f"{zf.path}: tensor {name!r} lives on a mesh of {d.world} devices, "
                        f"but the files say world size {ws}")
-    coord = d.coord if coord is None else coord
-    if coord != rank:
-        raise BadInput(f"{zf.path}: tensor {name!r} was saved by rank {coord} of its mesh, not rank {rank}")
+    if d.coord != rank:
+        raise BadInput(f"{zf.path}: tensor {name!r} was saved by rank {d.coord} of its mesh, not rank {rank}")
     offsets, sizes = [0] * len(d.shape), list(d.shape)
     if d.sharded and d.shape:
         start, stop = chunk_rows(d.shape[0], ws, rank)
@@ -347,8 +345,9 @@ def _add(pieces: dict, key: tuple[str, str], shape: tuple[int, ...], dtype: DTyp
                        f"{entry['shape']} {entry['dtype']} on rank 0; the files are not from one save")
     if chunk is not None:
         entry["chunks"].append(chunk)
-        if table is not None:
-            table.append((entry["chunks"], d, key[1], chunk, f"data/{local.storage.key}",
+        if table is not None:  # (the rows of a Shard(0) DTensor's tensor: placed by rank)
+            rows = shape[0] if d is not None and d.sharded and shape else None
+            table.append((entry["chunks"], rows, key[1], chunk, f"data/{local.storage.key}",
                           local.offset * local.dtype.itemsize))
 
 

@@ -98,8 +98,8 @@ _SENTINEL = (1 << 62) + 0x5EED  # a rank no mesh has, put where a template's ran
 
 
 class RankTemplate:
-    """A job's rank file as its other ranks repeat it: the pickle of ``model`` (a file parsed,
-    its tree kept) is every rank's, but for the int opcodes at ``slots`` (byte
+    """A job's rank file as its other ranks repeat it: the pickle of ``model`` (a file parsed)
+    is every rank's, but for the int opcodes at ``slots`` (byte
     ranges), which hold the rank. Proved, not assumed (:meth:`learn`): those opcodes land in the
     tree as the rank and coordinate of its one device mesh and nowhere else, and as a pickle is
     read the same whatever its ints' values, a file whose pickle is :meth:`pickle_of` ``(r)`` is
@@ -107,12 +107,12 @@ class RankTemplate:
     Such a file is described from ``model``'s tree, not parsed (a many-rank job's cost was a
     parse and a walk per file)."""
 
-    def __init__(self, model: TorchZip, slots: tuple[tuple[int, int], ...]) -> None:
-        self.model, self.slots = model, slots
+    def __init__(self, pickle: bytes, slots: tuple[tuple[int, int], ...]) -> None:
+        self.pickle, self.slots = pickle, slots  # (the model's pickle: not its tree, which is let go)
 
     def pickle_of(self, rank: int) -> bytes:
         """The model's pickle with ``rank`` in the slots, as the pickler writes that int."""
-        value, data, parts, at = int_opcode(rank), self.model.pickle, [], 0
+        value, data, parts, at = int_opcode(rank), self.pickle, [], 0
         for start, end in self.slots:
             parts += (data[at:start], value)
             at = end
@@ -121,17 +121,18 @@ class RankTemplate:
 
     @classmethod
     def learn(cls, model: TorchZip, rank: int, other: bytes, other_rank: int) -> RankTemplate | None:
-        """The template of ``model`` (rank ``rank``, its tree kept) if ``other``, the
-        pickle of rank ``other_rank``, differs from its pickle only in ints that are their
-        ranks, and those ints are its mesh's rank and coordinate only; else None."""
-        if model.tree is None or rank == other_rank:
+        """The template of ``model`` (rank ``rank``: a file parsed, or read as one it repeats;
+        only its pickle is used) if ``other``, the pickle of rank ``other_rank``, differs from
+        its pickle only in ints that are their ranks, and those ints are its mesh's rank and
+        coordinate only; else None."""
+        if rank == other_rank:
             return None
         shape = model.shape()  # (one: its skeleton is a scan of the whole pickle)
         slots = shape.skeleton().differing_values(other)
         if not slots or any(int_value(model.pickle, s, e) != rank or int_value(other, s, e) != other_rank
                             for s, e in slots):
             return None
-        template = cls(model, tuple(slots))
+        template = cls(model.pickle, tuple(slots))
         try:
             probe = loads_like(template.pickle_of(_SENTINEL), shape, where=str(model.path))
         except BadInput:

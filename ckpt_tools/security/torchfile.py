@@ -405,6 +405,14 @@ class TorchZip:
             raise ValueError(f"{self.path} was read like another file: it is no model for others")
         return self.shape()
 
+    def without_tree(self) -> TorchZip:
+        """This file as files read like it need it once its tree is described: its records,
+        pickle and storages, not its tree (``tree`` None)."""
+        light = object.__new__(TorchZip)
+        light.__dict__.update(self.__dict__)
+        light.tree = None
+        return light
+
     def shape(self) -> Template:
         """Its pickle as :func:`loads_like` takes a model, to read pickles of its shape by: a
         file read ``like`` another has that one's shape, which the careful reader walked."""
