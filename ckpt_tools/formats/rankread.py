@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..core.describe import Chunk, Location, chunk_rows
 from ..errors import BadInput
 from ..security import bounded
 from ..security.torchfile import TorchZip
@@ -53,8 +54,9 @@ class Kind:
     parsed file its ``second``; the template is learned from the two once a later file's pickle
     has the second's length (not before: where every rank differs, as when tensors' rows do not
     divide evenly, no file would use it). Ranks at the end that hold fewer rows than the others
-    repeat one of their own. A base that learned nothing is dropped for the next; at most
-    ``MAX_BASES`` are kept (each holds a tree)."""
+    repeat one of their own. A base that learned nothing (or whose group was not worth it:
+    :meth:`_worth_learning`) is dropped for the next; at most ``MAX_BASES`` are kept (each
+    holds its pickle and table)."""
 
     MAX_BASES = 4
     # a base past the first is learned only while this many files of the kind are left to
@@ -122,6 +124,25 @@ def _alike(a: bytes, b: bytes) -> bool:
     group that repeats differ in their rank: worth learning a template from (learning parses a
     pickle: at 25k tensors, a transient tree of ~100 MB)."""
     return (int.from_bytes(a, "little") ^ int.from_bytes(b, "little")).bit_count() <= _FEW_BITS
+
+
+def repeat(table: list, rank: int, ws: int, zf: TorchZip, file: str) -> None:
+    """The chunks of ``file``, which repeats a base file of its kind on ``rank`` (see
+    :class:`Kind`): each chunk of the base's ``table`` on the rows ``rank`` holds, at its own
+    record's place in ``file``. A row of the table, as :mod:`.sharded` notes it: the tensor's
+    chunk list (appended to), its rows where it is a ``Shard(0)`` DTensor's (else None), its
+    name, the base's chunk, its record's name and its byte offset in that record."""
+    records = zf.records
+    for chunks, rows, name, chunk, record, delta in table:
+        offsets, sizes, loc = chunk.offsets, chunk.sizes, chunk.location
+        if rows is not None:
+            start, stop = chunk_rows(rows, ws, rank)
+            if stop - start != sizes[0]:
+                raise BadInput(f"{zf.path}: tensor {name!r}: rank {rank} holds {sizes}, but its placement "
+                               f"on world size {ws} gives {(stop - start, *sizes[1:])}")
+            offsets = (start, *offsets[1:])
+        at = Location(file, "raw", records[record].offset + delta, loc.length, loc.key)
+        chunks.append(Chunk(offsets, sizes, at, rank))
 
 
 def model_entries(sd: Any, file: Path) -> list[tuple[str, shardtree.DTensorNode | None, shardtree.Local]]:

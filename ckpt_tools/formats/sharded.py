@@ -118,7 +118,7 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
     Each kind's rank 0 file is parsed, and so is rank 1's; where the two differ only in their
     mesh's rank (:class:`~.shardtree.RankTemplate`), every other rank whose pickle is rank 0's
     with its own rank in those places holds rank 0's entries, on its own coordinate: its chunks
-    are rank 0's on its rows (:func:`_repeat`), at its own records' places. Ranks at the end
+    are rank 0's on its rows (:func:`.rankread.repeat`), at its own records' places. Ranks at the end
     that hold fewer rows repeat one of their own the same way (:class:`~.rankread.Kind`)."""
     pieces: dict[tuple[str, str], dict[str, Any]] = {}
     objects: list[ObjectInfo] = []
@@ -130,7 +130,7 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
         file = path / name
         zf, entries, coord, base = kinds["model"].read(file, rank, lambda sd, file=file: rankread.model_entries(sd, file))
         if coord is not None:
-            _repeat(base.table, rank, ws, zf, name)
+            rankread.repeat(base.table, rank, ws, zf, name)
         else:
             order, seen, table = [], set(), None if base is None else base.table
             for key, d, local in entries:
@@ -163,7 +163,7 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
 
             zo, oentries, ocoord, obase = kinds["optim"].read(ofile, rank, entries_of)
             if ocoord is not None:
-                _repeat(obase.table, rank, ws, zo, oname)
+                rankread.repeat(obase.table, rank, ws, zo, oname)
                 oentries = ()
             table = None if obase is None or ocoord is not None else obase.table
             for tname, fqn, skey, kp, d, local in oentries:
@@ -238,23 +238,6 @@ def _optimizer_header(osd: Any, file: Path, rank: int, details: dict, objects: l
         details["param_groups"] = len(osd["param_groups"])
         objects.append(ObjectInfo("optimizer", "param_groups", Location(file.name, "pickled", key=("param_groups",)),
                                   path=("optimizer", "param_groups")))
-
-
-def _repeat(table: list, rank: int, ws: int, zf: TorchZip, file: str) -> None:
-    """The chunks of ``file``, which repeats its kind's first file on ``rank`` (see
-    :class:`.rankread.Kind`): each of that file's chunks (``table``: see :func:`_add`) on the
-    rows ``rank`` holds, at its own record's place in ``file``."""
-    records = zf.records
-    for chunks, rows, name, chunk, record, delta in table:
-        offsets, sizes, loc = chunk.offsets, chunk.sizes, chunk.location
-        if rows is not None:
-            start, stop = chunk_rows(rows, ws, rank)
-            if stop - start != sizes[0]:
-                raise BadInput(f"{zf.path}: tensor {name!r}: rank {rank} holds {sizes}, but its placement "
-                               f"on world size {ws} gives {(stop - start, *sizes[1:])}")
-            offsets = (start, *offsets[1:])
-        at = Location(file, "raw", records[record].offset + delta, loc.length, loc.key)
-        chunks.append(Chunk(offsets, sizes, at, rank))
 
 
 def _tree_chunk(d: shardtree.DTensorNode, rank: int, ws: int, zf: TorchZip, file: str, name: str,
@@ -334,7 +317,7 @@ def _add(pieces: dict, key: tuple[str, str], shape: tuple[int, ...], dtype: DTyp
          file: Path, param: str | None = None, state: str | None = None, *, table: list | None = None,
          d: shardtree.DTensorNode | None = None, local: shardtree.Local | None = None) -> None:
     """``chunk`` added to tensor ``key``'s (``table``: noted there, with the DTensor ``d`` and
-    local tensor it is, for :func:`_repeat` to place on another rank)."""
+    local tensor it is, for :func:`.rankread.repeat` to place on another rank)."""
     dtype = DType.of(dtype)
     entry = pieces.get(key)
     if entry is None:

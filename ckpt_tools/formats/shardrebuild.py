@@ -84,20 +84,25 @@ class Rebuilt:
             return self.tree(job)[1]
         emitter, by_key = shardtree.Emitter(), self._pieces(job)
         sizes = emitter.sizes
+
+        def storage(size: tuple[int, ...], source: Any) -> None:
+            if since is not None and since[len(sizes)] == size:
+                emitter.record(source)
+            else:
+                emitter.account(size, source)
+            sizes.append(size)
+
         for key, d in self._recipe:
             if key is _MESH:  # rebuild_mesh's storage and slots
                 if not check:
-                    size = (self.world,)
-                    emitter.record(d) if since is not None and since[len(sizes)] == size else emitter.account(size, d)
+                    storage((self.world,), d)
                     emitter.rank(job.rank)
-                    sizes.append(size)
                 continue
             p = _take(by_key, key)
             if d is None:
                 _whole(p)
             if not check:
-                emitter.record(p) if since is not None and since[len(sizes)] == p.sizes else emitter.account(p.sizes, p)
-                sizes.append(p.sizes)
+                storage(p.sizes, p)
         if by_key:
             raise NotSimple("pieces the source file does not hold")
         return None if check else emitter
