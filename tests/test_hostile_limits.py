@@ -476,10 +476,13 @@ def test_gc_frozen_sets_live_objects_aside_and_gives_them_back(tmp_path):
     gc.freeze()  # the process's own
     try:
         frozen = gc.get_freeze_count()
+        # Frozen objects still die by reference count (another thread's, a test server's), so the
+        # count may fall a little; it neither grows by what the block builds (no second freeze)
+        # nor drops to nothing (no unfreeze of the process's own).
         with bounded.gc_frozen():
             extra = [[i] for i in range(1_000)]
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen
+            assert frozen // 2 < gc.get_freeze_count() <= frozen
+        assert frozen // 2 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
     del live, extra
