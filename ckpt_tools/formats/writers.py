@@ -148,27 +148,23 @@ def layout_sharded(src: Checkpoint, targets: list[Target], world_size: int, extr
     objects = src.rooted(src.objects)
     mobj = tuple(o for o in objects if o.group == "model" and o.rank in (None, 0))
     oobj = tuple(o for o in objects if o.group == "optimizer" and o.rank in (None, 0) and o.path[:2] == ("optimizer", "param_groups"))
-    with bounded.gc_paused():  # a plan is many small objects and no cycles: linear without the collector
-        return _layout_sharded(targets, world_size, extras, flat_units, ranks, model, optim, plain_targets, mobj, oobj)
-
-
-def _layout_sharded(targets, world_size, extras, flat_units, ranks, model, optim, plain_targets, mobj, oobj):
     jobs = []
-    wholes = {id(t): whole(t) for t in targets if (t.group, t.name) in plain_targets}  # every rank's the same
-    for r in range(world_size) if ranks is None else ranks:
-        def pieces(ts):
-            return tuple(wholes[id(t)] if id(t) in wholes else rows_of(t, world_size, r) for t in ts)
-        jobs.append(FileJob(sharded.file_name("model", world_size, r), pieces(model), mobj, r, "model",
-                            {"plain": plain_targets}))
-        if optim and flat_units:
-            flat, plan = flatparams.layout(optim, flat_units, world_size, r)
-            jobs.append(FileJob(sharded.file_name("optim", world_size, r), flat, oobj, r, "optim", {"flat": plan}))
-        elif optim:
-            jobs.append(FileJob(sharded.file_name("optim", world_size, r), pieces(optim), oobj, r, "optim",
+    with bounded.gc_paused():  # a plan is many small objects and no cycles: linear without the collector
+        wholes = {id(t): whole(t) for t in targets if (t.group, t.name) in plain_targets}  # every rank's the same
+        for r in range(world_size) if ranks is None else ranks:
+            def pieces(ts):
+                return tuple(wholes[id(t)] if id(t) in wholes else rows_of(t, world_size, r) for t in ts)
+            jobs.append(FileJob(sharded.file_name("model", world_size, r), pieces(model), mobj, r, "model",
                                 {"plain": plain_targets}))
-        if extras and extras[r]:
-            jobs.append(FileJob(sharded.file_name("extra_state", world_size, r), (), (), r, "extra",
-                                {"extra": extras[r]}))
+            if optim and flat_units:
+                flat, plan = flatparams.layout(optim, flat_units, world_size, r)
+                jobs.append(FileJob(sharded.file_name("optim", world_size, r), flat, oobj, r, "optim", {"flat": plan}))
+            elif optim:
+                jobs.append(FileJob(sharded.file_name("optim", world_size, r), pieces(optim), oobj, r, "optim",
+                                    {"plain": plain_targets}))
+            if extras and extras[r]:
+                jobs.append(FileJob(sharded.file_name("extra_state", world_size, r), (), (), r, "extra",
+                                    {"extra": extras[r]}))
     return jobs
 
 
