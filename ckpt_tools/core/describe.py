@@ -21,7 +21,10 @@ from ..errors import BadInput
 GROUPS = ("model", "optimizer", "extra")
 
 
-@dataclass(frozen=True, slots=True)
+# Location and Chunk (and the plan's Copy and Piece) are built once per (tensor, rank): not
+# ``frozen``, whose __init__ sets each field through object.__setattr__ at 4x the cost (a
+# 256-rank inspect with moments: 2.33 -> 1.94 s). Hashed by value all the same; never changed.
+@dataclass(slots=True, unsafe_hash=True)
 class Location:
     """Where the bytes of one stored chunk (or object) live.
 
@@ -41,7 +44,7 @@ class Location:
     key: tuple[Any, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class Chunk:
     """One stored rectangle of a logical tensor."""
 

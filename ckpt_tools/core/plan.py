@@ -72,7 +72,8 @@ class Target:
         return self.numel * dtype_size(self.dtype)
 
 
-@dataclass(frozen=True, slots=True)
+# not frozen, for a cheaper __init__: built per (tensor, rank) (see core.describe.Location)
+@dataclass(slots=True, unsafe_hash=True)
 class Copy:
     """Copy ``sizes`` elements from ``chunk`` (starting at ``src_start`` within it) to
     ``dst_start`` within the destination piece."""
@@ -94,7 +95,8 @@ class LowRank:
     transposed: bool = False  # an embedding's update: scale * (b @ a).T
 
 
-@dataclass(frozen=True)
+# not frozen, for a cheaper __init__: built per (tensor, rank) (see core.describe.Location)
+@dataclass
 class Piece:
     """The rectangle ``offsets``/``sizes`` of ``target`` that one destination file holds,
     filled by ``copies`` (plus ``add``, when a low-rank update is folded in)."""
