@@ -159,3 +159,31 @@ def test_a_template_is_learned_only_where_the_group_repeats(tmp_path, monkeypatc
     got = sharded.describe(tmp_path / "src")
     assert learned == []
     assert _facts(got) == _facts(_without_templates(tmp_path / "src", monkeypatch))
+
+
+def test_repeat_places_each_chunk_on_its_ranks_rows_and_refuses_rows_that_do_not_fit():
+    """A repeating file's chunks: the base's, on the rows its own rank holds (the offsets worked
+    out once per shape and shared), at its own records' places; a rank whose placement gives
+    other local sizes than the base's is refused."""
+    from types import SimpleNamespace
+
+    from ckpt_tools.core.describe import Chunk, Location, chunk_rows
+
+    def table(chunks):
+        base = [Chunk((0, 0), (3, 2), Location("r0", "raw", 100, 24, ("k",)), 0),
+                Chunk((0, 0), (3, 2), Location("r0", "raw", 200, 24, ("k",)), 0),
+                Chunk((0,), (5,), Location("r0", "raw", 300, 20, ("k",)), 0)]
+        return [(chunks[0], 10, "a", base[0], "data/0", 0), (chunks[1], 10, "b", base[1], "data/1", 8),
+                (chunks[2], None, "c", base[2], "data/2", 0)]
+
+    zf = SimpleNamespace(path="r1", records={f"data/{i}": SimpleNamespace(offset=1000 * (i + 1)) for i in range(3)})
+    chunks = [[], [], []]
+    rankread.repeat(table(chunks), 1, 4, zf, "r1")
+    (a,), (b,), (c,) = chunks
+    assert (a.offsets, b.offsets, c.offsets) == ((3, 0), (3, 0), (0,)) and a.offsets is b.offsets
+    assert chunk_rows(10, 4, 1) == (3, 6) and (a.sizes, a.rank) == ((3, 2), 1)
+    assert (a.location, b.location) == (Location("r1", "raw", 1000, 24, ("k",)), Location("r1", "raw", 2008, 24, ("k",)))
+    assert c.location == Location("r1", "raw", 3000, 20, ("k",))
+    with pytest.raises(BadInput, match=r"tensor 'a': rank 3 holds \(3, 2\), but its placement on world size 4 "
+                                       r"gives \(1, 2\)"):
+        rankread.repeat(table([[], [], []]), 3, 4, zf, "r1")

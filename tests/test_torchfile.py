@@ -613,6 +613,8 @@ def _zip_mutations(tmp_path: Path) -> list[Path]:
     extra = int.from_bytes(job[at + 28:at + 30], "little")
     (p := tmp_path / "jobD.pt").write_bytes(job[:at + 28] + (extra + 1).to_bytes(2, "little") + job[at + 30:])
     out.append(p)
+    (p := tmp_path / "jobH.pt").write_bytes(job[:at + 3] + b"\x05" + job[at + 4:])  # its signature damaged
+    out.append(p)
     at = job.rindex(b"jobC/data/0")  # its name in the central directory
     (p := tmp_path / "jobE.pt").write_bytes(job[:at] + b"jobC/data/1" + job[at + 11:])  # a repeated name
     out.append(p)
@@ -643,7 +645,7 @@ def test_zip_records_fast_path_reads_as_zipfile_does(tmp_path, monkeypatch):
     monkeypatch.setattr(zipdir, "_plain_records", lambda *a: used.append(r := plain_records(*a)) or r)
     monkeypatch.setattr(zipdir, "_same_layout", lambda *a: same.append(r := same_layout(*a)) or r)
     for path in _zip_mutations(tmp_path):
-        if path.stem in ("jobD", "jobE", "jobF", "jobG"):
+        if path.stem in ("jobD", "jobE", "jobF", "jobG", "jobH"):
             zipdir.zip_records(tmp_path / "jobC.pt")  # the layout each is compared with: jobC's
         used.clear()
         same.clear()
@@ -656,6 +658,6 @@ def test_zip_records_fast_path_reads_as_zipfile_does(tmp_path, monkeypatch):
             assert used and used[0] is not None, path.name  # read by the fast path itself
         if path.stem in ("jobB", "jobC"):
             assert same[0] == path.stem, path.name  # by the layout of the job's first file
-        if path.stem in ("jobD", "jobE", "jobF", "jobG"):
+        if path.stem in ("jobD", "jobE", "jobF", "jobG", "jobH"):
             assert same and same[0] is None, path.name  # not by that layout
     assert zipdir.zip_records(tmp_path / "accented.pt")[0] == "modèle"

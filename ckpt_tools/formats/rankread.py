@@ -133,14 +133,19 @@ def repeat(table: list, rank: int, ws: int, zf: TorchZip, file: str) -> None:
     chunk list (appended to), its rows where it is a ``Shard(0)`` DTensor's (else None), its
     name, the base's chunk, its record's name and its byte offset in that record."""
     records = zf.records
+    placed: dict = {}  # (rows, the base's sizes and offsets) -> this rank's offsets: checked once, shared
     for chunks, rows, name, chunk, record, delta in table:
         offsets, sizes, loc = chunk.offsets, chunk.sizes, chunk.location
         if rows is not None:
-            start, stop = chunk_rows(rows, ws, rank)
-            if stop - start != sizes[0]:
-                raise BadInput(f"{zf.path}: tensor {name!r}: rank {rank} holds {sizes}, but its placement "
-                               f"on world size {ws} gives {(stop - start, *sizes[1:])}")
-            offsets = (start, *offsets[1:])
+            key = (rows, sizes, offsets)
+            mine = placed.get(key)
+            if mine is None:
+                start, stop = chunk_rows(rows, ws, rank)
+                if stop - start != sizes[0]:
+                    raise BadInput(f"{zf.path}: tensor {name!r}: rank {rank} holds {sizes}, but its placement "
+                                   f"on world size {ws} gives {(stop - start, *sizes[1:])}")
+                mine = placed[key] = (start, *offsets[1:])
+            offsets = mine
         at = Location(file, "raw", records[record].offset + delta, loc.length, loc.key)
         chunks.append(Chunk(offsets, sizes, at, rank))
 

@@ -12,10 +12,11 @@ zip) is left to :mod:`zipfile`, which reads it or says what is wrong.
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import struct
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,6 +216,7 @@ class _ZipLayout:
     records: tuple[tuple[str, int, int, int], ...]
     headers: tuple[int, ...]
     lens: tuple[bytes, ...]
+    checks: tuple[tuple[int, int, Callable[[bytes], tuple[int, ...]], tuple[int, ...]], ...] | None = None
 
 
 def _same_layout(fd: int, central: bytes, known: _ZipLayout) -> str | None:
@@ -227,9 +229,15 @@ def _same_layout(fd: int, central: bytes, known: _ZipLayout) -> str | None:
         return None
     if int.from_bytes(central, "little") & known.mask != known.masked:
         return None
-    heads = _local_heads(fd, known.headers)
-    if not all(h[:4] == b"PK\x03\x04" and h[26:30] == lens for h, lens in zip(heads, known.lens)):
-        return None
+    if known.checks is not None:  # each window's signature and length bytes picked out at once, in C
+        for base, length, pick, want in known.checks:
+            window = os.pread(fd, length, base)
+            if len(window) != length or pick(window) != want:
+                return None
+    else:
+        heads = _local_heads(fd, known.headers)
+        if not all(h[:4] == b"PK\x03\x04" and h[26:30] == lens for h, lens in zip(heads, known.lens)):
+            return None
     try:
         return folder.decode("utf-8" if known.utf8 else "cp437")
     except UnicodeDecodeError:
@@ -243,20 +251,39 @@ _NEAR = 4096  # local headers at most this far apart are read by one pread (a pa
 _WINDOW = 8 << 20  # of at most this many bytes
 
 
-def _local_heads(fd: int, headers: Sequence[int]) -> list[bytes]:
-    """The 30 fixed bytes of the local header at each offset (fewer where the file ends): one
-    read per run of headers each within _NEAR of the last (small records lie close together)."""
-    heads: list[bytes] = []
+def _runs(headers: Sequence[int]) -> Iterator[tuple[int, int, int, int]]:
+    """``(i, j, base, length)``: the window of ``headers[i:j]``, each within _NEAR of the last
+    (small records lie close together), read by one pread."""
     i, n = 0, len(headers)
     while i < n:
         j = i + 1
         base = headers[i]
         while j < n and 0 <= headers[j] - headers[j - 1] <= _NEAR and headers[j] - base < _WINDOW:
             j += 1
-        window = os.pread(fd, headers[j - 1] + 30 - base, base)
-        heads += [window[h - base:h - base + 30] for h in headers[i:j]]
+        yield i, j, base, headers[j - 1] + 30 - base
         i = j
+
+
+def _local_heads(fd: int, headers: Sequence[int]) -> list[bytes]:
+    """The 30 fixed bytes of the local header at each offset (fewer where the file ends)."""
+    heads: list[bytes] = []
+    for i, j, base, length in _runs(headers):
+        window = os.pread(fd, length, base)
+        heads += [window[h - base:h - base + 30] for h in headers[i:j]]
     return heads
+
+
+_CHECKED = (0, 1, 2, 3, 26, 27, 28, 29)  # a local header's signature, and its name and extra lengths
+
+
+def _head_checks(headers: Sequence[int], heads: Sequence[bytes]) -> tuple:
+    """Per window of :func:`_runs`: its place, length, a picker of the checked bytes of each of
+    its headers and what they are in ``heads``; for a later zip of the same layout."""
+    checks = []
+    for i, j, base, length in _runs(headers):
+        pick = operator.itemgetter(*[h - base + k for h in headers[i:j] for k in _CHECKED])
+        checks.append((base, length, pick, tuple(head[k] for head in heads[i:j] for k in _CHECKED)))
+    return tuple(checks)
 
 
 def _read_layout(fd: int, central: bytes, count: int) -> tuple[str, _ZipLayout] | None:
@@ -306,8 +333,9 @@ def _read_layout(fd: int, central: bytes, count: int) -> tuple[str, _ZipLayout] 
         local_name, local_extra = struct.unpack_from("<HH", head, 26)
         records.append((name, header + 30 + local_name + local_extra, size, crc_at))
     mask = int.from_bytes(keep, "little")
+    checks = _head_checks(headers, heads) if count <= _SMALL else None  # (~300 bytes a record)
     return prefix, _ZipLayout(mask, int.from_bytes(central, "little") & mask, tuple(name_at), folder_len, utf8,
-                              tuple(records), headers, tuple(h[26:30] for h in heads))
+                              tuple(records), headers, tuple(h[26:30] for h in heads), checks)
 
 
 def records_of(path: Path) -> tuple[str, dict[str, Record]]:
