@@ -9,7 +9,7 @@ import pytest
 
 from ckpt_tools.core.describe import Chunk, Location, TensorInfo, chunk_rows
 from ckpt_tools.core.dtypes import DType
-from ckpt_tools.core.plan import Target, piece, rows_of
+from ckpt_tools.core.plan import Target, by_piece, piece, rows_of
 from ckpt_tools.errors import BadInput
 
 
@@ -94,3 +94,15 @@ def test_coverage_of_tiled_rows_is_the_general_check(boxes, refused, monkeypatch
     assert (got is None) if refused is None else (refused in got), got
     monkeypatch.setattr(describe, "_tiled", lambda t: False)
     assert _coverage(_tensor(8, boxes)) == got
+
+
+def test_by_piece_gives_each_piece_its_value_in_any_order():
+    """``by_piece`` serves a writer that asks for pieces in another order than the stream's, by
+    equality (a piece equal to, not the same object as, the stream's gets its value), each once."""
+    pieces = [("w", i) for i in range(5)]
+    values = by_piece(iter([(p, f"v{p[1]}") for p in pieces]))
+    assert values(pieces[0]) == "v0"  # the stream's next: taken as it comes
+    assert values(tuple(["w", 3])) == "v3"  # ahead of the stream, by an equal piece: 1 and 2 held
+    assert [values(pieces[2]), values(pieces[1]), values(pieces[4])] == ["v2", "v1", "v4"]
+    with pytest.raises(StopIteration):  # asked twice: it was given once
+        values(pieces[1])

@@ -73,6 +73,8 @@ class DType(str):
         return NotImplemented
 
     def __ne__(self, other: object) -> bool:
+        if isinstance(other, str):  # (the usual case, asked per piece of a plan: one call, not two)
+            return not str.__eq__(self, other)
         eq = self.__eq__(other)
         return eq if eq is NotImplemented else not eq
 

@@ -286,9 +286,16 @@ def by_piece(stream: Iterator[tuple[Piece, Any]]) -> Callable[[Piece], Any]:
     ready: dict = {}
 
     def values(piece: Piece) -> Any:
-        while piece not in ready:
+        if ready:
+            v = ready.pop(piece, ready)
+            if v is not ready:
+                return v
+        while True:  # most often the stream's next piece is the one asked for: nothing is hashed
             got, v = next(stream)
+            if got is piece:
+                return v
             ready[got] = v
-        return ready.pop(piece)
+            if piece in ready:
+                return ready.pop(piece)
 
     return values

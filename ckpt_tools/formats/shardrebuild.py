@@ -33,6 +33,7 @@ class Rebuilt:
         self._dtensors: dict[int, tuple[Any, Any]] = {}  # id(template node) -> (node, dtensor_of)
         self._recipe: list[tuple[Any, Any]] | None = None  # (entry key, DTensor or None) | (_MESH, rank map)
         self._last: tuple | None = None  # the last pickle written whole: (bytes, its slots' places, local sizes)
+        self._keys: dict[int, tuple] = {}  # id(target) -> (target, its source's key, dtype kept)
 
     def _dtensor(self, node: Any) -> shardtree.DTensorNode | None:
         got = self._dtensors.get(id(node))
@@ -40,10 +41,20 @@ class Rebuilt:
             got = self._dtensors[id(node)] = (node, shardtree.dtensor_of(node))
         return got[1]
 
-    @staticmethod
-    def _pieces(job: Any) -> dict:
-        by_key = {p.target.source.chunks[0].location.key: p for p in job.pieces if p.target.source.chunks}
-        if len(by_key) != len(job.pieces) or any(p.target.dtype != p.target.source.dtype for p in job.pieces):
+    def _pieces(self, job: Any) -> dict:
+        """``job``'s pieces by their source's key in the template's tree."""
+        keys = self._keys
+        by_key = {}
+        for p in job.pieces:
+            t = p.target
+            known = keys.get(id(t))
+            if known is None or known[0] is not t:  # each target once: every rank's pieces share it
+                known = keys[id(t)] = (t, t.source.chunks[0].location.key if t.source.chunks else None,
+                                       t.dtype == t.source.dtype)
+            if known[1] is None or not known[2]:
+                raise NotSimple("pieces that are not the source's tensors as they are")
+            by_key[known[1]] = p
+        if len(by_key) != len(job.pieces):
             raise NotSimple("pieces that are not the source's tensors as they are")
         return by_key
 
