@@ -486,3 +486,24 @@ def test_gc_frozen_sets_live_objects_aside_and_gives_them_back(tmp_path):
     finally:
         gc.unfreeze()
     del live, extra
+
+
+def test_check_tree_counts_short_flat_tuples_where_they_stand():
+    """Short tuples of leaves (shapes, offsets) are walked without a call each time they are
+    met: sharing one many times is not a bomb, a bomb made of tuples above them still is, and
+    one past the depth limit is still refused."""
+    from ckpt_tools.security import bounded
+
+    shape = (4096, 4096)
+    bounded.check_tree({"chunks": [[shape, shape]] * 200_000}, where="t")  # what it shares, it walks
+    bomb = (1, 2, 3)
+    for _ in range(60):
+        bomb = (bomb, bomb)
+    with pytest.raises(bounded.HostileTree, match="stand for about 2\\^"):
+        bounded.check_tree(bomb, where="t")
+    deep: object = (1, 2)
+    for _ in range(bounded.MAX_DEPTH - 1):
+        deep = [deep]
+    bounded.check_tree(deep, where="t")  # MAX_DEPTH levels, the tuple the last
+    with pytest.raises(bounded.HostileTree, match="deeper than"):
+        bounded.check_tree([deep], where="t")
