@@ -229,3 +229,21 @@ def test_a_declined_file_gets_the_careful_readers_own_refusal(tmp_path, monkeypa
         else:
             assert _same(load_dcp_metadata(p), careful_tree)
     assert refused
+
+
+def test_binput_reads_as_the_careful_readers_memo_takes_it():
+    """The memo is a list: protocol 2's BINPUT at its end or over an entry reads as the careful
+    reader's dict does, sharing included; a put past its end (a dict takes it, a list cannot)
+    is declined, and the careful reader's tree is the answer."""
+    # ``]q\x00`` BINPUT 0 at the end, ``q\x00`` again over it, then ``h\x00`` BINGET: the last put wins
+    cases = [b"\x80\x04](K\x01q\x00K\x02q\x00h\x00e.",
+             b"\x80\x04]q\x00(]q\x01K\x01ah\x01h\x00e.",
+             b"\x80\x04](K\x01q\x05h\x05e."]  # BINPUT 5 into an empty memo
+    for data in cases[:2]:
+        assert _same(_fast(data), _careful(data)), data
+    assert _careful(cases[0]) == [1, 2, 2]
+    got = _careful(cases[1])
+    assert got[0] is got[1] and got[2] is got
+    with pytest.raises(fastpickle.Decline, match="past the memo's end"):
+        _fast(cases[2])
+    assert _careful(cases[2]) == [1, 1]

@@ -14,11 +14,11 @@ It is an accelerator, never a second judge: it does only what the careful reader
 same calls on the same objects, which only ``find_class`` can have put on the stack; BUILD never
 into a class or function, which the careful reader refuses), and it
 knows only the opcodes protocol 4 and 5 picklers write for plain data. On anything else (another
-opcode, a frame that does not end where an opcode does, a missing memo entry, any exception
-raised by what it builds) it raises :class:`Decline` and the caller reads the file the careful
-way from the start, so a refusal and its message are always the careful reader's. Nothing it
-builds is deeper than the careful reader's: the caller still passes the result through
-:func:`~ckpt_tools.security.bounded.check_tree`.
+opcode, a frame that does not end where an opcode does, a missing memo entry or a BINPUT past
+the memo's end, any exception raised by what it builds) it raises :class:`Decline` and the
+caller reads the file the careful way from the start, so a refusal and its message are always
+the careful reader's. Nothing it builds is deeper than the careful reader's: the caller still
+passes the result through :func:`~ckpt_tools.security.bounded.check_tree`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,10 @@ def load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:
 
 def _load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:  # noqa: C901 (one loop on purpose)
     n = len(buf)
-    memo: dict[int, Any] = {}
+    # the memo as a list: MEMOIZE numbers objects 0, 1, 2, ... (a dict of 1.2 million int keys,
+    # as a 256-rank .metadata needs, is ~70 MB and slower); a BINPUT past its end declines
+    memo: list[Any] = []
+    memoize = memo.append
     stack: list[Any] = []
     metastack: list[list[Any]] = []
     append = stack.append
@@ -67,7 +70,7 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:  # noqa: C9
         op = buf[pos]
         # most frequent first: a chain of compares is cheaper than a call through a table
         if op == 0x94:  # MEMOIZE (one not taken with the opcode before it)
-            memo[len(memo)] = stack[-1]
+            memoize(stack[-1])
             pos += 1
             continue
         if op == 0x6a:  # LONG_BINGET
@@ -94,7 +97,7 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:  # noqa: C9
                 stack[-1] = obj = cls.__new__(cls)
                 pos += 2
                 if buf[pos] == 0x94:
-                    memo[len(memo)] = obj
+                    memoize(obj)
                     pos += 1
                 continue
             append(())
@@ -120,7 +123,7 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:  # noqa: C9
             append(x)
             pos += 1
             if buf[pos] == 0x94:
-                memo[len(memo)] = x
+                memoize(x)
                 pos += 1
             continue
         if op == 0x75:  # SETITEMS
@@ -138,7 +141,7 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:  # noqa: C9
             append(x)
             pos += 1
             if buf[pos] == 0x94:
-                memo[len(memo)] = x
+                memoize(x)
                 pos += 1
             continue
         if op == 0x52:  # REDUCE
@@ -146,7 +149,7 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:  # noqa: C9
             stack[-1] = x = stack[-1](*args)
             pos += 1
             if buf[pos] == 0x94:
-                memo[len(memo)] = x
+                memoize(x)
                 pos += 1
             continue
         if op == 0x4d:  # BININT2
@@ -161,7 +164,7 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:  # noqa: C9
             append(x)
             pos = end
             if buf[pos] == 0x94:
-                memo[len(memo)] = x
+                memoize(x)
                 pos += 1
             continue
         if op == 0x4a:  # BININT
@@ -191,7 +194,7 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:  # noqa: C9
             append(x)
             pos += 1
             if buf[pos] == 0x94:
-                memo[len(memo)] = x
+                memoize(x)
                 pos += 1
             continue
         if op == 0x5d:  # EMPTY_LIST
@@ -199,7 +202,7 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:  # noqa: C9
             append(x)
             pos += 1
             if buf[pos] == 0x94:
-                memo[len(memo)] = x
+                memoize(x)
                 pos += 1
             continue
         if op == 0x65 or op == 0x61:  # APPENDS, APPEND
@@ -263,11 +266,11 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:  # noqa: C9
             pos += 9
             continue
         if op == 0x71:  # BINPUT
-            memo[buf[pos + 1]] = stack[-1]
+            _put(memo, buf[pos + 1], stack[-1])
             pos += 2
             continue
         if op == 0x72:  # LONG_BINPUT
-            memo[_U4(buf, pos + 1)[0]] = stack[-1]
+            _put(memo, _U4(buf, pos + 1)[0], stack[-1])
             pos += 5
             continue
         if op == 0x73:  # SETITEM
@@ -310,3 +313,13 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:  # noqa: C9
                 raise Decline("opcode across a frame's end")
             return stack.pop()
         raise Decline(f"opcode {op:#04x}")
+
+
+def _put(memo: list[Any], i: int, x: Any) -> None:
+    """BINPUT: at ``i`` of the memo, as the careful reader's dict takes it, where a list can."""
+    if i < len(memo):
+        memo[i] = x
+    elif i == len(memo):
+        memo.append(x)
+    else:
+        raise Decline("BINPUT past the memo's end")
