@@ -247,3 +247,20 @@ def test_binput_reads_as_the_careful_readers_memo_takes_it():
     with pytest.raises(fastpickle.Decline, match="past the memo's end"):
         _fast(cases[2])
     assert _careful(cases[2]) == [1, 1]
+
+
+def test_an_index_key_is_worked_out_from_its_fields_never_taken_from_the_file():
+    """MetadataIndex keeps its key once worked out; a pickled state naming that attribute
+    neither sets it nor hides a field change from it, in either reader."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    forged = MetadataIndex("a", [0, 0])
+    object.__setattr__(forged, "_k", ("b", (0, 0)))  # what a hostile file could say
+    data = pickle.dumps({forged: 1}, protocol=4)
+    assert b"_k" in data
+    for read in (_fast, _careful):
+        (idx,) = read(data)
+        assert idx._key() == ("a", (0, 0)) and hash(idx) == hash(("a", (0, 0)))
+        assert idx == dcpmeta.MetadataIndex(fqn="a", offset=(0, 0))
+        idx.__setstate__({"fqn": "c", "offset": (1, 0)})  # a second BUILD: the key follows it
+        assert idx._key() == ("c", (1, 0))

@@ -79,9 +79,19 @@ class MetadataIndex(_Record):
 
     _fields = ("fqn", "offset", "index")
     _safe_hash = True  # the unpickler may use it as a dict key (bounded.check_key)
+    # the key, worked out once (a many-rank save's index hashes each entry as it is read, and
+    # a reader looks each up again): a slot, out of the state a pickle sets and of the tree walked
+    __slots__ = ("_k",)
+
+    def __setstate__(self, state: Any) -> None:
+        super().__setstate__(state)
+        self._k = None
 
     def _key(self) -> tuple:
-        return self.key_of(self.fqn, self.offset)
+        k = getattr(self, "_k", None)
+        if k is None:
+            k = self._k = self.key_of(self.fqn, self.offset)
+        return k
 
     @staticmethod
     def key_of(fqn: Any, offset: Any) -> tuple:
