@@ -140,6 +140,10 @@ def main() -> None:
         png = a.plot.with_suffix(".png")
         print(f"wrote {png}" if plot(rows, png) else "no matplotlib: pip install .[bench]")
         return
+    sys.path.insert(0, str(HERE))
+    from bench import compile_package
+
+    compile_package()  # as pip install does: else a checkout under PYTHONDONTWRITEBYTECODE compiles every run
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(dir=a.work) as tmp:
         rows = run(a.ranks, a.tensors, Path(tmp))
