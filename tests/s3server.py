@@ -213,10 +213,15 @@ class LoggingProxy(CountingProxy):
     target)`` in the order they reach it (HTTP/1.1 parsed on the way through: a body by its
     Content-Length, or chunked)."""
 
-    def __init__(self, target_port: int, refuse=None) -> None:
+    def __init__(self, target_port: int, refuse=None, hold=None) -> None:
         self.requests: list[tuple[float, str, str]] = []
         self.refuse = refuse  # (method, target) -> True: answered 403 AccessDenied, never forwarded
         self.refused = 0
+        # (method, target) -> True: never forwarded nor answered, its client left waiting until
+        # the proxy closes (a step held back, so a test can act while the client is before it)
+        self.hold = hold
+        self.held = 0
+        self._closed = threading.Event()
         self._t0 = time.monotonic()
         super().__init__(target_port)
 
@@ -243,6 +248,11 @@ class LoggingProxy(CountingProxy):
                 if self.refuse is not None and self.refuse(method, target):
                     self._refuse(a, f, headers)
                     break
+                if self.hold is not None and self.hold(method, target):
+                    with self._lock:
+                        self.held += 1
+                    self._closed.wait()
+                    break
                 b.sendall(b"".join(head))
                 if "chunked" in headers.get("transfer-encoding", "").lower():
                     while True:
@@ -267,6 +277,10 @@ class LoggingProxy(CountingProxy):
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+    def close(self) -> None:
+        self._closed.set()
+        super().close()
 
     def _refuse(self, a: socket.socket, f, headers: dict) -> None:
         """Answer the request (its body read, unless the client waits for ``100 Continue``)

@@ -118,10 +118,17 @@ def test_a_refused_part_leaves_nothing(s3, big_dcp, tmp_path):  # noqa: F811
     assert _pending(dst) == []
 
 
-def _started(args: list[str], tmp_path, dst: str) -> subprocess.Popen:
-    """The CLI in a process of its own, returned once parts of DST are being sent."""
+def _completion_held(s3):  # noqa: F811
+    """A proxy that never answers a CompleteMultipartUpload: a client sending DST's parts cannot
+    finish (and publish) before the test has interrupted it, however fast it runs."""
+    return _proxy(s3, hold=lambda m, t: m == "POST" and "uploadId=" in t)
+
+
+def _started(args: list[str], tmp_path, dst: str, proxy) -> subprocess.Popen:
+    """The CLI in a process of its own, through ``proxy``, returned once parts of DST are being sent."""
+    env = {**os.environ, "TMPDIR": str(tmp_path), "AWS_ENDPOINT_URL": proxy.endpoint}
     proc = subprocess.Popen([sys.executable, "-m", "ckpt_tools", *args, "--quiet"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+                            stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 240
     while not _pending(dst):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -134,9 +141,13 @@ def _started(args: list[str], tmp_path, dst: str) -> subprocess.Popen:
 def test_ctrl_c_while_parts_go_out_aborts_them(s3, big_dcp, tmp_path):  # noqa: F811
     _, src = big_dcp
     dst = "s3://ckpt/out/interrupted"
-    proc = _started(["convert", src, dst, "--to", "hf"], tmp_path, dst)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    proxy = _completion_held(s3)
+    try:
+        proc = _started(["convert", src, dst, "--to", "hf"], tmp_path, dst, proxy)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proxy.close()
     assert proc.returncode == 130, err
     assert err.startswith("error: interrupted"), err
     assert keys(dst) == set()
@@ -150,9 +161,13 @@ def test_killed_over_an_old_checkpoint_keeps_it_and_clean_removes_the_parts(s3, 
     old = keys(dst)
     before = ckpt("inspect", dst, "--json")
     assert before.returncode == 0, before.stderr
-    proc = _started(["convert", src, dst, "--to", "hf", "--overwrite"], tmp_path, dst)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proxy = _completion_held(s3)
+    try:
+        proc = _started(["convert", src, dst, "--to", "hf", "--overwrite"], tmp_path, dst, proxy)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        proxy.close()
     assert keys(dst) == old | {".ckpt-writing"}  # nothing published: the old markers are there
     assert json.loads(download(dst, tmp_path / "got").joinpath(".ckpt-writing").read_text())["phase"] == "parts"
     r = ckpt("clean", dst)
