@@ -29,14 +29,17 @@ def _proxy(s3, **kw):  # noqa: F811
     return LoggingProxy(int(s3.endpoint.rsplit(":", 1)[1]), **kw)
 
 
-def _parts(reqs, key: str) -> list[tuple[float, int]]:
-    """(time, part number) of each UploadPart request of object ``key`` (``bucket/path``)."""
-    out = []
+def _uploads(reqs):
+    """(time, path, part number) of each UploadPart request among ``reqs``."""
     for t, m, target in reqs:
         path, _, query = target.partition("?")
-        if m == "PUT" and path == f"/{key}" and "partNumber=" in query:
-            out.append((t, int(query.split("partNumber=")[1].split("&")[0])))
-    return out
+        if m == "PUT" and "partNumber=" in query:
+            yield t, path, int(query.split("partNumber=")[1].split("&")[0])
+
+
+def _parts(reqs, key: str) -> list[tuple[float, int]]:
+    """(time, part number) of each UploadPart request of object ``key`` (``bucket/path``)."""
+    return [(t, n) for t, path, n in _uploads(reqs) if path == f"/{key}"]
 
 
 def _source_gets(reqs, prefix: str) -> list[float]:
@@ -127,14 +130,15 @@ def _completion_held(s3):  # noqa: F811
 
 def _started(args: list[str], tmp_path, dst: str, proxy) -> subprocess.Popen:
     """The CLI in a process of its own, through ``proxy`` (a LoggingProxy), returned as soon as
-    the proxy passes its first part of DST: seen there, not by listing the bucket, whose latency
-    once let a convert finish before the test's signal."""
+    the proxy passes its first part of DST. The CLI starts with SIGINT at its default: a suite
+    started in a shell's background would hand it SIGINT ignored, and a Ctrl-C test would see the
+    convert run to the end."""
     env = {**os.environ, "TMPDIR": str(tmp_path), "AWS_ENDPOINT_URL": proxy.endpoint}
     proc = subprocess.Popen([sys.executable, "-m", "ckpt_tools", *args, "--quiet"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, preexec_fn=terminal_sigint)
     prefix = "/" + dst.removeprefix("s3://") + "/"
     deadline = time.monotonic() + 240
-    while not any(m == "PUT" and t.startswith(prefix) and "partNumber=" in t for _, m, t in list(proxy.requests)):
+    while not any(path.startswith(prefix) for _, path, _ in _uploads(list(proxy.requests))):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise AssertionError(f"no upload seen: {proc.communicate()}")
