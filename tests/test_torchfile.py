@@ -331,6 +331,33 @@ def test_copy_record_concatenates_ranges_of_two_files(mode, tmp_path, monkeypatc
     assert all(r.offset % 64 == 0 for r in TorchZip(out).records.values())
 
 
+@pytest.mark.parametrize("small", [True, False])
+def test_copy_record_from_more_source_files_than_the_writer_keeps_open(small, tmp_path, monkeypatch):
+    """A record of one part from each of more files than Sources keeps open (a 256 -> 4 reshard
+    takes a tensor's rows from 64 files): opening the later parts' files closes the earlier
+    ones, and every part is still read from its own file (a stale descriptor, or a number
+    reused by another file, would read the wrong bytes or fail)."""
+    monkeypatch.setattr(torchwriter, "_MAX_OPEN", 4)
+    if not small:
+        monkeypatch.setattr(torchwriter, "_SMALL", 0)
+    files = []
+    for i in range(11):
+        f = tmp_path / f"src{i}.bin"
+        f.write_bytes(bytes([i]) * 100 + random.Random(i).randbytes(100))
+        files.append(f)
+    parts = [(f, 50 + i, 100) for i, f in enumerate(files)]
+    want = b"".join(f.read_bytes()[o:o + n] for f, o, n in parts)
+    out = tmp_path / "out.pt"
+    with TorchZipWriter(out, "out") as w:
+        w.write_record("data.pkl", b"\x80\x02}.")
+        w.copy_record("data/0", parts)
+        w.copy_record("data/1", parts[::-1])
+    with zipfile.ZipFile(out) as z:
+        assert z.testzip() is None
+        assert z.read("out/data/0") == want
+        assert z.read("out/data/1") == b"".join(f.read_bytes()[o:o + n] for f, o, n in parts[::-1])
+
+
 def test_item_writers_sharing_sources_open_each_source_once(tmp_path, monkeypatch):
     """Zips appended to one file (a DCP file's items) with one Sources: each source file is
     opened once for all of them, stays open until the Sources closes, and every copy is right."""
@@ -413,10 +440,13 @@ def test_copy_record_keeps_a_damaged_source_record_damaged(small, tmp_path, monk
 
 
 def test_page_phase_puts_each_record_at_its_source_offset_within_a_page(tmp_path):
-    """With page_phase, a copied record's data sits at its first source's offset modulo the page
-    size (the kernel then copies whole pages), still a multiple of 64; torch loads the file."""
+    """With page_phase, a record the kernel copies (over 256 KiB) has its data at its first
+    source's offset modulo the page size (the kernel then copies whole pages), still a multiple
+    of 64; a small record, copied through memory, is aligned as torch aligns it (no page of
+    padding, which would only make the file bigger); torch loads the file."""
     src = tmp_path / "src.pt"
-    values = {"a": torch.arange(5000, dtype=torch.float32), "b": torch.arange(7, dtype=torch.int64)}
+    values = {"a": torch.arange(5000, dtype=torch.float32), "big": torch.arange(70_000, dtype=torch.float32),
+              "b": torch.arange(7, dtype=torch.int64)}
     torch.save(values, src)
     zf = TorchZip(src)
     out = tmp_path / "out.pt"
@@ -425,9 +455,20 @@ def test_page_phase_puts_each_record_at_its_source_offset_within_a_page(tmp_path
         for key in zf.storages:
             w.copy_record(f"data/{key}", [zf.part(f"data/{key}")])
     written = TorchZip(out)
-    for key in zf.storages:
-        rec = written.records[f"data/{key}"]
-        assert rec.offset % 4096 == zf.records[f"data/{key}"].offset % 4096 and rec.offset % 64 == 0
+    end = 0  # where the record before ends (its data descriptor included)
+    sizes = []
+    for name in sorted(written.records, key=lambda n: written.records[n].offset):
+        rec = written.records[name]
+        assert rec.offset % 64 == 0
+        if name.startswith("data/"):
+            sizes.append(rec.size)
+            pad = rec.offset - end - (30 + len(f"out/{name}") + 4)  # after its local header and 'FB' extra
+            if rec.size > 256 << 10:
+                assert rec.offset % 4096 == zf.records[name].offset % 4096
+            else:
+                assert 0 <= pad < 64, name
+        end = rec.offset + rec.size + (16 if rec.size else 0)
+    assert sorted(sizes) == [56, 20_000, 280_000]
     loaded = torch.load(out, weights_only=True, mmap=True)
     assert all(torch.equal(loaded[k], values[k]) for k in values)
 

@@ -253,6 +253,11 @@ _AHEAD_PER, _AHEAD_MIN, _AHEAD_MAX, _WINDOWS_KEPT = 16, 64 << 10, 1 << 20, 8
 _MAX_OPEN = 64  # source files a writer keeps open at once
 _BUFFER = 1 << 20  # bytes gathered before a write
 _SID = ".data/serialization_id"
+# a zip's fixed-size headers: the local header, the 'FB' extra's head, the data descriptor
+# (zip64 and not), the central directory entry
+_LOCAL, _PAD = struct.Struct("<IHHHHHIIIHH"), struct.Struct("<HH")
+_DESCRIPTOR, _DESCRIPTOR64 = struct.Struct("<IIII"), struct.Struct("<IIQQ")
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
 Part = tuple[str | os.PathLike, int, int] | tuple[str | os.PathLike, int, int, int]
 
 
@@ -322,9 +327,9 @@ class TorchZipWriter:
     def __init__(self, path: str | os.PathLike, prefix: str, *, alignment: int = 64, page_phase: bool = False,
                  fd: int | None = None, flusher: Flusher | None = None, sources: Sources | None = None) -> None:
         self.path, self.prefix, self.alignment = Path(path), prefix, alignment
-        # copy_record puts each record's data at its first source's offset within a page, not
-        # at the next multiple of ``alignment`` (padding of up to a page; the file then differs
-        # from torch.save's, and loads the same)
+        # copy_record puts the data of each record it has the kernel copy (over _SMALL) at its
+        # first source's offset within a page, not at the next multiple of ``alignment``
+        # (padding of up to a page; the file then differs from torch.save's, and loads the same)
         self.page_phase = page_phase
         # with ``fd`` (open for writing at its end), the zip is appended to a larger file, as
         # torch.save into an open stream does (a DCP item): offsets count from where it starts,
@@ -386,29 +391,33 @@ class TorchZipWriter:
             raise ValueError(f"record {name!r} written twice, or the writer is closed")
         self._names.add(name)
         full, ofs = f"{self.prefix}/{name}".encode(), self._pos
-        zip64 = self._zip64(size, ofs, 0)
+        zip64 = self._zip64(size, ofs, 0) if size >= _MAX32 or ofs >= _MAX32 else b""
         data = ofs + 30 + len(full) + len(zip64) + 4
         pad = -data % self.alignment
         if phase is not None and phase % self.alignment == 0:
             # data at the source's offset within a page: the kernel then copies whole pages
             # (about 1.5x faster here); still a multiple of the alignment torch asks for
             pad = (phase - data) % PAGE
-        extra = zip64 + b"FB" + struct.pack("<H", pad) + b"Z" * pad
+        extra = zip64 + _PAD.pack(0x4246, pad) + b"Z" * pad  # 'FB' <u16 pad> 'Z' * pad
         flags = 0x0808 if size else 0x0800  # UTF-8 names; a data descriptor follows unless empty
-        self._write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), len(extra))
-                    + full + extra)
+        self._write(_LOCAL.pack(0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), len(extra)) + full + extra)
         return full, ofs
 
     def _end(self, full: bytes, ofs: int, size: int, crc: int, head: bytes) -> None:
-        if len(head) >= 8 and head[:4] == b"PK\x07\x08":  # torch mistakes such data for a descriptor
+        if head[:4] == b"PK\x07\x08" and len(head) >= 8:  # torch mistakes such data for a descriptor
             self._crc_hash = _hash_combine(self._crc_hash, int.from_bytes(head[4:8], "little"))
-        big = size >= _MAX32 or ofs >= _MAX32
+        if size >= _MAX32 or ofs >= _MAX32:
+            if size:
+                self._write(_DESCRIPTOR64.pack(0x08074B50, crc, size, size))
+            extra = self._zip64(size, ofs, size)
+        else:
+            if size:
+                self._write(_DESCRIPTOR.pack(0x08074B50, crc, size, size))
+            extra = b""
         if size:
-            self._write(struct.pack("<IIQQ" if big else "<IIII", 0x08074B50, crc, size, size))
             self._crc_hash = _hash_combine(self._crc_hash, crc)
-        extra = self._zip64(size, ofs, size)
-        self._central += struct.pack(
-            "<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 0, 0x0808 if size else 0x0800, 0, 0, 0, crc, min(size, _MAX32),
+        self._central += _CENTRAL.pack(
+            0x02014B50, 0, 0, 0x0808 if size else 0x0800, 0, 0, 0, crc, min(size, _MAX32),
             min(size, _MAX32), len(full), len(extra), 0, 0, 0, 0, min(ofs, _MAX32)) + full + extra
 
     def write_record(self, name: str, data: bytes) -> None:
@@ -440,31 +449,45 @@ class TorchZipWriter:
         Its CRC is zlib's over an mmap of the sources; or, when every part carries a 4th item, its
         known CRC-32 (``TorchZip.part``), the CRCs are combined without reading the bytes at all,
         which also keeps a damaged source record detectably damaged instead of re-blessing it.
-        Records up to 256 KiB are read, CRC'd by zlib and written from memory."""
+        Records up to 256 KiB are read, CRC'd by zlib and written from memory, aligned as torch
+        aligns them (a page phase pads, and gains nothing where the kernel does not copy)."""
         if name == _SID:
             return
-        size, known = sum(p[2] for p in parts), all(len(p) == 4 for p in parts)
+        sources = self._sources
+        if len(parts) == 1:  # most records (a piece from one source chunk): no loops
+            size, known = parts[0][2], len(parts[0]) == 4
+        else:
+            size, known = sum(p[2] for p in parts), all(len(p) == 4 for p in parts)
         for part in parts:  # every range checked first: the CRC thread maps them
-            path, start, length = part[0], part[1], part[2]
-            safefs.check_span(start, length, self._sources.size(self._src(path)), what=str(path))
-        full, ofs = self._begin(name, size, phase=parts[0][1] % PAGE if parts and self.page_phase else None)
+            # (a descriptor is asked for where it is used: Sources closes its files to open more)
+            start, length, end = part[1], part[2], sources.size(sources.fd(part[0]))
+            if not (type(start) is int and type(length) is int and 0 <= start and 0 <= length
+                    and start + length <= end):
+                safefs.check_span(start, length, end, what=str(part[0]))  # (raises)
         if size <= _SMALL:
+            full, ofs = self._begin(name, size)  # (through memory: a page phase would only pad)
             # a small record (a few rows of a tensor of a many-rank save): read, CRC'd and written
             # here; a thread hand-off and a kernel copy per record cost more than the bytes, and
             # zlib's CRC of a few KiB costs less than combining known CRCs in Python
-            blobs = [self._sources.read(self._src(part[0]), part[1], part[2]) for part in parts]
-            data = b"".join(blobs) if len(blobs) != 1 else blobs[0]
+            if len(parts) == 1:
+                data = sources.read(sources.fd(parts[0][0]), parts[0][1], size)
+                crc = crc32(data)
+                damaged = known and crc != parts[0][3]
+            else:
+                blobs = [sources.read(sources.fd(part[0]), part[1], part[2]) for part in parts]
+                data = b"".join(blobs)
+                crc = crc32(data)
+                damaged = known and any(crc32(blob) != part[3] for blob, part in zip(blobs, parts))
             if len(data) != size:
                 raise BadInput(f"{parts[0][0]}: a byte range ends before its file does; was it truncated?")
-            crc = crc32(data)
-            if known and (crc != parts[0][3] if len(blobs) == 1 else
-                          any(crc32(blob) != part[3] for blob, part in zip(blobs, parts))):
-                crc = 0  # a damaged source record: its known CRC carried over, never re-blessed
+            if damaged:  # a damaged source record: its known CRC carried over, never re-blessed
+                crc = 0
                 for part in parts:
                     crc = crc32_combine(crc, part[3], part[2])
             self._write(data)
             self._end(full, ofs, size, crc, data[:8])
             return
+        full, ofs = self._begin(name, size, phase=parts[0][1] % PAGE if self.page_phase else None)
         # the CRC is computed by another thread while the kernel copies (zlib releases the GIL)
         crc_job = None if known else _crc_pool().submit(_crc_of_parts, [tuple(p[:3]) for p in parts])
         head = b""
