@@ -18,7 +18,7 @@ import math
 import os
 import struct
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -465,13 +465,16 @@ def renumber(tree: Any, zf: TorchZip, emitter: Emitter, leaf: Callable[[Any], An
     return copy(tree)
 
 
-def with_crcs(parts: tuple[tuple[Path, int, int], ...], crc_of: Callable[[Path, int, int], int | None]) -> list[tuple]:
+def with_crcs(parts: Sequence[tuple[Path, int, int]], crc_of: Callable[[Path, int, int], int | None]) -> Sequence[tuple]:
     """Span parts, each with the CRC of the source record it is the whole of (so the record's
-    CRC is combined, not recomputed from the bytes) when every part is one."""
-    crcs = [crc_of(path, offset, length) for path, offset, length in parts]
-    if any(c is None for c in crcs):
-        return [tuple(p) for p in parts]
-    return [(*p, c) for p, c in zip(parts, crcs)]
+    CRC is combined, not recomputed from the bytes) when every part is one; else ``parts``."""
+    out = []
+    for path, offset, length in parts:
+        crc = crc_of(path, offset, length)
+        if crc is None:  # (most parts of a reshard to other ranks: a few rows of a record)
+            return parts
+        out.append((path, offset, length, crc))
+    return out
 
 
 __all__ = ["NotSimple", "Entry", "Local", "DTensorNode", "local_of", "dtensor_of", "tensor_location", "Emitter",
