@@ -163,3 +163,25 @@ def test_rank_file_pickles_patched_equal_pickles_written_whole(tmp_path, monkeyp
     got = _rank_files_state(tmp_path / "fast", 5)
     want = make_verl.__globals__["full_state"](shapes)
     assert all(torch.equal(got[k], want[k]) for k in ("big.w", "cross.w"))
+
+
+def test_reshard_refuses_ranks_whose_step_differs(tmp_path):
+    """Every rank's copy of the optimizer's ``step`` is read (from the files, never mapped) and
+    compared: one rank's differing step means files of two saves, refused; the bytes read are
+    the bytes a mapping of the file shows."""
+    from ckpt_tools.engine.reader import Reader
+    from ckpt_tools.formats import describe
+
+    make_verl(tmp_path / "src", 16, optim=True, shapes=SHAPES)
+    ckpt = describe(tmp_path / "src")
+    steps = [c.location for t in ckpt.tensors if t.state == "step" for c in t.chunks]
+    assert len(steps) == 16 * len(SHAPES)
+    with Reader(ckpt) as r:
+        assert r.raw_small(steps) == [bytes(r.raw(loc)) for loc in steps]
+    odd = tmp_path / "src" / "optim_world_size_16_rank_9.pt"
+    sd = torch.load(odd, weights_only=False)
+    sd["state"][2]["step"] = sd["state"][2]["step"] + 1
+    torch.save(sd, odd)
+    r = CliRunner().invoke(cli, ["reshard", str(tmp_path / "src"), str(tmp_path / "out"), "--to", "8", "--quiet"])
+    assert r.exit_code != 0 and "differs between ranks" in r.output, r.output
+    assert not (tmp_path / "out").exists()

@@ -311,12 +311,13 @@ def _reshard_parts(src: Path, dst: Path, parts: list[str], opts: Options, from_:
 
 def _check_same_save(ckpt: Checkpoint) -> None:
     """Every rank's copy of a replicated scalar (the optimizer's ``step``) must agree."""
+    steps = [t for t in ckpt.tensors if t.state == "step" and len(t.chunks) > 1]
     with Reader(ckpt) as r:
-        for t in ckpt.tensors:
-            if t.state != "step" or len(t.chunks) < 2:
-                continue
-            # compared as stored bytes: no tensor (and no torch) needed
-            values = {bytes(r.raw(c.location)) if c.location.kind == "raw" else r.chunk(t, c).item() for c in t.chunks}
+        # compared as stored bytes: no tensor (and no torch) needed
+        raw = [c.location for t in steps for c in t.chunks if c.location.kind == "raw"]
+        stored = iter(r.raw_small(raw))
+        for t in steps:
+            values = {next(stored) if c.location.kind == "raw" else r.chunk(t, c).item() for c in t.chunks}
             if len(values) > 1:
                 values = {r.chunk(t, c).item() for c in t.chunks}
                 raise BadInput(f"{ckpt.root}: {t.name!r} differs between ranks ({sorted(values)}); "

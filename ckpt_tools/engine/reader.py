@@ -111,6 +111,26 @@ class Reader:
         """The stored bytes of a ``raw`` location (a view of the mapped file)."""
         return self._bytes(loc)
 
+    def raw_small(self, locs: list[Location]) -> list[bytes]:
+        """The stored bytes of ``raw`` locations of a few bytes each, in order: read, each file
+        opened once, not mapped (a mapped file's pages near every byte read count in the
+        process's memory while it is mapped: the ``step`` of 291 tensors on 256 ranks, read
+        through maps, raised a reshard's peak by 200 MB)."""
+        by_file: dict[str, list[int]] = {}
+        for i, loc in enumerate(locs):
+            self._need(loc)
+            by_file.setdefault(loc.file, []).append(i)
+        out: list[bytes] = [b""] * len(locs)
+        for file, indices in by_file.items():
+            path = self.path(file)
+            with safefs.open_file(path) as f:
+                fd, size = f.fileno(), os.fstat(f.fileno()).st_size
+                for i in indices:
+                    loc = locs[i]
+                    safefs.check_span(loc.offset, loc.length, size, what=str(path))
+                    out[i] = os.pread(fd, loc.length, loc.offset)
+        return out
+
     def _bytes(self, loc: Location) -> memoryview:
         self._need(loc)
         m = self._map(loc.file)
