@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 
 PATTERN = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 CONFIG_NAME = "fsdp_config.json"
+# source files whose record CRCs a writer keeps at once (the tables of a 256-rank job's 770
+# files, all kept, were 45 MB; each output file reads a few neighbouring source files)
+_CRC_TABLES = 64
 
 
 def file_name(kind: str, world_size: int, rank: int) -> str:
@@ -419,7 +422,7 @@ class Writer:
         # any other source (its base directory, for saved objects): trees built from the plan
         self.synth = synth
         self._zips: dict[str, TorchZip] = {}
-        self._crcs: dict[str, dict[tuple[int, int], int]] = {}
+        self._crcs: dict[str, dict[tuple[int, int], int]] = {}  # the latest _CRC_TABLES files'
         self._rebuilt: dict[str, Rebuilt] = {}  # kind -> its files, rebuilt from the template
 
     def __getstate__(self) -> dict:
@@ -457,6 +460,8 @@ class Writer:
             path = Path(path)
             crcs = {} if path.parent != self.template else {  # (not the pickle: most files are not templates)
                 (r.offset, r.size): r.crc32 for r in records_of(path)[1].values()}
+            if len(self._crcs) >= _CRC_TABLES:  # the oldest goes: the writer moves on from file to file
+                del self._crcs[next(iter(self._crcs))]
             self._crcs[key] = crcs
         return crcs.get((offset, length))
 
