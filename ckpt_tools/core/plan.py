@@ -95,8 +95,9 @@ class LowRank:
     transposed: bool = False  # an embedding's update: scale * (b @ a).T
 
 
-# not frozen, for a cheaper __init__: built per (tensor, rank) (see core.describe.Location)
-@dataclass
+# not frozen, for a cheaper __init__: built per (tensor, rank) (see core.describe.Location);
+# slots: a many-rank plan holds hundreds of thousands (a __dict__ each was ~100 bytes more)
+@dataclass(slots=True)
 class Piece:
     """The rectangle ``offsets``/``sizes`` of ``target`` that one destination file holds,
     filled by ``copies`` (plus ``add``, when a low-rank update is folded in)."""
@@ -106,6 +107,7 @@ class Piece:
     sizes: tuple[int, ...]
     copies: tuple[Copy, ...]
     add: LowRank | None = None
+    _nbytes: int = field(default=-1, init=False, repr=False, compare=False)
 
     def __hash__(self) -> int:
         # writers key pieces in dicts (by_piece); the copies follow from the rest
@@ -115,9 +117,12 @@ class Piece:
     def numel(self) -> int:
         return math.prod(self.sizes)
 
-    @cached_property
+    @property
     def nbytes(self) -> int:  # (asked several times per piece: progress, balance, each job's total)
-        return self.numel * dtype_size(self.target.dtype)
+        n = self._nbytes
+        if n < 0:
+            n = self._nbytes = self.numel * dtype_size(self.target.dtype)
+        return n
 
     @property
     def whole(self) -> bool:
@@ -218,6 +223,13 @@ def rows_of(target: Target, world_size: int, rank: int) -> Piece:
     return piece(target, (start, *([0] * (len(shape) - 1))), (stop - start, *shape[1:]))
 
 
+# equal offsets and sizes of a plan's pieces and copies as one tuple each: a many-rank plan's
+# are a few distinct values met hundreds of thousands of times (~60 bytes a tuple); bounded,
+# emptied when full
+_SHARED: dict[tuple, tuple] = {}
+_SHARED_MAX = 1 << 16
+
+
 def _tiled_rows(target: Target, a: int, b: int) -> Piece:
     """:func:`piece` of rows [a, b) of a target whose source chunks tile its rows
     (:meth:`TensorInfo.row_tiles`): the chunks from the one holding row ``a``, each met in one
@@ -227,18 +239,24 @@ def _tiled_rows(target: Target, a: int, b: int) -> Piece:
     rest = target.shape[1:]
     zeros = (0,) * len(rest)
     chunks, n = source.chunks, len(starts)
+    if len(_SHARED) >= _SHARED_MAX:
+        _SHARED.clear()
+    shared = _SHARED.setdefault
     copies = []
     j = bisect_right(starts, a) - 1
     while a < b and j < n and starts[j] < b:
         c0, i = starts[j], order[j]
         chunk = chunks[i]
         lo, hi = max(a, c0), min(b, c0 + chunk.sizes[0])
-        copies.append((i, Copy(chunk, (lo - c0, *zeros), (lo - a, *zeros), (hi - lo, *rest))))
+        src, dst, size = (lo - c0, *zeros), (lo - a, *zeros), (hi - lo, *rest)
+        copies.append((i, Copy(chunk, shared(src, src), shared(dst, dst), shared(size, size))))
         j += 1
+    offsets, sizes = (a, *zeros), (b - a, *rest)
+    offsets, sizes = shared(offsets, offsets), shared(sizes, sizes)
     if len(copies) == 1:
-        return Piece(target, (a, *zeros), (b - a, *rest), (copies[0][1],))
+        return Piece(target, offsets, sizes, (copies[0][1],))
     copies.sort(key=_first)  # in the chunks' order, as piece() gives them
-    return Piece(target, (a, *zeros), (b - a, *rest), tuple([c for _, c in copies]))
+    return Piece(target, offsets, sizes, tuple([c for _, c in copies]))
 
 
 def _first(pair: tuple) -> Any:
