@@ -185,3 +185,31 @@ def test_reshard_refuses_ranks_whose_step_differs(tmp_path):
     r = CliRunner().invoke(cli, ["reshard", str(tmp_path / "src"), str(tmp_path / "out"), "--to", "8", "--quiet"])
     assert r.exit_code != 0 and "differs between ranks" in r.output, r.output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_dcp_item_spans_are_the_saved_bytes_read_or_mapped(tmp_path, monkeypatch, mapped):
+    """A DCP's items (torch.save blobs) give their tensor's byte range whether the item is read
+    to be parsed (up to 256 KiB: its pages then never count in the process's memory) or mapped
+    (larger ones; all of them here with ``mapped``): the range holds the saved rows."""
+    from ckpt_tools.engine import reader as reader_mod
+    from ckpt_tools.formats import describe
+
+    if mapped:
+        monkeypatch.setattr(reader_mod, "_READ_ITEMS", 0)
+    shapes = {"big.weight": (600, 300), "small.weight": (10, 3), "norm": (7,)}  # big: 360 KB a rank
+    state = make_dcp(tmp_path / "dcp", 2, shapes=shapes)
+    ckpt = describe(tmp_path / "dcp")
+    seen = 0
+    with reader_mod.Reader(ckpt) as r:
+        for t in ckpt.tensors:
+            (name,) = [k for k in state if t.name.endswith(k)]
+            for c in t.chunks:
+                path, offset, n = r.span(t, c)
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    got = f.read(n)
+                rows = state[name][c.offsets[0]:c.offsets[0] + c.sizes[0]]
+                assert got == rows.contiguous().numpy().tobytes(), (t.name, c.offsets)
+                seen += 1
+    assert seen == 2 * len(shapes)

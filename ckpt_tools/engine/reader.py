@@ -47,6 +47,7 @@ class Reader:
         self.planned = planned  # the engine made the plan's ranges present: no fetch on demand
         self._torch: TorchRanges | None = None
         self._maps: dict[str, mmap.mmap] = {}
+        self._fds: dict[str, int] = {}  # files read by pread (small DCP items), opened once
         self._loaded: OrderedDict[str, Any] = OrderedDict()
         self._cache_files = cache_files
         # the engine's prefetch thread reads chunks while the writer reads objects
@@ -74,6 +75,9 @@ class Reader:
             except BufferError:  # a tensor still views it; the GC closes it later
                 pass
         self._maps.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     # -- raw bytes ----------------------------------------------------------------------
     def _need(self, loc: Location) -> None:
@@ -106,6 +110,21 @@ class Reader:
                 m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
             self._maps[file] = m
         return m
+
+    def _pread(self, file: str, offset: int, length: int) -> bytes:
+        """``length`` bytes at ``offset`` of ``file`` (fewer where it ends first), read. Up to
+        :data:`_OPEN_FILES` files are kept open (all closed to open one more: a 1,024-rank job's
+        files would pass a process's limit); read under the lock, so none closes mid-read."""
+        with self._lock:
+            fd = self._fds.get(file)
+            if fd is None:
+                if len(self._fds) >= _OPEN_FILES:
+                    for old in self._fds.values():
+                        os.close(old)
+                    self._fds.clear()
+                with safefs.open_file(self.path(file)) as f:
+                    fd = self._fds[file] = os.dup(f.fileno())
+            return os.pread(fd, length, offset)
 
     def raw(self, loc: Location) -> memoryview:
         """The stored bytes of a ``raw`` location (a view of the mapped file)."""
@@ -209,8 +228,15 @@ class Reader:
                 return path, found[0], nbytes
             return None
         if loc.kind == "torch_item":
-            m = self._map(loc.file)
-            local, start, size = _item(m, loc.offset, loc.length)
+            if loc.length <= _READ_ITEMS:
+                # read, not mapped: a mapped file's pages near every byte parsed count in the
+                # process's memory while it is mapped (a 256-rank DCP's small items, parsed
+                # item by item, added the whole source, 196 MB, to a reshard's peak)
+                blob = self._pread(loc.file, loc.offset, loc.length)
+                local, start, size = _item(blob, 0, len(blob))
+                start = None if start is None else loc.offset + start
+            else:
+                local, start, size = _item(self._map(loc.file), loc.offset, loc.length)
             if (start is not None and local is not None and local.size == tuple(chunk.sizes)
                     and local.dtype == tensor.dtype and local.offset * local.dtype.itemsize + nbytes <= size):
                 return path, start + local.offset * local.dtype.itemsize, nbytes
@@ -332,6 +358,9 @@ class _MapSlice(io.RawIOBase):
         return n
 
 
+# DCP items up to this size are read to be parsed, larger ones mapped (their data is not touched)
+_READ_ITEMS = 256 << 10
+_OPEN_FILES = 128  # files a reader keeps open for reading items
 _ITEM_TENSORS: dict[bytes, Any] = {}  # an item blob's pickle -> the tensor it holds (a few shapes a job)
 
 
