@@ -213,3 +213,29 @@ def test_dcp_item_spans_are_the_saved_bytes_read_or_mapped(tmp_path, monkeypatch
                 assert got == rows.contiguous().numpy().tobytes(), (t.name, c.offsets)
                 seen += 1
     assert seen == 2 * len(shapes)
+
+
+def test_reader_reads_small_ranges_through_windows_as_pread_does(tmp_path, monkeypatch):
+    """Small ranges of source files read through the reader's windows (forward, backward, past
+    a window, at a file's end, over more files than windows and open files kept) are each the
+    bytes a plain read of that range gives."""
+    import random
+
+    from ckpt_tools.engine import reader as reader_mod
+    from ckpt_tools.formats import describe
+
+    make_dcp(tmp_path / "dcp", 4, shapes={"w": (64, 8)})
+    monkeypatch.setattr(reader_mod, "_WINDOW", 256)
+    monkeypatch.setattr(reader_mod, "_WINDOWS_KEPT", 2)
+    monkeypatch.setattr(reader_mod, "_OPEN_FILES", 2)
+    files = sorted(p.name for p in (tmp_path / "dcp").iterdir() if p.suffix == ".distcp")
+    data = {f: (tmp_path / "dcp" / f).read_bytes() for f in files}
+    rng = random.Random(5)
+    with reader_mod.Reader(describe(tmp_path / "dcp")) as r:
+        for _ in range(400):
+            f = rng.choice(files)
+            at, n = rng.randrange(len(data[f]) + 10), rng.choice([0, 1, 7, 100, 255, 256, 300])
+            assert r._pread(f, at, n) == data[f][at:at + n], (f, at, n)
+        for f in files:  # record after record
+            for at in range(0, len(data[f]), 50):
+                assert r._pread(f, at, 50) == data[f][at:at + 50]

@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import BadInput
 from ..security import safefs
 from ..security.torchfile import _MAX32, _ODICT, _STORAGE, Global, NewObj, Reduce, StorageRef, _Str
-from ..storage.diskio import Flusher, copy_range, write_all
+from ..storage.diskio import Flusher, copy_range, open_files_cap, write_all
 
 try:  # zlib-ng's CRC-32 (carry-less multiply) runs 4-5x faster than the system zlib's
     from zlib_ng.zlib_ng import crc32
@@ -250,7 +250,7 @@ PAGE = 4096
 _SMALL = 256 << 10  # records up to this size are copied through memory (see copy_record)
 # Sources.read: small ranges read ahead, in windows of 16x the range (64 KiB-1 MiB), 8 files' kept
 _AHEAD_PER, _AHEAD_MIN, _AHEAD_MAX, _WINDOWS_KEPT = 16, 64 << 10, 1 << 20, 8
-_MAX_OPEN = 64  # source files a writer keeps open at once
+_MAX_OPEN = open_files_cap()  # source files a writer keeps open at once
 _BUFFER = 1 << 20  # bytes gathered before a write
 _SID = ".data/serialization_id"
 # a zip's fixed-size headers: the local header, the 'FB' extra's head, the data descriptor

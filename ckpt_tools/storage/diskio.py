@@ -41,6 +41,22 @@ def scratch() -> Iterator[None]:
         _scratch -= 1
 
 
+def open_files_cap() -> int:
+    """Source files a reader or writer keeps open at once: a quarter of what the process may
+    open. A job's pieces visit every source file in turn (each tensor's rows lie in all of a
+    many-rank job's files), so a cap under the file count reopens a file per piece: 64 made a
+    256-rank DCP's conversion open a file for most of its 74k items."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY:
+            soft = 1 << 16
+    except (ImportError, OSError, ValueError):  # (no such limit where resource is missing)
+        soft = 1024
+    return max(64, min(soft, 1 << 16) // 4)
+
+
 def durable() -> bool:
     """Whether written files are to reach the disk (flushes, fsyncs): not inside :func:`scratch`."""
     return _scratch == 0
