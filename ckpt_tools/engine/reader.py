@@ -47,7 +47,7 @@ class Reader:
         self.planned = planned  # the engine made the plan's ranges present: no fetch on demand
         self._torch: TorchRanges | None = None
         self._maps: dict[str, mmap.mmap] = {}
-        self._fds: dict[str, int] = {}  # files read by pread (small DCP items), opened once
+        self._fds: dict[str, tuple[int, bool]] = {}  # files read by pread (small DCP items): fd, windowed
         self._windows: dict[str, tuple[int, bytes]] = {}  # by file: (offset, the bytes last read there)
         self._loaded: OrderedDict[str, Any] = OrderedDict()
         self._cache_files = cache_files
@@ -76,7 +76,7 @@ class Reader:
             except BufferError:  # a tensor still views it; the GC closes it later
                 pass
         self._maps.clear()
-        for fd in self._fds.values():
+        for fd, _ in self._fds.values():
             os.close(fd)
         self._fds.clear()
         self._windows.clear()
@@ -117,24 +117,29 @@ class Reader:
         """``length`` bytes at ``offset`` of ``file`` (fewer where it ends first), read: from
         the window last read of that file where they lie in it, else with a window of
         :data:`_WINDOW` bytes read from there (a job's items lie one after the other in each
-        file, and a read each cost a hand-off of the interpreter's lock: 10 µs an item). Up to
-        :data:`_OPEN_FILES` files are kept open and :data:`_WINDOWS_KEPT` windows (the oldest go);
-        read under the lock, so no file closes mid-read."""
+        file, and a read each cost a hand-off of the interpreter's lock: 10 µs an item). A
+        remote source's stand-in is read range by range. Up to :data:`_OPEN_FILES` files are
+        kept open and :data:`_WINDOWS_KEPT` windows (the oldest go); read under the lock, so no
+        file closes mid-read."""
         with self._lock:
             window = self._windows.get(file)
             if window is not None:
                 at = offset - window[0]
                 if 0 <= at and at + length <= len(window[1]):
                     return window[1][at:at + length]
-            fd = self._fds.get(file)
-            if fd is None:
+            opened = self._fds.get(file)
+            if opened is None:
                 if len(self._fds) >= _OPEN_FILES:
-                    for old in self._fds.values():
+                    for old, _ in self._fds.values():
                         os.close(old)
                     self._fds.clear()
-                with safefs.open_file(self.path(file)) as f:
-                    fd = self._fds[file] = os.dup(f.fileno())
-            if length >= _WINDOW:
+                path = self.path(file)
+                with safefs.open_file(path) as f:
+                    # a remote source's stand-in holds only the ranges fetched so far: never
+                    # read past the one asked for (a window would keep bytes not there yet)
+                    opened = self._fds[file] = (os.dup(f.fileno()), not remote.is_standin(path))
+            fd, windowed = opened
+            if length >= _WINDOW or not windowed:
                 return os.pread(fd, length, offset)
             data = os.pread(fd, _WINDOW, offset)
             if file not in self._windows and len(self._windows) >= _WINDOWS_KEPT:
