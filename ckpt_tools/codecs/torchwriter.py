@@ -494,7 +494,7 @@ class TorchZipWriter:
         try:
             for part in parts:
                 path, start, length = part[0], part[1], part[2]
-                fd = self._src(path)
+                fd = sources.fd(path)
                 if len(head) < 8:
                     head += os.pread(fd, min(length, 8 - len(head)), start)
                 self._copy(fd, start, length, path)
@@ -507,11 +507,6 @@ class TorchZipWriter:
             for part in parts:
                 crc = crc32_combine(crc, part[3], part[2])
         self._end(full, ofs, size, crc, head)
-
-    def _src(self, path: Any) -> int:
-        """A source file's descriptor, opened once (a record of a many-rank reshard reads a few
-        rows from each of several files; one open per record costs more)."""
-        return self._sources.fd(path)
 
     def _close_srcs(self) -> None:
         if self._own_sources:
