@@ -141,7 +141,8 @@ def test_rank_file_pickles_patched_equal_pickles_written_whole(tmp_path, monkeyp
     sizes, from the first file's recipe, no tree) replaced: every file equals, byte for byte, the
     one written from its whole tree, records included. The
     shapes make local sizes cross BININT1 -> BININT2 -> BININT between ranks, and trailing ranks
-    hold no rows, so some files are patched and some written whole."""
+    hold no rows: every file after the first of its kind is patched, some with ints of another
+    width spliced in."""
     from ckpt_tools.codecs import torchwriter
     from ckpt_tools.formats import shardrebuild
 
@@ -149,11 +150,16 @@ def test_rank_file_pickles_patched_equal_pickles_written_whole(tmp_path, monkeyp
     # 0-3, 2 rows (128, BININT1) on rank 4
     shapes = {**SHAPES, "big.w": (70_000 * 5, 1), "cross.w": (18, 64)}
     make_verl(tmp_path / "src", 16, optim=True, shapes=shapes)
-    patched = []
-    real_patch = torchwriter.patch
-    monkeypatch.setattr(shardrebuild, "patch", lambda *a: patched.append(real_patch(*a)) or patched[-1])
+    patched = []  # (bytes patched, bytes patched from) of each call
+
+    def spy(data, places, values):
+        patched.append((torchwriter.patch(data, places, values), data))
+        return patched[-1][0]
+
+    monkeypatch.setattr(shardrebuild, "patch", spy)
     _run("reshard", str(tmp_path / "src"), str(tmp_path / "fast"), "--to", "5", "--quiet")
-    assert sum(p is not None for p in patched) >= 4 and any(p is None for p in patched)
+    assert len(patched) >= 8 and all(out is not None for out, _ in patched)
+    assert any(len(out) != len(base) for out, base in patched)  # widths changed: spliced
     monkeypatch.setattr(shardrebuild, "patch", lambda *a: None)
     _run("reshard", str(tmp_path / "src"), str(tmp_path / "whole"), "--to", "5", "--quiet")
     files = sorted(p.name for p in (tmp_path / "whole").glob("*.pt"))

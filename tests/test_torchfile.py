@@ -173,6 +173,26 @@ def test_edge_cases_match_torch_save(tmp_path):
     assert got["sd"]._metadata == sd._metadata
 
 
+def test_a_patched_pickle_is_the_pickle_of_the_tree_with_the_new_values():
+    """patch() gives, byte for byte, what dumps() writes for the tree holding the new values:
+    in place where a value keeps its opcode, spliced where it needs another width (BININT1,
+    BININT2, BININT, negatives included); None for a value that needs LONG1 or a slot the pickle
+    does not hold, so the tree is written whole."""
+    from ckpt_tools.codecs.torchwriter import Slot, patch, slot_places
+
+    def tree(a: int, b: int) -> dict:
+        return {"x": (Slot("a", a), "s", Slot("b", b)), "y": [Slot("a", a), 7, ("t", Slot("b", b))]}
+
+    where: list = []
+    base = dumps(tree(3, 300), where)
+    places = slot_places(where)
+    assert {name: len(at) for name, at in places.items()} == {"a": 2, "b": 2}
+    for a, b in [(3, 300), (9, 301), (200, 70_000), (0, 5), (-1, 2**31 - 1), (70_000, 256), (-2**31, 0)]:
+        assert patch(base, places, {"a": a, "b": b}) == dumps(tree(a, b)), (a, b)
+    assert patch(base, places, {"a": 2**31}) is None  # LONG1
+    assert patch(base, places, {"c": 1}) is None
+
+
 def test_edited_tree_writes_a_loadable_subset(tmp_path):
     """What resharding does: keep some entries, renumber their storages, copy only those records."""
     src = TorchZip(FIXTURES / "llama_sharded_ws2" / "model_world_size_2_rank_0.pt")

@@ -194,9 +194,12 @@ def slot_places(slots: list[tuple[Any, int, int]]) -> dict[Any, list[tuple[int, 
 def patch(data: bytes, places: dict[Any, list[tuple[int, int]]], values: dict[Any, int]) -> bytes | None:
     """``data`` (written by :func:`dumps`, its slots at ``places``: :func:`slot_places`) with
     each slot named in ``values`` given that value: the bytes :func:`dumps` writes for the same
-    tree holding those values. None where a value needs another opcode than the one written, or
-    names no slot of ``data`` (then the tree is written whole)."""
-    out = bytearray(data)
+    tree holding those values. A value of another width (BININT1, BININT2, BININT) is spliced in:
+    a protocol-2 pickle has no frames, ints are never memoized, and nothing in it counts bytes,
+    so the rest reads the same shifted. None where a value needs a LONG1, or names no slot of
+    ``data`` (then the tree is written whole)."""
+    edits = []
+    resized = False
     for name, value in values.items():
         written = places.get(name)
         if written is None:
@@ -205,10 +208,24 @@ def patch(data: bytes, places: dict[Any, list[tuple[int, int]]], values: dict[An
             if value == old and type(value) is type(old) is int:
                 continue
             was, new = _int_code(old), _int_code(value)
-            if not was or len(new) != len(was) or new[0] != was[0]:
+            if not was or not new:
                 return None
+            resized = resized or len(new) != len(was)
+            edits.append((at, len(was), new))
+    if not resized:
+        out = bytearray(data)
+        for at, _, new in edits:
             out[at:at + len(new)] = new
-    return bytes(out)
+        return bytes(out)
+    edits.sort()
+    parts, done = [], 0
+    for at, width, new in edits:
+        if at < done:  # two slots written at one place: dumps never does
+            return None
+        parts += (data[done:at], new)
+        done = at + width
+    parts.append(data[done:])
+    return b"".join(parts)
 
 
 _CRC_POLY, _M64 = 0xEDB88320, (1 << 64) - 1
