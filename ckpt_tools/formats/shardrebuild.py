@@ -34,6 +34,7 @@ class Rebuilt:
         self._recipe: list[tuple[Any, Any]] | None = None  # (entry key, DTensor or None) | (_MESH, rank map)
         self._last: tuple | None = None  # the last pickle written whole: (bytes, its slots' places, local sizes)
         self._keys: dict[int, tuple] = {}  # id(target) -> (target, its source's key, dtype kept)
+        self._first: tuple | None = None  # (job, pickle, emitter) the dry run wrote whole, until written
 
     def _dtensor(self, node: Any) -> shardtree.DTensorNode | None:
         got = self._dtensors.get(id(node))
@@ -59,8 +60,10 @@ class Rebuilt:
         return by_key
 
     def tree(self, job: Any) -> tuple[Any, shardtree.Emitter]:
-        """``job``'s tree, built whole, and the storages that fill it; keeps the recipe."""
+        """``job``'s tree, built whole, and the storages that fill it (their local sizes noted,
+        as a replay notes them); keeps the recipe."""
         emitter, by_key, recipe = shardtree.Emitter(), self._pieces(job), []
+        sizes = emitter.sizes
         mesh = None
 
         def rebuild(key: tuple, node: Any) -> Any:
@@ -68,6 +71,7 @@ class Rebuilt:
             p = _take(by_key, key)
             d = self._dtensor(node)
             recipe.append((key, d))
+            sizes.append(p.sizes)
             if d is None:
                 _whole(p)
                 return emitter.local(local_of(node), p.sizes, p)
@@ -77,6 +81,7 @@ class Rebuilt:
             if mesh is None:
                 mesh = shardtree.rebuild_mesh(d.mesh, emitter, self.world, job.rank)
                 recipe.append((_MESH, emitter.records[-1][1]))
+                sizes.append((self.world,))
             return shardtree.rebuild_dtensor(d, local, mesh)
 
         tree = shardtree.map_tensors(self.template.tree, rebuild)
@@ -92,7 +97,10 @@ class Rebuilt:
         sizes gets its storage and no slots (its values are that file's). The emitter's
         ``sizes`` are this file's."""
         if self._recipe is None:
-            return self.tree(job)[1]
+            # the first file: its tree is built, so it is pickled now and kept for its write
+            tree, emitter = self.tree(job)
+            self._first = (job, self._dump(tree, emitter.sizes), emitter)
+            return emitter
         emitter, by_key = shardtree.Emitter(), self._pieces(job)
         sizes = emitter.sizes
 
@@ -122,6 +130,10 @@ class Rebuilt:
         """``job``'s pickle and storages: the last pickle written whole, patched where its
         tensors' local sizes and its rank differ, when every value keeps its opcode; else its
         tree written whole."""
+        first = self._first
+        if first is not None and first[0] is job:
+            self._first = None
+            return first[1], first[2]
         if self._last is not None and self._recipe is not None:
             data, places, sizes = self._last
             emitter = self.emitter(job, since=sizes)
@@ -129,10 +141,14 @@ class Rebuilt:
             if patched is not None:
                 return patched, emitter
         tree, emitter = self.tree(job)
+        return self._dump(tree, emitter.sizes), emitter
+
+    def _dump(self, tree: Any, sizes: list) -> bytes:
+        """``tree``'s pickle, kept as the one the next files patch (with its storages' ``sizes``)."""
         where: list = []
         data = dumps(tree, where)
-        self._last = (data, slot_places(where), self.emitter(job).sizes)
-        return data, emitter
+        self._last = (data, slot_places(where), sizes)
+        return data
 
 
 def _take(by_key: dict, key: tuple) -> Any:
