@@ -507,3 +507,35 @@ def test_check_tree_counts_short_flat_tuples_where_they_stand():
     bounded.check_tree(deep, where="t")  # MAX_DEPTH levels, the tuple the last
     with pytest.raises(bounded.HostileTree, match="deeper than"):
         bounded.check_tree([deep], where="t")
+
+
+def test_check_tree_knows_leaf_types_by_type_and_never_a_container():
+    """A type found to hold no children is then known as a leaf at once (a torch pickle's Global
+    nodes and one-character strings are met ~10^5 times); registering a node type forgets that,
+    so a type registered later is walked, its cycles refused; dict subclasses are always walked."""
+    from ckpt_tools.security import bounded
+
+    class Box:
+        pass
+
+    class Keyed(dict):
+        pass
+
+    box = Box()
+    box.kids = [box]
+    bounded.check_tree([box, box], where="t")  # unregistered: a leaf, whatever it holds
+    assert Box in bounded._OPAQUE
+    bomb: object = 1
+    for _ in range(60):
+        bomb = Keyed(a=bomb, b=bomb)
+    with pytest.raises(bounded.HostileTree, match="stand for about 2\\^"):
+        bounded.check_tree([box, bomb], where="t")
+    assert Keyed not in bounded._OPAQUE
+    bounded.register(Box, lambda b: b.kids)
+    try:
+        assert Box not in bounded._OPAQUE
+        with pytest.raises(bounded.HostileTree, match="contains itself"):
+            bounded.check_tree([box], where="t")
+    finally:
+        del bounded._NODES[Box]
+        bounded._OPAQUE.clear()

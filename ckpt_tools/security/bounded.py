@@ -51,6 +51,7 @@ def register(cls: type, children: Callable[[Any], Iterable[Any]], cycle: Callabl
     """Teach the walker the children of ``cls`` (and its subclasses, looked up by exact type
     first), and ``cycle``, what its refusal says of such a node that contains itself."""
     _NODES[cls] = children
+    _OPAQUE.clear()
     if cycle is not None:
         _CYCLES[cls] = cycle
 
@@ -68,7 +69,7 @@ _LEAVES = frozenset({str, int, float, bool, bytes, type(None)})
 def children(x: Any) -> Iterable[Any] | None:
     """The children of a container or registered node; None for a leaf."""
     t = type(x)
-    if t in _LEAVES:
+    if t in _LEAVES or t in _OPAQUE:
         return None
     if t is tuple or t is list:
         return x
@@ -85,7 +86,13 @@ def children(x: Any) -> Iterable[Any] | None:
         if isinstance(x, cls):
             _NODES[t] = fn  # a subclass: found directly next time
             return fn(x)
+    _OPAQUE.add(t)  # no container, no node: every object of this type is a leaf
     return None
+
+
+# types found to have no children (a torch pickle's Global nodes, one-character strings, dtypes):
+# known by their type at once; emptied when a node type is registered
+_OPAQUE: set[type] = set()
 
 
 _FLAT = 8  # a tuple of leaves at most this long is walked where it stands (check_tree)
@@ -109,7 +116,7 @@ def check_tree(tree: Any, *, where: str, max_depth: int = MAX_DEPTH) -> None:
         total = 1
         for child in kids:
             work += 1
-            if type(child) in _LEAVES:
+            if type(child) in _LEAVES or type(child) in _OPAQUE:
                 total += 1
                 continue
             if type(child) is tuple and len(child) <= _FLAT and depth < max_depth:
