@@ -199,7 +199,6 @@ def patch(data: bytes, places: dict[Any, list[tuple[int, int]]], values: dict[An
     so the rest reads the same shifted. None where a value needs a LONG1, or names no slot of
     ``data`` (then the tree is written whole)."""
     edits = []
-    resized = False
     for name, value in values.items():
         written = places.get(name)
         if written is None:
@@ -210,13 +209,7 @@ def patch(data: bytes, places: dict[Any, list[tuple[int, int]]], values: dict[An
             was, new = _int_code(old), _int_code(value)
             if not was or not new:
                 return None
-            resized = resized or len(new) != len(was)
             edits.append((at, len(was), new))
-    if not resized:
-        out = bytearray(data)
-        for at, _, new in edits:
-            out[at:at + len(new)] = new
-        return bytes(out)
     edits.sort()
     parts, done = [], 0
     for at, width, new in edits:

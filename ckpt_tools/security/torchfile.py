@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import bounded, safefs
+from . import bounded, safefs, torchpickle
 from .skeleton import Skeleton
 from .zipdir import records_of
 from ..errors import BadInput, UnsafeInput, brief
@@ -141,6 +141,28 @@ _ODICT = Global("collections", "OrderedDict")
 _STORAGE = "storage"  # one object for every persistent id, as torch's literal is
 
 
+def _reduce(func: Any, args: Any) -> Any:
+    """REDUCE, as both readers build it: an inert node."""
+    if type(func) is not Global or type(args) is not tuple:
+        raise BadInput("REDUCE of something other than an allowlisted global")
+    return OrderedDict() if func is _ODICT and not args else Reduce(func, args)
+
+
+def _newobj(cls: Any, args: Any) -> NewObj:
+    if type(cls) is not Global or type(args) is not tuple:
+        raise BadInput("NEWOBJ of something other than an allowlisted global")
+    return NewObj(cls, args)
+
+
+def _build(inst: Any, state: Any) -> None:
+    if isinstance(inst, Reduce) and inst.state is None:
+        inst.state = state
+    elif type(inst) is OrderedDict and type(state) is dict:  # a state_dict()'s ``_metadata``
+        inst.__dict__.update(state)
+    else:
+        raise BadInput(f"BUILD on a {type(inst).__name__}, which torch.save never writes")
+
+
 class _Unpickler(pickle._Unpickler):
     """The pure-Python unpickler with each opcode that would call or build something replaced by one
     that builds an inert node; containers stay real (dict, list, tuple, OrderedDict)."""
@@ -172,25 +194,16 @@ class _Unpickler(pickle._Unpickler):
         return ref
 
     def _load_reduce(self) -> None:
-        args, func = self.stack.pop(), self.stack[-1]
-        if type(func) is not Global or type(args) is not tuple:
-            raise BadInput("REDUCE of something other than an allowlisted global")
-        self.stack[-1] = OrderedDict() if func is _ODICT and not args else Reduce(func, args)
+        args = self.stack.pop()
+        self.stack[-1] = _reduce(self.stack[-1], args)
 
     def _load_newobj(self) -> None:
         args, cls = self.stack.pop(), self.stack.pop()
-        if type(cls) is not Global or type(args) is not tuple:
-            raise BadInput("NEWOBJ of something other than an allowlisted global")
-        self.append(NewObj(cls, args))
+        self.append(_newobj(cls, args))
 
     def _load_build(self) -> None:
-        state, inst = self.stack.pop(), self.stack[-1]
-        if isinstance(inst, Reduce) and inst.state is None:
-            inst.state = state
-        elif type(inst) is OrderedDict and type(state) is dict:  # a state_dict()'s ``_metadata``
-            inst.__dict__.update(state)
-        else:
-            raise BadInput(f"BUILD on a {type(inst).__name__}, which torch.save never writes")
+        state = self.stack.pop()
+        _build(self.stack[-1], state)
 
     def _refuse(self) -> None:
         raise BadInput("the pickle uses an opcode torch.save never writes (INST/OBJ/NEWOBJ_EX/EXT/PERSID)")
@@ -260,7 +273,12 @@ def _parse(data: bytes, where: str = "the pickle",
            admit: frozenset[tuple[str, str]] = frozenset()) -> tuple[Any, dict[str, StorageRef]]:
     unpickler = _Unpickler(data, admit)
     try:
-        tree = unpickler.load()
+        try:  # the same steps in one loop, where it vouches for the whole pickle
+            tree = torchpickle.load(data, torchpickle.Nodes(unpickler.find_class, unpickler.persistent_load,
+                                                            _reduce, _newobj, _build, _Str))
+        except torchpickle.Decline:  # read from the start, so that a refusal is the careful reader's
+            unpickler = _Unpickler(data, admit)
+            tree = unpickler.load()
     except bounded.HostileTree as e:
         raise bounded.HostileTree(f"{where}: {e}") from None
     except BadInput:
