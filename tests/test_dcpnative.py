@@ -78,8 +78,11 @@ def test_no_legacy_storage_is_not_native():
         dcpnative.tensor_pickle("uint16", (2,))
 
 
-def test_metadata_pickle_is_torchs():
-    """Stand-ins pickle as DCP's classes: shared strings, two dtypes, several chunks, bytes items."""
+@pytest.mark.parametrize("pickler", ["c", "python", "named-like-a-stand-in"])
+def test_metadata_pickle_is_torchs(monkeypatch, pickler):
+    """Stand-ins pickle as DCP's classes: shared strings, two dtypes, several chunks, bytes items,
+    many frames; by the C pickler (stand-in modules renamed) and by the pure-Python one, which
+    writes a file where a tensor is named like a stand-in module."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                        MetadataIndex, TensorProperties, TensorStorageMetadata)
@@ -88,6 +91,14 @@ def test_metadata_pickle_is_torchs():
              (("optimizer", "state", "a", "exp_avg"), "float32", (0,), (3,), (3,)),
              (("optimizer", "state", "a", "step"), "float32", (), (), ()), (("x",), None, None, None, None),
              (("optimizer", "param_groups", 0, "lr"), None, None, None, None)]
+    items += [(("model", f"layers.{i}.w"), "float16", (r * 2, 0), (2, 8), (16, 8)) for i in range(300) for r in range(8)]
+    stand = next(stand for stand, real in mp._RENAMES if real.endswith(b"checkpoint.metadata"))[2:].decode()
+    written, real_py = [], mp._dumps_py
+    monkeypatch.setattr(mp, "_dumps_py", lambda m, p: written.append(p) or real_py(m, p))
+    if pickler == "python":
+        monkeypatch.setattr(mp, "_dumps_c", lambda *a: None)
+    if pickler == "named-like-a-stand-in":
+        items.append(((stand,), "float32", (0,), (3,), (3,)))
 
     def build(real: bool) -> bytes:
         Size = torch.Size if real else mp.Size
@@ -114,6 +125,7 @@ def test_metadata_pickle_is_torchs():
                                     version="1.0.0"))
 
     assert build(False) == build(True)
+    assert bool(written) == (pickler != "c")
 
 
 def _mixed_hf(tmp_path: Path) -> Path:
