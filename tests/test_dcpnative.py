@@ -25,7 +25,8 @@ from ckpt_tools.formats.writers import layout_dcp
 from ckpt_tools.engine.execute import execute
 from ckpt_tools.formats import dcp, dcpnative, describe
 from ckpt_tools.core.plan import targets_from
-from ckpt_tools.codecs.torchwriter import TorchZipWriter, dumps
+from ckpt_tools.codecs.torchpickler import dumps
+from ckpt_tools.codecs.torchwriter import TorchZipWriter
 
 try:
     from dist import run_ranks

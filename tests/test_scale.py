@@ -143,7 +143,7 @@ def test_rank_file_pickles_patched_equal_pickles_written_whole(tmp_path, monkeyp
     shapes make local sizes cross BININT1 -> BININT2 -> BININT between ranks, and trailing ranks
     hold no rows: every file after the first of its kind is patched, some with ints of another
     width spliced in."""
-    from ckpt_tools.codecs import torchwriter
+    from ckpt_tools.codecs import torchpickler
     from ckpt_tools.formats import shardrebuild
 
     # big.w: 70,000 rows a rank (BININT); cross.w: 4 rows of 64 (numel 256, BININT2) on ranks
@@ -153,7 +153,7 @@ def test_rank_file_pickles_patched_equal_pickles_written_whole(tmp_path, monkeyp
     patched = []  # (bytes patched, bytes patched from) of each call
 
     def spy(data, places, values):
-        patched.append((torchwriter.patch(data, places, values), data))
+        patched.append((torchpickler.patch(data, places, values), data))
         return patched[-1][0]
 
     monkeypatch.setattr(shardrebuild, "patch", spy)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tools.codecs.torchwriter import TorchZipWriter, dumps
+from ckpt_tools.codecs.torchpickler import dumps
+from ckpt_tools.codecs.torchwriter import TorchZipWriter
 from ckpt_tools.errors import BadInput, UnsafeInput
 from ckpt_tools.formats import sharded, shardtree
 from ckpt_tools.security import skeleton

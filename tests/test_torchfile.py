@@ -28,7 +28,8 @@ from torch.distributed.tensor import DTensor
 from ckpt_tools.codecs import torchwriter
 from ckpt_tools.security import torchfile, zipdir
 from ckpt_tools.errors import BadInput, UnsafeInput
-from ckpt_tools.codecs.torchwriter import TorchZipWriter, crc32_combine, dumps
+from ckpt_tools.codecs.torchpickler import dumps
+from ckpt_tools.codecs.torchwriter import TorchZipWriter, crc32_combine
 from ckpt_tools.security.torchfile import Global, NewObj, Reduce, StorageRef, TorchZip, loads
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,7 +179,8 @@ def test_a_patched_pickle_is_the_pickle_of_the_tree_with_the_new_values():
     in place where a value keeps its opcode, spliced where it needs another width (BININT1,
     BININT2, BININT, negatives included); None for a value that needs LONG1 or a slot the pickle
     does not hold, so the tree is written whole."""
-    from ckpt_tools.codecs.torchwriter import Slot, patch, slot_places
+    from ckpt_tools.codecs import torchpickler
+    from ckpt_tools.codecs.torchpickler import Slot, patch, slot_places
 
     def tree(a: int, b: int) -> dict:
         return {"x": (Slot("a", a), "s", Slot("b", b)), "y": [Slot("a", a), 7, ("t", Slot("b", b))]}
@@ -191,6 +193,14 @@ def test_a_patched_pickle_is_the_pickle_of_the_tree_with_the_new_values():
         assert patch(base, places, {"a": a, "b": b}) == dumps(tree(a, b)), (a, b)
     assert patch(base, places, {"a": 2**31}) is None  # LONG1
     assert patch(base, places, {"c": 1}) is None
+    # a patched pickle's places, moved by the widths changed before them, are those dumps()
+    # notes for its tree; the next file patched from it is that file's pickle
+    for values in ({"a": 70_000, "b": 5}, {"b": -1}, {"a": 9}):
+        where2: list = []
+        want = dumps(tree(values.get("a", 3), values.get("b", 300)), where2)
+        assert patch(base, places, values) == want
+        assert torchpickler.patched_places(places, values) == slot_places(where2)
+        assert patch(want, slot_places(where2), {"a": 1, "b": 2**31 - 1}) == dumps(tree(1, 2**31 - 1))
 
 
 def test_edited_tree_writes_a_loadable_subset(tmp_path):
@@ -526,10 +536,11 @@ def test_module_never_imports_torch():
         sys.modules["ckpt_tools"] = pkg
         tf = importlib.import_module("ckpt_tools.security.torchfile")
         tw = importlib.import_module("ckpt_tools.codecs.torchwriter")
+        tp = importlib.import_module("ckpt_tools.codecs.torchpickler")
         for path in {files!r}:
             src = tf.TorchZip(path)
             with tw.TorchZipWriter(os.path.join(tempfile.mkdtemp(), "x.pt"), src.prefix) as w:
-                w.write_record("data.pkl", tw.dumps(src.tree))
+                w.write_record("data.pkl", tp.dumps(src.tree))
                 for name in src.records:
                     if name not in ("data.pkl", "version", ".data/serialization_id"):
                         w.copy_record(name, [src.part(name)])

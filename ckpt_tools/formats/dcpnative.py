@@ -32,7 +32,8 @@ from typing import Any
 
 from ..codecs import metapickle as mp
 from ..codecs.tensornodes import REBUILD_V2, STORAGE_DTYPES, contiguous_stride
-from ..codecs.torchwriter import Sources, TorchZipWriter, dumps
+from ..codecs.torchpickler import dumps
+from ..codecs.torchwriter import Sources, TorchZipWriter
 from ..core.describe import Checkpoint, ObjectInfo
 from ..core.plan import Span
 from ..errors import BadInput, Damaged

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from ..codecs.tensornodes import local_of
-from ..codecs.torchwriter import TorchZipWriter, dumps
+from ..codecs.torchpickler import dumps
+from ..codecs.torchwriter import TorchZipWriter
 from ..core.describe import Checkpoint
 from ..core.flat import boxes
 from ..core.plan import FileJob, Piece, Span, Target, by_piece, piece

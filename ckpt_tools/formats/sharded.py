@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..codecs.torchwriter import dumps
+from ..codecs.torchpickler import dumps
 from ..core.describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo, chunk_rows
 from ..core.dtypes import DType
 from ..core.plan import Span, by_piece, Piece

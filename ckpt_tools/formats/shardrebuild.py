@@ -4,9 +4,9 @@ Every destination file of a kind is the source's rank-0 tree with its tensor nod
 the new world size: the same nodes in the same order, only the rank and the local sizes differ.
 So the first file's tree is built whole (:meth:`Rebuilt.tree`), and what it did is kept as a
 recipe: which entry of the plan each tensor takes, in pickling order. The next files replay the
-recipe (:meth:`Rebuilt.emitter`: the storages and :class:`~..codecs.torchwriter.Slot` values,
+recipe (:meth:`Rebuilt.emitter`: the storages and :class:`~..codecs.torchpickler.Slot` values,
 no tree) and their pickle is the last one with the slot values replaced
-(:func:`~..codecs.torchwriter.patch`); a value that needs another opcode has its tree built
+(:func:`~..codecs.torchpickler.patch`); a value that needs another opcode has its tree built
 and written whole. Replaying checks what building checks (a piece for every tensor and no
 other, rows only of sharded tensors), so a file the tree could not be built for is refused the
 same way (NotSimple).
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..codecs.tensornodes import NotSimple, local_of
-from ..codecs.torchwriter import dumps, patch, slot_places
+from ..codecs.torchpickler import dumps, patch, patched_places, slot_places
 from ..security.torchfile import TorchZip
 from . import shardtree
 
@@ -139,6 +139,8 @@ class Rebuilt:
             emitter = self.emitter(job, since=sizes)
             patched = patch(data, places, emitter.slots)
             if patched is not None:
+                if len(patched) != len(data):  # ints of other widths: the files after patch from this one
+                    self._last = (patched, patched_places(places, emitter.slots), emitter.sizes)
                 return patched, emitter
         tree, emitter = self.tree(job)
         return self._dump(tree, emitter.sizes), emitter

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from ..core.describe import Location
-from ..codecs.torchwriter import Slot, TorchZipWriter, dumps
+from ..codecs.torchpickler import Slot, dumps
+from ..codecs.torchwriter import TorchZipWriter
 from ..codecs.tensornodes import REBUILD_V2, Local, NotSimple, contiguous_stride, local_of  # noqa: F401 - served here too
 from ..errors import BadInput
 from ..security import bounded

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..codecs.torchwriter import dumps
+from ..codecs.torchpickler import dumps
 from ..core.describe import Checkpoint
 from ..core.plan import Piece, Span, by_piece
 from ..storage.castio import CastSpan
