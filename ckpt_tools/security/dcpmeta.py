@@ -27,25 +27,19 @@ class _Record:
     """Attributes from the pickled state dict; unknown fields are kept, missing ones None."""
 
     _fields: tuple[str, ...] = ()
-    _unset: dict[str, None] = {}  # each field None: what a state that does not set it leaves
 
     def __init__(self, **kwargs: Any) -> None:
         for f in self._fields:
             setattr(self, f, kwargs.get(f))
 
     def __setstate__(self, state: Any) -> None:
-        if type(state) is not dict:
-            if isinstance(state, tuple) and len(state) == 2:  # (dict, slots) from a __slots__ class
-                state = {**(state[0] or {}), **(state[1] or {})}
-            if not isinstance(state, dict):
-                raise ValueError(f"{type(self).__name__}: unexpected pickled state {type(state).__name__}")
-        # the fields first, None unless the state sets them, then any other attribute it sets
-        # (one dict built: a many-rank .metadata sets the state of ~10^5 records)
-        self.__dict__.update({**self._unset, **state})
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls._unset = dict.fromkeys(cls._fields)
+        for f in self._fields:
+            setattr(self, f, None)
+        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots) from a __slots__ class
+            state = {**(state[0] or {}), **(state[1] or {})}
+        if not isinstance(state, dict):
+            raise ValueError(f"{type(self).__name__}: unexpected pickled state {type(state).__name__}")
+        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{f}={getattr(self, f, None)!r}' for f in self._fields)})"
