@@ -11,11 +11,12 @@ from __future__ import annotations
 import io
 import pickle
 import pickletools
-import random
 from collections import OrderedDict
 from pathlib import Path
 
 import pytest
+
+from mutations import mutations
 
 from ckpt_tools.errors import BadInput, UnsafeInput
 from ckpt_tools.security import bounded, dcpmeta, fastpickle
@@ -138,33 +139,13 @@ def test_frames_are_read_as_the_careful_reader_reads_them():
     assert _same(_careful(framed(size + 1)), _careful(data))
 
 
-def _mutations(data: bytes, seed: int, n: int):
-    rng = random.Random(seed)
-    for _ in range(n):
-        buf = bytearray(data)
-        for _ in range(rng.randint(1, 3)):
-            i = rng.randrange(len(buf))
-            kind = rng.randrange(4)
-            if kind == 0:
-                buf[i] ^= rng.randint(1, 255)
-            elif kind == 1:
-                buf[i:i] = bytes([rng.randrange(256)])
-            elif kind == 2:
-                del buf[i]
-            else:
-                del buf[i:]
-            if not buf:
-                break
-        yield bytes(buf)
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_mutated_metadata_reads_the_same_or_is_declined(seed):
     """Whatever the bytes, the fast reader gives the careful reader's tree or declines (then the
     careful reader decides); it never gives a tree where the careful reader fails."""
     data = (FIX / "dcp_torch215" / ".metadata").read_bytes()
     agreed = declined = 0
-    for m in _mutations(data, seed, 400):
+    for m in mutations(data, seed, 400):
         try:
             fast = _fast(m)
         except fastpickle.Decline:
@@ -216,7 +197,7 @@ def test_a_declined_file_gets_the_careful_readers_own_refusal(tmp_path, monkeypa
     data = (FIX / "dcp_torch214" / ".metadata").read_bytes()
     p = tmp_path / ".metadata"
     refused = 0
-    for m in _mutations(data, 100 + seed, 150):
+    for m in mutations(data, 100 + seed, 150):
         p.write_bytes(m)
         with monkeypatch.context() as mp:
             mp.setattr(dcpmeta, "FAST_MAX_BYTES", -1)  # careful reader only

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import pickle
-import random
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 import torch
+
+from mutations import mutations
 
 from ckpt_tools.errors import BadInput, UnsafeInput
 from ckpt_tools.security import bounded, torchfile, torchpickle
@@ -146,33 +147,13 @@ def test_another_protocol_is_declined_and_read_the_careful_way():
     assert torchfile.loads(data) == OrderedDict(a=1, b=(2, "x"))
 
 
-def _mutations(data: bytes, seed: int, n: int):
-    rng = random.Random(seed)
-    for _ in range(n):
-        buf = bytearray(data)
-        for _ in range(rng.randint(1, 3)):
-            i = rng.randrange(len(buf))
-            kind = rng.randrange(4)
-            if kind == 0:
-                buf[i] ^= rng.randint(1, 255)
-            elif kind == 1:
-                buf[i:i] = bytes([rng.randrange(256)])
-            elif kind == 2:
-                del buf[i]
-            else:
-                del buf[i:]
-            if not buf:
-                break
-        yield bytes(buf)
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_mutated_pickles_read_the_same_or_are_declined(seed):
     """Whatever the bytes, the fast reader gives the careful reader's tree or declines; it never
     gives a tree where the careful reader fails."""
     data = _pickle_of(FIX / "llama_sharded_ws8" / "model_world_size_8_rank_3.pt")
     agreed = declined = 0
-    for m in _mutations(data, seed, 400):
+    for m in mutations(data, seed, 400):
         try:
             fast = _fast(m)
         except torchpickle.Decline:
@@ -203,7 +184,7 @@ def test_a_declined_pickle_gets_the_careful_readers_own_refusal(monkeypatch, see
     def declining(*_):
         raise torchpickle.Decline("off")
 
-    for m in _mutations(data, 200 + seed, 150):
+    for m in mutations(data, 200 + seed, 150):
         with monkeypatch.context() as mp:
             mp.setattr(torchpickle, "load", declining)  # careful reader only
             careful = _refusal(m)

@@ -17,23 +17,21 @@ of an index never put, a put past the memo's end, a truncated argument, any exce
 what it calls) it raises :class:`Decline`, and the caller reads the pickle the careful way from
 the start, so a refusal and its message are always the careful reader's. The caller passes the
 result through :func:`~ckpt_tools.security.bounded.check_tree` as it does the careful one's.
+
+A loop of its own, not fastpickle's with switches: the two know different opcodes (protocol 2's
+explicit puts and text globals; protocol 4's MEMOIZE and frames) and a check per opcode is what
+such a loop cannot afford; what they share (the decline, the memo's puts) is fastpickle's.
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from .bounded import check_key
+from .fastpickle import _F8, _I4, _U4, Decline, _put
 
-_I4 = struct.Struct("<i").unpack_from
-_U4 = struct.Struct("<I").unpack_from
-_F8 = struct.Struct(">d").unpack_from
-
-
-class Decline(Exception):
-    """The fast reader does not vouch for this pickle; read it the careful way."""
+__all__ = ["Decline", "Nodes", "load"]
 
 
 class Nodes(NamedTuple):
@@ -266,13 +264,3 @@ def _load(buf: bytes, nodes: Nodes) -> Any:  # noqa: C901 (one loop on purpose)
         if op == 0x2e:  # STOP
             return stack.pop()
         raise Decline(f"opcode {op:#04x}")
-
-
-def _put(memo: list[Any], i: int, x: Any) -> None:
-    """A put at ``i`` of the memo, as the careful reader's dict takes it, where a list can."""
-    if i < len(memo):
-        memo[i] = x
-    elif i == len(memo):
-        memo.append(x)
-    else:
-        raise Decline("a put past the memo's end")
