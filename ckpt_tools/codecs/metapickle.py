@@ -239,8 +239,12 @@ def dumps(meta: Metadata, protocol: int | None = None) -> bytes:
 
 def _dumps_c(meta: Metadata, protocol: int) -> bytes | None:
     """By the C pickler, the stand-in modules' names renamed; None where one is not found
-    exactly once where the pickler wrote it."""
-    data = pickle.dumps(meta, protocol=protocol)
+    exactly once where the pickler wrote it, or where the C pickler would not find the stand-ins
+    (another Python's way of looking globals up)."""
+    try:
+        data = pickle.dumps(meta, protocol=protocol)
+    except (pickle.PicklingError, AttributeError, ImportError, TypeError):
+        return None
     if any(data.count(stand) > 1 for stand, _ in _RENAMES):
         return None
     for stand, real in _RENAMES:
