@@ -70,6 +70,20 @@ def make_hf(dst: Path, gb: float, dtype: torch.dtype, hidden: int = 4096) -> Non
             flush()
     flush()
     (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    _llama_config(dst, hidden, sum(1 for n, _ in shapes if n.endswith("input_layernorm.weight")), dtype)
+
+
+def _llama_config(dst: Path, hidden: int, layers: int, dtype: torch.dtype) -> None:
+    """The config (and a tokenizer) of llama_shapes' model: what an export needs to load with
+    from_pretrained (without one, ``ckpt export`` stops and asks for ``--base``)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11008 // 4096,
+                num_hidden_layers=layers, num_attention_heads=hidden // 128, num_key_value_heads=hidden // 128,
+                tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
+                dtype=str(dtype).removeprefix("torch.")).save_pretrained(dst)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(HERE.parent / "fixtures" / "llama_hf" / name, dst / name)
 
 
 def make_sharded_with_adam(dst: Path, gb: float, world: int) -> None:
@@ -206,12 +220,13 @@ def bench_export(work: Path, gb: float) -> list[dict]:
     import ckpt_tools
 
     ckpt_tools.convert(hf, src, to="dcp", world_size=4, progress=False)
-    shutil.rmtree(hf)
+    for f in hf.glob("*.safetensors"):  # its config and tokenizer stay: the export's --base
+        f.unlink()
     print(f"source: {src} ({du(src) / 2**30:.2f} GiB DCP, 4 ranks, bf16)", file=sys.stderr)
     return timed_rounds([
         ("cp -r + sync", ["cp", "-r", str(src), str(work / "cp")], work / "cp"),
-        ("ckpt export", [sys.executable, "-m", "ckpt_tools", "export", str(src), str(work / "ckpt"), "--quiet"],
-         work / "ckpt"),
+        ("ckpt export", [sys.executable, "-m", "ckpt_tools", "export", str(src), str(work / "ckpt"), "--base", str(hf),
+                         "--quiet"], work / "ckpt"),
         ("accelerate merge_fsdp_weights", py(
             "from accelerate.utils import merge_fsdp_weights; import sys; "
             f"merge_fsdp_weights({str(src)!r}, {str(work / 'acc')!r}, safe_serialization=True)"), work / "acc"),
@@ -259,9 +274,10 @@ def bench_paths(work: Path, gb: float) -> tuple[list[dict], dict[str, str]]:
         ("cp -r dcp", ["cp", "-r", str(dcp), str(work / "cp_dcp")], work / "cp_dcp", None),
         ("cp -r ws8", ["cp", "-r", str(ws8), str(work / "cp_ws8")], work / "cp_ws8", None),
         ("cat ws8 > /dev/null", ["sh", "-c", 'cat "$@" > /dev/null', "cat", *files], work / "none", None),
-        ("`export` dcp → hf", [*ck, "export", str(dcp), str(work / "o1"), "--quiet"], work / "o1", "cp -r dcp"),
-        ("`export` dcp → hf `--dtype fp16`", [*ck, "export", str(dcp), str(work / "o2"), "--dtype", "fp16", "--quiet"],
-         work / "o2", "cp -r dcp"),
+        ("`export` dcp → hf", [*ck, "export", str(dcp), str(work / "o1"), "--base", str(hf), "--quiet"], work / "o1",
+         "cp -r dcp"),
+        ("`export` dcp → hf `--dtype fp16`", [*ck, "export", str(dcp), str(work / "o2"), "--base", str(hf), "--dtype",
+                                              "fp16", "--quiet"], work / "o2", "cp -r dcp"),
         ("`convert` dcp → torch", [*ck, "convert", str(dcp), str(work / "o3.pt"), "--to", "torch", "--quiet"],
          work / "o3.pt", "cp -r dcp"),
         ("torch `dcp_to_torch_save` (peer)", py(
