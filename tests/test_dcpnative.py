@@ -79,11 +79,12 @@ def test_no_legacy_storage_is_not_native():
         dcpnative.tensor_pickle("uint16", (2,))
 
 
-@pytest.mark.parametrize("pickler", ["c", "python", "named-like-a-stand-in"])
+@pytest.mark.parametrize("pickler", ["c", "python", "named-like-a-stand-in", "named-like-an-unwritten-stand-in"])
 def test_metadata_pickle_is_torchs(monkeypatch, pickler):
     """Stand-ins pickle as DCP's classes: shared strings, two dtypes, several chunks, bytes items,
     many frames; by the C pickler (stand-in modules renamed) and by the pure-Python one, which
-    writes a file where a tensor is named like a stand-in module."""
+    writes a file where an item is named like a stand-in module: one the pickler writes too, or
+    one it does not (the dtypes' module, in a checkpoint without tensors)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                        MetadataIndex, TensorProperties, TensorStorageMetadata)
@@ -100,6 +101,9 @@ def test_metadata_pickle_is_torchs(monkeypatch, pickler):
         monkeypatch.setattr(mp, "_dumps_c", lambda *a: None)
     if pickler == "named-like-a-stand-in":
         items.append(((stand,), "float32", (0,), (3,), (3,)))
+    if pickler == "named-like-an-unwritten-stand-in":
+        mp.dtype("float32")
+        items = [item for item in items if item[1] is None] + [((mp._STANDS[id(mp._DTYPE_MODULE)].__name__,),) + (None,) * 4]
 
     def build(real: bool) -> bytes:
         Size = torch.Size if real else mp.Size

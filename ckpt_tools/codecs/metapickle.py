@@ -17,8 +17,8 @@ Tested byte for byte against ``pickle.dump`` of torch's classes.
 pure-Python one took a quarter of a DCP reshard). The C one checks each global by importing its
 module and finding the object there, so each torch module has a stand-in module registered
 under a name of the same length that no import can mean (``~0~...``); the bytes are then those
-names' strings renamed, nothing shifting. A file where a stand-in name is not found exactly once
-(a tensor named like one) is written by the pure-Python pickler instead.
+names' strings renamed, nothing shifting. A file where a stand-in name is found other than once,
+as a global's module (an item named like one), is written by the pure-Python pickler instead.
 """
 
 from __future__ import annotations
@@ -238,18 +238,27 @@ def dumps(meta: Metadata, protocol: int | None = None) -> bytes:
 
 
 def _dumps_c(meta: Metadata, protocol: int) -> bytes | None:
-    """By the C pickler, the stand-in modules' names renamed; None where one is not found
-    exactly once where the pickler wrote it, or where the C pickler would not find the stand-ins
+    """By the C pickler, the stand-in modules' names renamed; None where one is found other than
+    once, as a global's module, or where the C pickler would not find the stand-ins
     (another Python's way of looking globals up)."""
     try:
         data = pickle.dumps(meta, protocol=protocol)
     except (pickle.PicklingError, AttributeError, ImportError, TypeError):
         return None
-    if any(data.count(stand) > 1 for stand, _ in _RENAMES):
-        return None
+    out = bytearray(data)
     for stand, real in _RENAMES:
-        data = data.replace(stand, real)
-    return data
+        at = data.find(stand)
+        if at < 0:  # no global of that module was pickled (a checkpoint without tensors)
+            continue
+        # once only, and as a global's module: its string, MEMOIZE, the name's string, MEMOIZE,
+        # STACK_GLOBAL. A string of the checkpoint's that reads the same (an item named like a
+        # stand-in module) is neither, whether or not the pickler wrote that module
+        end = at + len(stand)
+        name = end + 3 + data[end + 2] if end + 2 < len(data) else -1
+        if data.find(stand, end) >= 0 or data[end:end + 2] != b"\x94\x8c" or data[name:name + 2] != b"\x94\x93":
+            return None
+        out[at:end] = real
+    return bytes(out)
 
 
 def _dumps_py(meta: Metadata, protocol: int) -> bytes:

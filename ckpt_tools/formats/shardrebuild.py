@@ -32,7 +32,7 @@ class Rebuilt:
         self.template, self.world = template, world
         self._dtensors: dict[int, tuple[Any, Any]] = {}  # id(template node) -> (node, dtensor_of)
         self._recipe: list[tuple[Any, Any]] | None = None  # (entry key, DTensor or None) | (_MESH, rank map)
-        self._last: tuple | None = None  # the last pickle written whole: (bytes, its slots' places, local sizes)
+        self._last: tuple | None = None  # the pickle the next files patch: (bytes, its slots' places, local sizes)
         self._keys: dict[int, tuple] = {}  # id(target) -> (target, its source's key, dtype kept)
         self._first: tuple | None = None  # (job, pickle, emitter) the dry run wrote whole, until written
 
@@ -92,7 +92,8 @@ class Rebuilt:
 
     def emitter(self, job: Any, *, check: bool = False, since: list | None = None) -> shardtree.Emitter | None:
         """The storages and slot values ``job``'s tree would have, from the recipe (no tree);
-        ``check``: only whether it can be built (NotSimple if not), nothing kept. ``since``: the
+        ``check``: only whether it can be built (NotSimple if not), nothing kept but for the
+        kind's first file, whose tree this builds: it is pickled and kept for its write. ``since``: the
         local sizes, entry by entry, of a file whose slot values are known: an entry of the same
         sizes gets its storage and no slots (its values are that file's). The emitter's
         ``sizes`` are this file's."""
