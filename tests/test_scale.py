@@ -171,6 +171,40 @@ def test_rank_file_pickles_patched_equal_pickles_written_whole(tmp_path, monkeyp
     assert all(torch.equal(got[k], want[k]) for k in ("big.w", "cross.w"))
 
 
+def test_rank_files_from_a_dcp_patched_equal_files_written_whole(tmp_path, monkeypatch):
+    """Rank files built from a DCP (no source rank file to rebuild: each tree built from the
+    plan, :class:`~ckpt_tools.formats.shardsynth.Synthesized`) after the first of their kind
+    are the previous pickle with the rank and local sizes replaced: every file equals, byte for
+    byte, the one written from its whole tree, records included, and torch loads the values
+    saved. Local sizes cross opcode widths between ranks and trailing ranks hold no rows."""
+    from ckpt_tools.codecs import torchpickler
+    from ckpt_tools.formats import shardrebuild
+
+    shapes = {**SHAPES, "big.w": (70_000 * 5, 1), "cross.w": (18, 64)}
+    state = make_dcp(tmp_path / "src", 4, optim=True, shapes=shapes)
+    patched = []
+
+    def spy(data, places, values):
+        patched.append((torchpickler.patch(data, places, values), data))
+        return patched[-1][0]
+
+    monkeypatch.setattr(shardrebuild, "patch", spy)
+    _run("convert", str(tmp_path / "src"), str(tmp_path / "fast"), "--to", "sharded", "--world-size", "5", "--quiet")
+    assert len(patched) == 8 and all(out is not None for out, _ in patched)  # model and optim, ranks 1-4
+    assert any(len(out) != len(base) for out, base in patched)  # widths changed: spliced
+    monkeypatch.setattr(shardrebuild, "patch", lambda *a: None)
+    _run("convert", str(tmp_path / "src"), str(tmp_path / "whole"), "--to", "sharded", "--world-size", "5", "--quiet")
+    files = sorted(p.name for p in (tmp_path / "whole").glob("*.pt"))
+    assert len(files) == 10  # model and optim
+    for name in files:
+        assert (tmp_path / "fast" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+    got = _rank_files_state(tmp_path / "fast", 5)
+    assert set(got) == set(state) and all(torch.equal(got[k], v) for k, v in state.items())
+    moments = _rank_files_state(tmp_path / "fast", 5, "optim")
+    for i, (k, v) in enumerate(state.items()):
+        assert torch.equal(moments[f"{i}.exp_avg_sq"], v.abs() * 0.01), k
+
+
 def test_reshard_refuses_ranks_whose_step_differs(tmp_path):
     """Every rank's copy of the optimizer's ``step`` is read (from the files, never mapped) and
     compared: one rank's differing step means files of two saves, refused; the bytes read are

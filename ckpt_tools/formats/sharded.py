@@ -25,7 +25,7 @@ from ..storage.castio import CastSpan
 from . import flatparams, ranknames, rankread, shardedtensor, shardtree, optim, shardsynth
 from .hf import tensor_bytes
 from .shardsynth import SMALL_RECORDS
-from .shardrebuild import Rebuilt
+from .shardrebuild import Patched, Rebuilt
 from .shardtree import NotSimple
 
 if TYPE_CHECKING:
@@ -423,19 +423,23 @@ class Writer:
         self.synth = synth
         self._zips: dict[str, TorchZip] = {}
         self._crcs: dict[str, dict[tuple[int, int], int]] = {}  # the latest _CRC_TABLES files'
-        self._rebuilt: dict[str, Rebuilt] = {}  # kind -> its files, rebuilt from the template
+        self._rebuilt: dict[str, Patched] = {}  # kind -> its files, from the template or the plan
 
     def __getstate__(self) -> dict:
         # parsed files stay in the process that parsed them
         return {**self.__dict__, "_zips": {}, "_crcs": {}, "_rebuilt": {}}
 
-    def _rebuild(self, job) -> Rebuilt | None:
-        """How ``job``'s file is rebuilt from the source's rank-0 file of its kind (None: it is not)."""
-        if self.template is None or job.kind not in ("model", "optim"):
+    def _rebuild(self, job) -> Patched | None:
+        """How ``job``'s file is built, the first of its kind whole and the next patched: from
+        the source's rank-0 file of its kind, or from the plan (None: neither)."""
+        if job.kind not in ("model", "optim") or self.template is None and self.synth is None:
             return None
         if job.kind not in self._rebuilt:
-            template = self._zip(file_name("model" if job.kind == "model" else "optim", self.src_world, 0))
-            self._rebuilt[job.kind] = Rebuilt(template, self.world_size)
+            if self.template is None:
+                self._rebuilt[job.kind] = shardsynth.Synthesized(self)
+            else:
+                template = self._zip(file_name("model" if job.kind == "model" else "optim", self.src_world, 0))
+                self._rebuilt[job.kind] = Rebuilt(template, self.world_size)
         return self._rebuilt[job.kind]
 
     @property

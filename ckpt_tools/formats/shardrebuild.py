@@ -1,19 +1,20 @@
-"""Destination rank files rebuilt from a source rank-0 file, one kind (model, optimizer) at a time.
+"""Destination rank files of one kind (model, optimizer) whose pickles differ only in ints: the
+first file's tree built whole, the next files' pickles that one's with those ints replaced.
 
-Every destination file of a kind is the source's rank-0 tree with its tensor nodes rebuilt for
-the new world size: the same nodes in the same order, only the rank and the local sizes differ.
-So the first file's tree is built whole (:meth:`Rebuilt.tree`), and what it did is kept as a
-recipe: which entry of the plan each tensor takes, in pickling order. The next files replay the
-recipe (:meth:`Rebuilt.emitter`: the storages and :class:`~..codecs.torchpickler.Slot` values,
-no tree) and their pickle is the last one with the slot values replaced
+Every destination file of a kind is one tree with its tensor nodes built for its rank: the
+same nodes in the same order, only the rank and the local sizes differ. So the first file's
+tree is built whole (:meth:`Patched.tree`), and what it did is kept as a recipe: which entry of
+the plan each tensor takes, in pickling order. The next files replay the recipe
+(:meth:`Patched.emitter`: the storages and :class:`~..codecs.torchpickler.Slot` values, no
+tree) and their pickle is the last one with the slot values replaced
 (:func:`~..codecs.torchpickler.patch`); a value that needs another opcode has its tree built
-and written whole. Replaying checks what building checks (a piece for every tensor and no
-other, rows only of sharded tensors), so a file the tree could not be built for is refused the
-same way (NotSimple).
+and written whole. :class:`Rebuilt` builds the tree from a source rank-0 file's;
+:class:`~.shardsynth.Synthesized` from the plan alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..codecs.tensornodes import NotSimple, local_of
@@ -24,17 +25,96 @@ from . import shardtree
 _MESH = "mesh"
 
 
-class Rebuilt:
+class Patched:
+    """One kind's destination files, the first built whole and the next patched (see the
+    module's docstring). A subclass builds a file's tree (:meth:`tree`, keeping the recipe in
+    ``_recipe``) and replays the recipe for another file (:meth:`_replay`)."""
+
+    template: TorchZip | None = None  # the source file the trees are rebuilt from, if any
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self._recipe: Any = None  # what the first tree built did, as _replay reads it
+        self._last: tuple | None = None  # the pickle the next files patch: (bytes, its slots' places, local sizes)
+        self._first: tuple | None = None  # (job, pickle, emitter) the dry run wrote whole, until written
+
+    def tree(self, job: Any) -> tuple[Any, shardtree.Emitter]:
+        """``job``'s tree, built whole, and the storages that fill it (their local sizes noted,
+        as a replay notes them); keeps the recipe."""
+        raise NotImplementedError
+
+    def _replay(self, job: Any, emitter: shardtree.Emitter | None,
+                storage: Callable[[tuple[int, ...], Any], None] | None) -> bool:
+        """The recipe replayed for ``job``: ``storage(local sizes, source)`` for each storage in
+        pickling order and ``emitter.rank`` for its mesh (None: a check only, nothing called).
+        False where ``job``'s tree is not the recipe's shape (then it is built whole), NotSimple
+        where no tree can be built for it."""
+        raise NotImplementedError
+
+    def emitter(self, job: Any, *, check: bool = False, since: list | None = None) -> shardtree.Emitter | None:
+        """The storages and slot values ``job``'s tree would have, from the recipe (no tree);
+        ``check``: only whether it can be built (NotSimple if not), nothing kept but for the
+        kind's first file, whose tree this builds: it is pickled and kept for its write. ``since``: the
+        local sizes, entry by entry, of a file whose slot values are known: an entry of the same
+        sizes gets its storage and no slots (its values are that file's). The emitter's
+        ``sizes`` are this file's. None (not ``check``) where ``job`` is not of the recipe's shape."""
+        if self._recipe is None:
+            # the first file: its tree is built, so it is pickled now and kept for its write
+            tree, emitter = self.tree(job)
+            self._first = (job, self._dump(tree, emitter.sizes), emitter)
+            return emitter
+        if check:
+            if not self._replay(job, None, None):
+                self.tree(job)  # (raises NotSimple where no tree can be built)
+            return None
+        emitter = shardtree.Emitter()
+        sizes = emitter.sizes
+
+        def storage(size: tuple[int, ...], source: Any) -> None:
+            if since is not None and since[len(sizes)] == size:
+                emitter.record(source)
+            else:
+                emitter.account(size, source)
+            sizes.append(size)
+
+        return emitter if self._replay(job, emitter, storage) else None
+
+    def pickle(self, job: Any) -> tuple[bytes, shardtree.Emitter]:
+        """``job``'s pickle and storages: the last pickle written whole, patched where its
+        tensors' local sizes and its rank differ, when every value keeps its opcode; else its
+        tree written whole."""
+        first = self._first
+        if first is not None and first[0] is job:
+            self._first = None
+            return first[1], first[2]
+        if self._last is not None and self._recipe is not None:
+            data, places, sizes = self._last
+            emitter = self.emitter(job, since=sizes)
+            patched = None if emitter is None else patch(data, places, emitter.slots)
+            if patched is not None:
+                if len(patched) != len(data):  # ints of other widths: the files after patch from this one
+                    self._last = (patched, patched_places(places, emitter.slots), emitter.sizes)
+                return patched, emitter
+        tree, emitter = self.tree(job)
+        return self._dump(tree, emitter.sizes), emitter
+
+    def _dump(self, tree: Any, sizes: list) -> bytes:
+        """``tree``'s pickle, kept as the one the next files patch (with its storages' ``sizes``)."""
+        where: list = []
+        data = dumps(tree, where)
+        self._last = (data, slot_places(where), sizes)
+        return data
+
+
+class Rebuilt(Patched):
     """The destination files of one kind, built from ``template`` (the source's rank-0 file of
     that kind) for ``world`` ranks."""
 
     def __init__(self, template: TorchZip, world: int) -> None:
-        self.template, self.world = template, world
+        super().__init__(world)
+        self.template = template
         self._dtensors: dict[int, tuple[Any, Any]] = {}  # id(template node) -> (node, dtensor_of)
-        self._recipe: list[tuple[Any, Any]] | None = None  # (entry key, DTensor or None) | (_MESH, rank map)
-        self._last: tuple | None = None  # the pickle the next files patch: (bytes, its slots' places, local sizes)
         self._keys: dict[int, tuple] = {}  # id(target) -> (target, its source's key, dtype kept)
-        self._first: tuple | None = None  # (job, pickle, emitter) the dry run wrote whole, until written
 
     def _dtensor(self, node: Any) -> shardtree.DTensorNode | None:
         got = self._dtensors.get(id(node))
@@ -60,8 +140,6 @@ class Rebuilt:
         return by_key
 
     def tree(self, job: Any) -> tuple[Any, shardtree.Emitter]:
-        """``job``'s tree, built whole, and the storages that fill it (their local sizes noted,
-        as a replay notes them); keeps the recipe."""
         emitter, by_key, recipe = shardtree.Emitter(), self._pieces(job), []
         sizes = emitter.sizes
         mesh = None
@@ -90,68 +168,23 @@ class Rebuilt:
         self._recipe = recipe
         return tree, emitter
 
-    def emitter(self, job: Any, *, check: bool = False, since: list | None = None) -> shardtree.Emitter | None:
-        """The storages and slot values ``job``'s tree would have, from the recipe (no tree);
-        ``check``: only whether it can be built (NotSimple if not), nothing kept but for the
-        kind's first file, whose tree this builds: it is pickled and kept for its write. ``since``: the
-        local sizes, entry by entry, of a file whose slot values are known: an entry of the same
-        sizes gets its storage and no slots (its values are that file's). The emitter's
-        ``sizes`` are this file's."""
-        if self._recipe is None:
-            # the first file: its tree is built, so it is pickled now and kept for its write
-            tree, emitter = self.tree(job)
-            self._first = (job, self._dump(tree, emitter.sizes), emitter)
-            return emitter
-        emitter, by_key = shardtree.Emitter(), self._pieces(job)
-        sizes = emitter.sizes
-
-        def storage(size: tuple[int, ...], source: Any) -> None:
-            if since is not None and since[len(sizes)] == size:
-                emitter.record(source)
-            else:
-                emitter.account(size, source)
-            sizes.append(size)
-
+    def _replay(self, job: Any, emitter: shardtree.Emitter | None,
+                storage: Callable[[tuple[int, ...], Any], None] | None) -> bool:
+        by_key = self._pieces(job)
         for key, d in self._recipe:
             if key is _MESH:  # rebuild_mesh's storage and slots
-                if not check:
+                if storage is not None:
                     storage((self.world,), d)
                     emitter.rank(job.rank)
                 continue
             p = _take(by_key, key)
             if d is None:
                 _whole(p)
-            if not check:
+            if storage is not None:
                 storage(p.sizes, p)
         if by_key:
             raise NotSimple("pieces the source file does not hold")
-        return None if check else emitter
-
-    def pickle(self, job: Any) -> tuple[bytes, shardtree.Emitter]:
-        """``job``'s pickle and storages: the last pickle written whole, patched where its
-        tensors' local sizes and its rank differ, when every value keeps its opcode; else its
-        tree written whole."""
-        first = self._first
-        if first is not None and first[0] is job:
-            self._first = None
-            return first[1], first[2]
-        if self._last is not None and self._recipe is not None:
-            data, places, sizes = self._last
-            emitter = self.emitter(job, since=sizes)
-            patched = patch(data, places, emitter.slots)
-            if patched is not None:
-                if len(patched) != len(data):  # ints of other widths: the files after patch from this one
-                    self._last = (patched, patched_places(places, emitter.slots), emitter.sizes)
-                return patched, emitter
-        tree, emitter = self.tree(job)
-        return self._dump(tree, emitter.sizes), emitter
-
-    def _dump(self, tree: Any, sizes: list) -> bytes:
-        """``tree``'s pickle, kept as the one the next files patch (with its storages' ``sizes``)."""
-        where: list = []
-        data = dumps(tree, where)
-        self._last = (data, slot_places(where), sizes)
-        return data
+        return True
 
 
 def _take(by_key: dict, key: tuple) -> Any:

@@ -15,7 +15,6 @@ torch path.
 
 from __future__ import annotations
 
-import math
 import struct
 from collections import OrderedDict
 from pathlib import Path
@@ -23,10 +22,10 @@ from typing import Any
 
 from ..core.describe import ObjectInfo
 from ..core.state import param_groups_keyed
-from ..security.torchfile import Global, NewObj, Reduce, StorageRef
+from ..security.torchfile import Global, NewObj, Reduce
 from .dcpnative import NotNative, STORAGE_OF, Writer as _ObjectReader
-from .shardtree import (DEVICE_MESH, DTENSOR, FROM_TYPE, REBUILD_V2, SHARD, WRAPPER, Emitter, NotSimple,
-                        contiguous_stride)
+from .shardrebuild import Patched
+from .shardtree import DEVICE_MESH, DTENSOR, FROM_TYPE, SHARD, WRAPPER, Emitter, NotSimple, contiguous_stride
 
 CHECKED_TORCH = ("2.13.",)
 SMALL_RECORDS = [(".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little")]
@@ -47,12 +46,13 @@ def available() -> bool:
 
 
 def _local(emitter: Emitter, dtype: str, size: tuple[int, ...], source: Any) -> Reduce:
+    """A fresh contiguous CPU tensor of ``size``, its ints slots (the rank's, in a file that
+    the next files of its kind patch: :class:`Synthesized`)."""
     storage = STORAGE_OF.get(str(dtype))
     if storage is None:
         raise NotSimple(f"no legacy storage class for {dtype}")
-    numel = math.prod(size)
-    ref = emitter.storage(StorageRef(Global("torch", storage), "", "cpu", numel), numel, source)
-    return Reduce(REBUILD_V2, (ref, 0, _fresh(size), contiguous_stride(tuple(size)), False, OrderedDict()))
+    emitter.sizes.append(tuple(size))
+    return emitter.tensor(Global("torch", storage), "cpu", size, source, (False, OrderedDict()))
 
 
 def _fresh(t: tuple) -> tuple:
@@ -65,13 +65,19 @@ def mesh(emitter: Emitter, world: int, rank: int, names: tuple[str, ...] | None 
     """The 1-D CPU DeviceMesh ``sharded._mesh`` pickles (process group "0", dimension ``names``)."""
     if world < 2:
         raise NotSimple("a mesh of one device")  # torch lays it out differently
-    rank_map = _local(emitter, "int32", (world,), struct.pack(f"<{world}i", *range(world)))
+    rank_map = _local(emitter, "int32", (world,), rank_map_bytes(world))
+    rank_slot, coordinate = emitter.rank(rank)
     layout = NewObj(Global(_LAYOUT, "_MeshLayout"), (), {
         "axes": (NewObj(Global(_LAYOUT, "_FlatLayout"), (), {"shape": (world,), "stride": (1,)}),)})
     return NewObj(DEVICE_MESH, (), {
         "_device_type": "cpu", "_layout": layout, "_rank_map": rank_map, "_mesh_dim_names": names,
         "_root_mesh": None, "_flatten_rank_map": tuple(range(world)), "_thread_id": None, "_flatten_mapping": {},
-        "_rank": rank, "_coordinate_on_dim": (rank,), "_hash": None, "_dim_group_names": ["0"]})
+        "_rank": rank_slot, "_coordinate_on_dim": (coordinate,), "_hash": None, "_dim_group_names": ["0"]})
+
+
+def rank_map_bytes(world: int) -> bytes:
+    """The storage of a 1-D mesh's rank map (int32 ``0 .. world - 1``)."""
+    return struct.pack(f"<{world}i", *range(world))
 
 
 def dtensor(local: Reduce, mesh_node: NewObj, shape: tuple[int, ...], dtype: str, layout: Reduce) -> Reduce:
@@ -94,36 +100,74 @@ def dtensor(local: Reduce, mesh_node: NewObj, shape: tuple[int, ...], dtype: str
 def tree_for(writer: Any, job: Any) -> tuple[Any, Emitter]:
     """The tree of ``job``'s file and the storages that fill it (``writer``: the sharded
     Writer, for the world size, parameter order and keying)."""
-    emitter = Emitter()
     if job.kind == "extra":
-        return dict(job.meta["extra"]), emitter
-    if job.objects and job.kind == "model":
-        raise NotSimple("non-tensor model entries")
-    plain = job.meta.get("plain", ())
-    layout = Reduce(Global("torch.serialization", "_get_layout"), ("torch.strided",))  # one object: torch.strided
-    mesh_node = None
+        return dict(job.meta["extra"]), Emitter()
+    return Synthesized(writer).tree(job)
 
-    def node(p: Any) -> Reduce:
-        # called in the order pickling visits the tensors: storages are numbered in that order
-        nonlocal mesh_node
-        local = _local(emitter, p.target.dtype, p.sizes, p)  # before the mesh, as pickling visits them
-        if (p.target.group, p.target.name) in plain:
-            return local
-        if mesh_node is None:
-            mesh_node = mesh(emitter, writer.world_size, job.rank or 0, writer.mesh_names)
-        return dtensor(local, mesh_node, p.target.shape, p.target.dtype, layout)
 
-    if job.kind == "model":
-        return {p.target.name: node(p) for p in job.pieces}, emitter
+class Synthesized(Patched):
+    """The model or optimizer files of a sharded writer with no source rank files (``writer``):
+    the first built from the plan, the next patched (:class:`~.shardrebuild.Patched`). The
+    recipe: the plan's targets in pickling order, where the mesh's storage comes among theirs,
+    and what else the tree is built from (the plain tensors' names, the saved objects)."""
 
+    def __init__(self, writer: Any) -> None:
+        super().__init__(writer.world_size)
+        self.writer = writer
+
+    def tree(self, job: Any) -> tuple[Any, Emitter]:
+        writer, emitter = self.writer, Emitter()
+        if job.objects and job.kind == "model":
+            raise NotSimple("non-tensor model entries")
+        plain = job.meta.get("plain", ())
+        layout = Reduce(Global("torch.serialization", "_get_layout"), ("torch.strided",))  # one object: torch.strided
+        mesh_node, order, mesh_at = None, [], None
+
+        def node(p: Any) -> Reduce:
+            # called in the order pickling visits the tensors: storages are numbered in that order
+            nonlocal mesh_node, mesh_at
+            order.append(p.target)
+            local = _local(emitter, p.target.dtype, p.sizes, p)  # before the mesh, as pickling visits them
+            if (p.target.group, p.target.name) in plain:
+                return local
+            if mesh_node is None:
+                mesh_node, mesh_at = mesh(emitter, writer.world_size, job.rank or 0, writer.mesh_names), len(order)
+            return dtensor(local, mesh_node, p.target.shape, p.target.dtype, layout)
+
+        if job.kind == "model":
+            tree = {p.target.name: node(p) for p in job.pieces}
+        else:
+            state = {key: {name: node(p) for name, p in per.items()} for key, per in _optim_state(writer, job).items()}
+            opt = object_values(writer.synth, job.objects).get("optimizer", {})
+            groups = param_groups_keyed(opt.get("param_groups", []), keyed=writer.keyed, param_order=writer.param_order)
+            tree = {"state": state, "param_groups": groups}
+        self._recipe = (order, mesh_at, plain, tuple(job.objects), job.kind)
+        return tree, emitter
+
+    def _replay(self, job: Any, emitter: Emitter | None, storage: Any) -> bool:
+        order, mesh_at, plain, objects, kind = self._recipe
+        if job.kind != kind or job.meta.get("plain", ()) != plain or tuple(job.objects) != objects:
+            return False
+        pieces = job.pieces if kind == "model" else [p for per in _optim_state(self.writer, job).values()
+                                                     for p in per.values()]
+        if len(pieces) != len(order) or any(p.target is not t and p.target != t for p, t in zip(pieces, order)):
+            return False
+        if storage is not None:
+            for i, p in enumerate(pieces, 1):
+                storage(p.sizes, p)
+                if i == mesh_at:
+                    storage((self.world,), rank_map_bytes(self.world))
+                    emitter.rank(job.rank or 0)
+        return True
+
+
+def _optim_state(writer: Any, job: Any) -> dict:
+    """An optimizer file's pieces by parameter key and state name, in pickling order."""
     state: dict = {}
     for p in job.pieces:
         key = writer.param_order.index(p.target.param) if writer.keyed == "int" else p.target.param
         state.setdefault(key, {})[p.target.state] = p
-    state = {key: {name: node(p) for name, p in per.items()} for key, per in state.items()}
-    opt = object_values(writer.synth, job.objects).get("optimizer", {})
-    groups = param_groups_keyed(opt.get("param_groups", []), keyed=writer.keyed, param_order=writer.param_order)
-    return {"state": state, "param_groups": groups}, emitter
+    return state
 
 
 def object_values(root: Path, objects: tuple[ObjectInfo, ...] | list[ObjectInfo]) -> dict:

@@ -286,11 +286,18 @@ class Emitter:
         return key
 
     def local(self, like: Local, size: tuple[int, ...], source: Any) -> Reduce:
+        """``like`` (a source's local tensor) with ``size``, its storage filled from ``source``."""
+        return self.tensor(like.storage.type, like.storage.location, size, source, like.node.args[4:])
+
+    def tensor(self, storage: Global, location: str, size: tuple[int, ...], source: Any, rest: tuple) -> Reduce:
+        """A contiguous tensor of ``size`` on a new storage of type ``storage`` (filled from
+        ``source``), its numel, sizes and strides slots; ``rest``: ``_rebuild_tensor_v2``'s
+        arguments after the stride (requires_grad, backward hooks, ...)."""
         key, n = self.account(size, source), len(size)
         slot = self._slot
-        storage = StorageRef(like.storage.type, key, like.storage.location, slot((key, "numel")))
-        args = (storage, 0, tuple(slot((key, "size", i)) for i in range(n)),
-                tuple(slot((key, "stride", i)) for i in range(n)), *like.node.args[4:])
+        ref = StorageRef(storage, key, location, slot((key, "numel")))
+        args = (ref, 0, tuple(slot((key, "size", i)) for i in range(n)),
+                tuple(slot((key, "stride", i)) for i in range(n)), *rest)
         return Reduce(REBUILD_V2, args)
 
     def rank(self, rank: int) -> tuple[Slot, Slot]:
