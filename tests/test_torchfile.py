@@ -187,6 +187,8 @@ def test_a_patched_pickle_is_the_pickle_of_the_tree_with_the_new_values():
 
     where: list = []
     base = dumps(tree(3, 300), where)
+    python_where: list = []
+    assert _python_dumps(tree(3, 300), python_where) == base and python_where == where  # the C pickler's
     places = slot_places(where)
     assert {name: len(at) for name, at in places.items()} == {"a": 2, "b": 2}
     for a, b in [(3, 300), (9, 301), (200, 70_000), (0, 5), (-1, 2**31 - 1), (70_000, 256), (-2**31, 0)]:
@@ -201,6 +203,73 @@ def test_a_patched_pickle_is_the_pickle_of_the_tree_with_the_new_values():
         assert patch(base, places, values) == want
         assert torchpickler.patched_places(places, values) == slot_places(where2)
         assert patch(want, slot_places(where2), {"a": 1, "b": 2**31 - 1}) == dumps(tree(1, 2**31 - 1))
+
+
+def _python_dumps(tree, where=None) -> bytes:
+    """What the pure-Python pickler (torchpickler._Emitter) writes for ``tree``."""
+    from ckpt_tools.codecs import torchpickler
+
+    buf = io.BytesIO()
+    emitter = torchpickler._Emitter(buf, protocol=2)
+    emitter.file, emitter.slots = buf, where if where is not None else []
+    emitter.dump(tree)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("path", ALL_FILES, ids=ids)
+def test_c_pickler_writes_what_torch_wrote_or_hands_over(path):
+    """The C pickler (stand-in modules for the Global nodes, sentinels for slots and kept-apart
+    strings) writes each fixture's pickle as torch wrote it, or declines (None), and the
+    pure-Python one writes the same bytes."""
+    from ckpt_tools.codecs import torchpickler
+
+    src = TorchZip(path)
+    c = torchpickler._c_dumps(src.tree, [])
+    assert c is None or c == src.pickle
+    assert _python_dumps(src.tree) == src.pickle
+
+
+def test_c_pickler_writes_the_usual_rank_files():
+    """Model, optimizer and extra-state rank files, with their one-character strings (the
+    mesh's process group "0", the root module's "" in ``_metadata``): the C pickler's to write."""
+    from ckpt_tools.codecs import torchpickler
+
+    for name in ("model_world_size_8_rank_3.pt", "optim_world_size_8_rank_0.pt", "extra_state_world_size_8_rank_1.pt"):
+        src = TorchZip(FIXTURES / "llama_sharded_ws8" / name)
+        assert torchpickler._c_dumps(src.tree, []) == src.pickle, name
+
+
+def test_c_pickler_hands_over_what_it_cannot_vouch_for():
+    """A one-character string kept apart but referenced twice, a module name too short for a
+    stand-in, a string holding a stand-in's GLOBAL text, a plain int equal to a slot's sentinel:
+    the C pickler declines or writes what the Python one does, and dumps() gives the Python
+    one's bytes either way."""
+    from ckpt_tools.codecs import torchpickler
+    from ckpt_tools.codecs.torchpickler import Slot
+    from ckpt_tools.security.torchfile import Global, NewObj, Reduce, _Str
+
+    zero = _Str("0")
+    torch_size = Global("torch", "Size")
+    torchpickler._c_dumps(Reduce(torch_size, ((1,),)), [])  # gives "torch" its stand-in
+    stand = torchpickler._STANDS["torch"].decode()
+    cases = {
+        "shared kept-apart string": ([zero, zero, _Str("")], True),
+        "short module": (Reduce(Global("ab", "f"), (1,)), True),
+        "a stand-in's text": ([f"c{stand}\n", Reduce(torch_size, ((2,),))], True),
+        "a sentinel as a value": ({"a": Slot("x", 300), "b": torchpickler._SENTINEL | 0, "c": Slot("y", 5)}, False),
+        "nodes": ([NewObj(Global("torch.distributed.tensor.placement_types", "Shard"), (), {"dim": 0}), zero,
+                   Reduce(torch_size, ((3, _Str("0")),), {"s": _Str("x")})], False),
+    }
+    for name, (tree, declined) in cases.items():
+        where: list = []
+        c = torchpickler._c_dumps(tree, where)
+        assert (c is None) == declined, name
+        want_where: list = []
+        want = _python_dumps(tree, want_where)
+        if c is not None:
+            assert c == want and where == want_where, name
+        got_where: list = []
+        assert torchpickler.dumps(tree, got_where) == want and got_where == want_where, name
 
 
 def test_edited_tree_writes_a_loadable_subset(tmp_path):

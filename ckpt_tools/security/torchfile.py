@@ -104,6 +104,10 @@ class NewObj(Reduce):
 
     __slots__ = ()
     cls = property(lambda self: self.func)
+    # what the C pickler checks a NEWOBJ's object against (``obj.__class__ is cls``) when
+    # :mod:`ckpt_tools.codecs.torchpickler` writes the node; ``type()`` and ``isinstance`` go by
+    # the real type, NewObj
+    __class__ = property(lambda self: self.func)
 
     def __repr__(self) -> str:
         return f"NewObj(cls={self.func!r}, args={self.args!r}, state={self.state!r})"
