@@ -65,6 +65,7 @@ def cases(ranks: int, tensors: int, work: Path) -> list[tuple[str, list[str]]]:
         ("convert dcp -> hf", [*ckpt, "convert", str(d), str(work / "o6"), "--to", "hf", "--quiet"]),
         ("convert hf -> dcp", [*ckpt, "convert", str(work / "o3"), str(work / "o7"), "--to", "dcp",
                                "--quiet"]),  # (the export above is its source)
+        ("convert dcp -> rank files", [*ckpt, "convert", str(d), str(work / "o8"), "--to", "sharded", "--quiet"]),
         ("convert dcp -> torch", [*ckpt, "convert", str(d), str(work / "o4.pt"), "--to", "torch", "--quiet"]),
         ("dcp_to_torch_save", [sys.executable, "-c", TORCH_SAVE, str(d), str(work / "o5.pt")]),
     ]
