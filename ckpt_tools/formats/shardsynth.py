@@ -15,6 +15,7 @@ torch path.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections import OrderedDict
 from pathlib import Path
@@ -22,10 +23,11 @@ from typing import Any
 
 from ..core.describe import ObjectInfo
 from ..core.state import param_groups_keyed
-from ..security.torchfile import Global, NewObj, Reduce
+from ..security.torchfile import Global, NewObj, Reduce, StorageRef
 from .dcpnative import NotNative, STORAGE_OF, Writer as _ObjectReader
 from .shardrebuild import Patched
-from .shardtree import DEVICE_MESH, DTENSOR, FROM_TYPE, SHARD, WRAPPER, Emitter, NotSimple, contiguous_stride
+from .shardtree import (DEVICE_MESH, DTENSOR, FROM_TYPE, REBUILD_V2, SHARD, WRAPPER, Emitter, NotSimple,
+                        contiguous_stride)
 
 CHECKED_TORCH = ("2.13.",)
 SMALL_RECORDS = [(".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little")]
@@ -45,14 +47,19 @@ def available() -> bool:
     return version.startswith(CHECKED_TORCH)
 
 
-def _local(emitter: Emitter, dtype: str, size: tuple[int, ...], source: Any) -> Reduce:
-    """A fresh contiguous CPU tensor of ``size``, its ints slots (the rank's, in a file that
-    the next files of its kind patch: :class:`Synthesized`)."""
+def _local(emitter: Emitter, dtype: str, size: tuple[int, ...], source: Any, *, slots: bool = True) -> Reduce:
+    """A fresh contiguous CPU tensor of ``size``. ``slots``: its ints are slots (the rank's, in
+    a file that the next files of its kind patch: :class:`Synthesized`), else plain ints (a file
+    written once: slots would only cost their notes)."""
     storage = STORAGE_OF.get(str(dtype))
     if storage is None:
         raise NotSimple(f"no legacy storage class for {dtype}")
-    emitter.sizes.append(tuple(size))
-    return emitter.tensor(Global("torch", storage), "cpu", size, source, (False, OrderedDict()))
+    if slots:
+        emitter.sizes.append(tuple(size))
+        return emitter.tensor(Global("torch", storage), "cpu", size, source, (False, OrderedDict()))
+    numel = math.prod(size)
+    ref = emitter.storage(StorageRef(Global("torch", storage), "", "cpu", numel), numel, source)
+    return Reduce(REBUILD_V2, (ref, 0, _fresh(size), contiguous_stride(tuple(size)), False, OrderedDict()))
 
 
 def _fresh(t: tuple) -> tuple:

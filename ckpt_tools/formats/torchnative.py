@@ -55,7 +55,7 @@ class Writer:
 
         def build(x: Any) -> Any:
             if isinstance(x, Piece):
-                return _local(emitter, x.target.dtype, x.sizes, x)
+                return _local(emitter, x.target.dtype, x.sizes, x, slots=False)
             if type(x) is dict:
                 return {k: build(v) for k, v in x.items()}
             return x  # plain data (the values the source saved)
