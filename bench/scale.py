@@ -45,6 +45,7 @@ def timed(cmd: list[str], *, cwd: Path) -> tuple[float, float]:
     return secs, kb / 1024
 
 
+PEERS = {"cp -r rank files": ":", "dcp_to_torch_save": "--"}  # the yardsticks, as plotted
 TORCH_SAVE = ("import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save;"
               "dcp_to_torch_save(sys.argv[1], sys.argv[2])")
 
@@ -112,10 +113,13 @@ def plot(rows: list[dict], png: Path) -> bool:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     few_t, few_w = min(r["tensors"] for r in rows), min(r["ranks"] for r in rows)
     for ax, (x, fixed, value) in zip(axes, (("ranks", "tensors", few_t), ("tensors", "ranks", few_w))):
-        for case in dict.fromkeys(r["case"] for r in rows):
+        ours = [c for c in dict.fromkeys(r["case"] for r in rows) if c not in PEERS]
+        for case in [*ours, *PEERS]:
             pts = sorted((r[x], r["s"]) for r in rows if r["case"] == case and r[fixed] == value)
-            if len(pts) > 1:
-                ax.plot(*zip(*pts), marker="o", label=case)
+            if len(pts) > 1:  # ckpt's cases in colours of their own, the yardsticks black, dashed
+                style = {"color": "black", "linestyle": PEERS[case]} if case in PEERS else \
+                    {"color": plt.cm.tab10(ours.index(case) % 10)}
+                ax.plot(*zip(*pts), marker="o", label=case, **style)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel(f"{x} ({fixed}: {value})")
