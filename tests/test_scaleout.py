@@ -108,6 +108,22 @@ def test_torchrun_four_processes_256_ranks_same_bytes(kind: str, many_ranks, tmp
     assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp-" in p.name], "staging left behind"
 
 
+def test_torchrun_four_processes_dcp_to_rank_files_same_bytes(many_ranks, tmp_path: Path) -> None:
+    """A 256-rank DCP converted to 192 verl rank files by 4 processes (each builds its first
+    file of a kind whole and patches its next ones from it) is byte for byte, every file, the
+    single process's output (which patches every file after rank 0's)."""
+    src = many_ranks["dcp"]
+    one = tmp_path / "one"
+    ckpt_tools.convert(src, one, to="sharded", world_size=192, progress=False)
+    four = tmp_path / "four"
+    proc = _torchrun(4, "convert", str(src), str(four), "--to", "sharded", "--world-size", "192", "--quiet",
+                     cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = _files(four), _files(one)
+    assert len([k for k in want if k.endswith(".pt")]) == 2 * 192 and got.keys() == want.keys()
+    assert [k for k in got if got[k] != want[k]] == []
+
+
 @pytest.mark.parametrize("kind", ["verl", "dcp"])
 def test_a_process_plans_only_its_own_files(kind: str, many_ranks) -> None:
     """The plan of process 1 of 4 (output ranks 48-95 of 192) holds those ranks' files and no
