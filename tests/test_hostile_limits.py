@@ -509,6 +509,41 @@ def test_check_tree_counts_short_flat_tuples_where_they_stand():
         bounded.check_tree([deep], where="t")
 
 
+def test_check_tree_counts_nodes_of_leaves_where_they_stand():
+    """A node holding only leaves and short tuples of leaves (a DCP chunk record) is counted
+    where it is met, like a short tuple: shared 200,000 times it is walked, a bomb made of
+    lists above it is still refused, and so are a cycle and a tree too deep through nodes
+    that hold more."""
+    from ckpt_tools.security import bounded
+
+    class Rec:
+        def __init__(self, *fields):
+            self.fields = list(fields)
+
+    bounded.register(Rec, lambda r: r.fields)
+    try:
+        chunk = Rec((0, 0), (4096, 4096), "__0_0.distcp", 7)
+        bounded.check_tree({"chunks": [chunk] * 200_000}, where="t")
+        bomb: object = [chunk, chunk]
+        for _ in range(60):
+            bomb = [bomb, bomb]
+        with pytest.raises(bounded.HostileTree, match="stand for about 2\\^"):
+            bounded.check_tree(bomb, where="t")
+        loop = Rec((1,), 2)
+        loop.fields.append(loop)
+        with pytest.raises(bounded.HostileTree, match="contains itself"):
+            bounded.check_tree([chunk, loop], where="t")
+        deep: object = chunk
+        for _ in range(bounded.MAX_DEPTH - 2):
+            deep = Rec(deep, 1)
+        bounded.check_tree(deep, where="t")  # MAX_DEPTH levels, the chunk's tuples the last
+        with pytest.raises(bounded.HostileTree, match="deeper than"):
+            bounded.check_tree(Rec(deep), where="t")
+    finally:
+        del bounded._NODES[Rec]
+        bounded._OPAQUE.clear()
+
+
 def test_check_tree_knows_leaf_types_by_type_and_never_a_container():
     """A type found to hold no children is then known as a leaf at once (a torch pickle's Global
     nodes and one-character strings are met ~10^5 times); registering a node type forgets that,

@@ -96,6 +96,7 @@ _OPAQUE: set[type] = set()
 
 
 _FLAT = 8  # a tuple of leaves at most this long is walked where it stands (check_tree)
+_FLAT_NODE = 16  # and a node of at most this many leaves and such tuples
 
 
 def check_tree(tree: Any, *, where: str, max_depth: int = MAX_DEPTH) -> None:
@@ -106,6 +107,7 @@ def check_tree(tree: Any, *, where: str, max_depth: int = MAX_DEPTH) -> None:
         return
     sizes: dict[int, int] = {}  # id -> size walked as a tree, for finished containers
     active: set[int] = set()
+    deep: set[type] = set()  # types of nodes found holding more than leaves and short tuples
     work = 0
 
     # recursion, bounded by max_depth (far below Python's limit): the fastest walk in Python
@@ -139,6 +141,30 @@ def check_tree(tree: Any, *, where: str, max_depth: int = MAX_DEPTH) -> None:
             if grand is None:
                 total += 1
                 continue
+            if type(child) not in deep and depth + 2 <= max_depth and len(grand) <= _FLAT_NODE:
+                # a node of leaves and short tuples of leaves (a DCP record) counted where it
+                # stands, like a short tuple: it holds nothing that could hold it, and each
+                # time it is met it costs what it counts. A type found holding more once is
+                # not looked at this way again (most of a torch pickle's nodes)
+                flat = 1
+                for g in grand:
+                    if type(g) in _LEAVES or type(g) in _OPAQUE:
+                        flat += 1
+                    elif type(g) is tuple and len(g) <= _FLAT:
+                        for leaf in g:
+                            if type(leaf) not in _LEAVES:
+                                break
+                        else:
+                            flat += len(g) + 1
+                            continue
+                        break
+                    else:
+                        break
+                else:
+                    work += flat
+                    total += flat
+                    continue
+                deep.add(type(child))
             if cid in active:
                 raise HostileTree(f"{where}: {_cycle(child)}")
             if depth >= max_depth:
