@@ -11,6 +11,7 @@ import io
 import os
 import random
 import shlex
+import struct
 import subprocess
 import sys
 import textwrap
@@ -257,6 +258,9 @@ def test_c_pickler_hands_over_what_it_cannot_vouch_for():
         "short module": (Reduce(Global("ab", "f"), (1,)), True),
         "a stand-in's text": ([f"c{stand}\n", Reduce(torch_size, ((2,),))], True),
         "a sentinel as a value": ({"a": Slot("x", 300), "b": torchpickler._SENTINEL | 0, "c": Slot("y", 5)}, False),
+        # two floats whose bytes, with the BINFLOAT opcode between them, read as a slot's sentinel
+        "bytes that read as a sentinel": ([struct.unpack(">d", b"\0" * 6 + b"\x8a\x08")[0],
+                                           struct.unpack(">d", b"\0" * 5 + b"\xed\x5eQ")[0], Slot("x", 3)], True),
         "nodes": ([NewObj(Global("torch.distributed.tensor.placement_types", "Shard"), (), {"dim": 0}), zero,
                    Reduce(torch_size, ((3, _Str("0")),), {"s": _Str("x")})], False),
     }

@@ -15,7 +15,9 @@ import struct
 import sys
 import threading
 import types
+from array import array
 from collections import OrderedDict
+from itertools import accumulate
 from typing import Any
 
 from ..errors import BadInput
@@ -193,10 +195,9 @@ def dumps(tree: Any, slots: list[tuple[Any, int, int]] | None = None) -> bytes:
 
 _SENTINEL = 0x5EED << 48  # | i: a Slot's sentinel, an 8-byte LONG1 whose top bytes are these
 _TOKEN = "\ue000" + "".join(f"{b:02x}" for b in os.urandom(8)) + "#"  # + i + "#": a _Str's sentinel
-_SPLICES = re.compile(
-    rb"\x8a\x08(.{4})\x00\x00\xed\x5eQ"  # a Slot's sentinel, BINPERSID
-    rb"|X.{4}" + re.escape(_TOKEN.encode()) + rb"([0-9]+)#(q.|r.{4})Q",  # a _Str's, its memo put, BINPERSID
-    re.DOTALL)
+_SLOT_SPLICE = re.compile(rb"\x8a\x08(.{4})\x00\x00\xed\x5eQ", re.DOTALL)  # a Slot's sentinel, BINPERSID
+_STR_SPLICE = re.compile(rb"X.{4}" + re.escape(_TOKEN.encode()) + rb"([0-9]+)#(q.|r.{4})Q",  # a _Str's, its memo put, BINPERSID
+                         re.DOTALL)
 _STANDS: dict[str, bytes] = {}  # a module's name -> its stand-in's, as written in a GLOBAL opcode
 _STANDS_LOCK = threading.Lock()
 
@@ -279,32 +280,43 @@ def _c_dumps(tree: Any, slots: list[tuple[Any, int, int]]) -> bytes | None:
         if data.count(stand) != n:
             return None
         data = data.replace(stand, real)
-    parts, done, at = [], 0, 0
-    ints, strs = [False] * len(pickler.slotted), [False] * len(pickler.strs)
-    for m in _SPLICES.finditer(data):
-        parts.append(data[done:m.start()])
-        at += m.start() - done
-        if m.group(1) is not None:
-            i = int.from_bytes(m.group(1), "little")
-            if i >= len(ints) or ints[i]:
-                return None
-            ints[i] = True
-            slot = pickler.slotted[i]
-            code = _int_code(int(slot)) or int_opcode(int(slot))
-            slots.append((slot.name, at, int(slot)))
-        else:
-            i = int(m.group(2))
-            if i >= len(strs) or strs[i]:
-                return None
-            strs[i] = True
-            text = str.encode(pickler.strs[i], "utf-8", "surrogatepass")
-            code = pickle.BINUNICODE + _U(len(text)) + text + m.group(3)
-        parts.append(code)
-        at += len(code)
-        done = m.end()
-    if not all(ints) or not all(strs):
+    if pickler.strs:
+        data = _splice_strs(data, pickler.strs)
+        if data is None:
+            return None
+    if pickler.slotted:
+        data = _splice_slots(data, pickler.slotted, slots)
+    return data
+
+
+def _splice_strs(data: bytes, strs: list[_Str]) -> bytes | None:
+    """``data`` with each kept-apart string's sentinel (and BINPERSID) made that string, its
+    memo put kept; None unless each is found once, in the order written."""
+    found = _STR_SPLICE.findall(data)
+    if [int(i) for i, _ in found] != list(range(len(strs))):
         return None
-    parts.append(data[done:])
+    pieces = _STR_SPLICE.split(data)[::3]  # (split gives the text, then the two groups, ...)
+    parts: list[bytes] = [pieces[0]]
+    for s, (_, put), rest in zip(strs, found, pieces[1:]):
+        text = str.encode(s, "utf-8", "surrogatepass")
+        parts += (pickle.BINUNICODE + _U(len(text)) + text + put, rest)
+    return b"".join(parts)
+
+
+def _splice_slots(data: bytes, slotted: list[Slot], slots: list[tuple[Any, int, int]]) -> bytes | None:
+    """``data`` with each slot's sentinel (and BINPERSID) made its int's own opcode, its place
+    noted in ``slots``; None unless each is found once, in the order written (a slot's sentinel
+    numbers it: the numbers found must be 0, 1, 2, ... as pickling met them)."""
+    n = len(slotted)
+    if b"".join(_SLOT_SPLICE.findall(data)) != array("I", range(n)).tobytes():
+        return None
+    values = [int(s) for s in slotted]
+    codes = {v: _int_code(v) or int_opcode(v) for v in set(values)}
+    parts: list[bytes] = [b""] * (2 * n + 1)
+    parts[0::2] = _SLOT_SPLICE.split(data)[::2]  # (split gives the text, then the group, ...)
+    parts[1::2] = [codes[v] for v in values]
+    ends = list(accumulate(map(len, parts)))  # a slot's opcode starts where the text before it ends
+    slots.extend(zip([s.name for s in slotted], ends[0::2], values))
     return b"".join(parts)
 
 
