@@ -19,6 +19,7 @@ from typing import Any
 
 from ..codecs.tensornodes import NotSimple, local_of
 from ..codecs.torchpickler import dumps, patch, patched_places, slot_places
+from ..security import bounded
 from ..security.torchfile import TorchZip
 from . import shardtree
 
@@ -60,8 +61,9 @@ class Patched:
         ``sizes`` are this file's. None (not ``check``) where ``job`` is not of the recipe's shape."""
         if self._recipe is None:
             # the first file: its tree is built, so it is pickled now and kept for its write
-            tree, emitter = self.tree(job)
-            self._first = (job, self._dump(tree, emitter.sizes), emitter)
+            with bounded.gc_paused():  # (a tree of many small objects and no cycles)
+                tree, emitter = self.tree(job)
+                self._first = (job, self._dump(tree, emitter.sizes), emitter)
             return emitter
         if check:
             if not self._replay(job, None, None):
@@ -95,8 +97,9 @@ class Patched:
                 if len(patched) != len(data):  # ints of other widths: the files after patch from this one
                     self._last = (patched, patched_places(places, emitter.slots), emitter.sizes)
                 return patched, emitter
-        tree, emitter = self.tree(job)
-        return self._dump(tree, emitter.sizes), emitter
+        with bounded.gc_paused():
+            tree, emitter = self.tree(job)
+            return self._dump(tree, emitter.sizes), emitter
 
     def _dump(self, tree: Any, sizes: list) -> bytes:
         """``tree``'s pickle, kept as the one the next files patch (with its storages' ``sizes``)."""
