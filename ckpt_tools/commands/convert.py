@@ -26,6 +26,7 @@ from ..naming import experts, quant
 from ..hf import archcheck
 from ..hf import assets as hfassets
 from ..runtime import env
+from ..security import bounded
 from ..storage.atomic import check_destination, staged
 from .export import write_hf
 from .options import Options, note
@@ -74,7 +75,8 @@ def convert(src: str | Path, dst: str | Path, *, to: str, world_size: int | None
 def run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) -> dict[str, Any]:
     """:func:`convert` with its options built (``ckpt``: the source, when already described);
     the report says what was written, or with ``opts.dry_run`` what would be."""
-    with recording_notes() as notes:
+    # the description and plan live to the end: set aside from the collector as they are built
+    with recording_notes() as notes, bounded.gc_frozen():
         report = _run(src, dst, opts, ckpt)
     return finish(report, notes, dry_run=opts.dry_run)
 
@@ -270,7 +272,12 @@ def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = No
     parts = layouts.parts_of(src)
     if parts:
         return _reshard_parts(Path(src), Path(dst), parts, opts, from_)
-    ckpt = describe(Path(src))
+    with bounded.gc_frozen():  # (see run: the description lives to the end)
+        return _reshard(Path(src), Path(dst), opts, from_, to)
+
+
+def _reshard(src: Path, dst: Path, opts: Options, from_: int | None, to: int) -> dict[str, Any]:
+    ckpt = describe(src)
     if ckpt.format not in ("sharded", "dcp", deepspeedwrite.NAME):
         why = "which has no ranks" if not ckpt.world_size else "which ckpt reads but does not write"
         raise BadInput(f"{src}: is {ckpt.format!r}, {why}; use `ckpt convert --to sharded --world-size {to}` "
@@ -282,7 +289,7 @@ def reshard(src: str | Path, dst: str | Path, *, to: int, from_: int | None = No
                        "FSDP+TP); reshard writes 1-D FSDP2 rank files, which such a job does not load. Export it "
                        "(ckpt export), or convert it to DCP (ckpt convert --to dcp), which the job reshards at load")
     _check_same_save(ckpt)
-    return run(Path(src), Path(dst), replace(opts, to=ckpt.format), ckpt)
+    return run(src, dst, replace(opts, to=ckpt.format), ckpt)
 
 
 def _reshard_parts(src: Path, dst: Path, parts: list[str], opts: Options, from_: int | None) -> dict[str, Any]:
