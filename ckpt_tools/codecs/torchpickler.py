@@ -161,20 +161,17 @@ def dumps(tree: Any, slots: list[tuple[Any, int, int]] | None = None) -> bytes:
     filled with ``(name, offset, value)`` of each :class:`Slot` written, for :func:`patch`.
     Written by the C pickler (:func:`_c_dumps`) where it can vouch for the bytes, else by
     :class:`_Emitter`."""
-    found: list[tuple[Any, int, int]] = []
-    data = _c_dumps(tree, found)
+    slots = slots if slots is not None else []
+    data = _c_dumps(tree, slots)  # (notes its slots only once it vouches for the bytes)
     if data is None:
-        found = []
         buf = io.BytesIO()
         emitter = _Emitter(buf, protocol=2)
-        emitter.file, emitter.slots = buf, found
+        emitter.file, emitter.slots = buf, slots
         try:
             emitter.dump(tree)
         except RecursionError:
             raise BadInput("the pickle tree is nested too deeply to write") from None
         data = buf.getvalue()
-    if slots is not None:
-        slots.extend(found)
     return data
 
 

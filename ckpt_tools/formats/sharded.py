@@ -487,7 +487,8 @@ class Writer:
             source = self._zip(file_name("extra_state", self.src_world, 0))
             return tree, emitter, source
         rebuilt = self._rebuild(job)
-        return (*rebuilt.tree(job), rebuilt.template)
+        tree, emitter, _ = rebuilt.tree(job)
+        return tree, emitter, rebuilt.template
 
     def check(self, job) -> None:
         """NotSimple unless ``job``'s file can be written from the source's trees (a dry run)."""

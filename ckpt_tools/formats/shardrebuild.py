@@ -28,25 +28,27 @@ _MESH = "mesh"
 
 class Patched:
     """One kind's destination files, the first built whole and the next patched (see the
-    module's docstring). A subclass builds a file's tree (:meth:`tree`, keeping the recipe in
-    ``_recipe``) and replays the recipe for another file (:meth:`_replay`)."""
+    module's docstring). A subclass builds a file's tree with the recipe that built it
+    (:meth:`tree`) and replays a recipe for another file (:meth:`_replay`). The recipe is kept
+    with the pickle it built (``_last``): a file is only ever patched from a pickle of the
+    recipe it replayed."""
 
     template: TorchZip | None = None  # the source file the trees are rebuilt from, if any
 
     def __init__(self, world: int) -> None:
         self.world = world
-        self._recipe: Any = None  # what the first tree built did, as _replay reads it
-        self._last: tuple | None = None  # the pickle the next files patch: (bytes, its slots' places, local sizes)
+        # the pickle the next files patch: (bytes, its slots' places, local sizes, its tree's recipe)
+        self._last: tuple | None = None
         self._first: tuple | None = None  # (job, pickle, emitter) the dry run wrote whole, until written
 
-    def tree(self, job: Any) -> tuple[Any, shardtree.Emitter]:
-        """``job``'s tree, built whole, and the storages that fill it (their local sizes noted,
-        as a replay notes them); keeps the recipe."""
+    def tree(self, job: Any) -> tuple[Any, shardtree.Emitter, Any]:
+        """``job``'s tree, built whole, the storages that fill it (their local sizes noted, as a
+        replay notes them) and the recipe that built it."""
         raise NotImplementedError
 
-    def _replay(self, job: Any, emitter: shardtree.Emitter | None,
+    def _replay(self, job: Any, recipe: Any, emitter: shardtree.Emitter | None,
                 storage: Callable[[tuple[int, ...], Any], None] | None) -> bool:
-        """The recipe replayed for ``job``: ``storage(local sizes, source)`` for each storage in
+        """``recipe`` replayed for ``job``: ``storage(local sizes, source)`` for each storage in
         pickling order and ``emitter.rank`` for its mesh (None: a check only, nothing called).
         False where ``job``'s tree is not the recipe's shape (then it is built whole), NotSimple
         where no tree can be built for it."""
@@ -59,14 +61,13 @@ class Patched:
         local sizes, entry by entry, of a file whose slot values are known: an entry of the same
         sizes gets its storage and no slots (its values are that file's). The emitter's
         ``sizes`` are this file's. None (not ``check``) where ``job`` is not of the recipe's shape."""
-        if self._recipe is None:
-            # the first file: its tree is built, so it is pickled now and kept for its write
-            with bounded.gc_paused():  # (a tree of many small objects and no cycles)
-                tree, emitter = self.tree(job)
-                self._first = (job, self._dump(tree, emitter.sizes), emitter)
+        if self._last is None:  # the first file: built, so pickled now and kept for its write
+            data, emitter = self._whole(job)
+            self._first = (job, data, emitter)
             return emitter
+        recipe = self._last[3]
         if check:
-            if not self._replay(job, None, None):
+            if not self._replay(job, recipe, None, None):
                 self.tree(job)  # (raises NotSimple where no tree can be built)
             return None
         emitter = shardtree.Emitter()
@@ -79,7 +80,7 @@ class Patched:
                 emitter.account(size, source)
             sizes.append(size)
 
-        return emitter if self._replay(job, emitter, storage) else None
+        return emitter if self._replay(job, recipe, emitter, storage) else None
 
     def pickle(self, job: Any) -> tuple[bytes, shardtree.Emitter]:
         """``job``'s pickle and storages: the last pickle written whole, patched where its
@@ -89,24 +90,25 @@ class Patched:
         if first is not None and first[0] is job:
             self._first = None
             return first[1], first[2]
-        if self._last is not None and self._recipe is not None:
-            data, places, sizes = self._last
+        if self._last is not None:
+            data, places, sizes, recipe = self._last
             emitter = self.emitter(job, since=sizes)
             patched = None if emitter is None else patch(data, places, emitter.slots)
             if patched is not None:
                 if len(patched) != len(data):  # ints of other widths: the files after patch from this one
-                    self._last = (patched, patched_places(places, emitter.slots), emitter.sizes)
+                    self._last = (patched, patched_places(places, emitter.slots), emitter.sizes, recipe)
                 return patched, emitter
-        with bounded.gc_paused():
-            tree, emitter = self.tree(job)
-            return self._dump(tree, emitter.sizes), emitter
+        return self._whole(job)
 
-    def _dump(self, tree: Any, sizes: list) -> bytes:
-        """``tree``'s pickle, kept as the one the next files patch (with its storages' ``sizes``)."""
-        where: list = []
-        data = dumps(tree, where)
-        self._last = (data, slot_places(where), sizes)
-        return data
+    def _whole(self, job: Any) -> tuple[bytes, shardtree.Emitter]:
+        """``job``'s tree built and pickled whole; its pickle (with its storages' sizes and its
+        recipe) kept as the one the next files patch."""
+        with bounded.gc_paused():  # (a tree of many small objects and no cycles)
+            tree, emitter, recipe = self.tree(job)
+            where: list = []
+            data = dumps(tree, where)
+        self._last = (data, slot_places(where), emitter.sizes, recipe)
+        return data, emitter
 
 
 class Rebuilt(Patched):
@@ -142,7 +144,7 @@ class Rebuilt(Patched):
             raise NotSimple("pieces that are not the source's tensors as they are")
         return by_key
 
-    def tree(self, job: Any) -> tuple[Any, shardtree.Emitter]:
+    def tree(self, job: Any) -> tuple[Any, shardtree.Emitter, list]:
         emitter, by_key, recipe = shardtree.Emitter(), self._pieces(job), []
         sizes = emitter.sizes
         mesh = None
@@ -168,13 +170,12 @@ class Rebuilt(Patched):
         tree = shardtree.map_tensors(self.template.tree, rebuild)
         if by_key:
             raise NotSimple("pieces the source file does not hold")
-        self._recipe = recipe
-        return tree, emitter
+        return tree, emitter, recipe
 
-    def _replay(self, job: Any, emitter: shardtree.Emitter | None,
+    def _replay(self, job: Any, recipe: list, emitter: shardtree.Emitter | None,
                 storage: Callable[[tuple[int, ...], Any], None] | None) -> bool:
         by_key = self._pieces(job)
-        for key, d in self._recipe:
+        for key, d in recipe:
             if key is _MESH:  # rebuild_mesh's storage and slots
                 if storage is not None:
                     storage((self.world,), d)

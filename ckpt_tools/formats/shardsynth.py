@@ -72,7 +72,7 @@ def mesh(emitter: Emitter, world: int, rank: int, names: tuple[str, ...] | None 
     """The 1-D CPU DeviceMesh ``sharded._mesh`` pickles (process group "0", dimension ``names``)."""
     if world < 2:
         raise NotSimple("a mesh of one device")  # torch lays it out differently
-    rank_map = _local(emitter, "int32", (world,), rank_map_bytes(world))
+    rank_map = _local(emitter, "int32", (world,), struct.pack(f"<{world}i", *range(world)))
     rank_slot, coordinate = emitter.rank(rank)
     layout = NewObj(Global(_LAYOUT, "_MeshLayout"), (), {
         "axes": (NewObj(Global(_LAYOUT, "_FlatLayout"), (), {"shape": (world,), "stride": (1,)}),)})
@@ -80,12 +80,6 @@ def mesh(emitter: Emitter, world: int, rank: int, names: tuple[str, ...] | None 
         "_device_type": "cpu", "_layout": layout, "_rank_map": rank_map, "_mesh_dim_names": names,
         "_root_mesh": None, "_flatten_rank_map": tuple(range(world)), "_thread_id": None, "_flatten_mapping": {},
         "_rank": rank_slot, "_coordinate_on_dim": (coordinate,), "_hash": None, "_dim_group_names": ["0"]})
-
-
-def rank_map_bytes(world: int) -> bytes:
-    """The storage of a 1-D mesh's rank map (int32 ``0 .. world - 1``)."""
-    return struct.pack(f"<{world}i", *range(world))
-
 
 def dtensor(local: Reduce, mesh_node: NewObj, shape: tuple[int, ...], dtype: str, layout: Reduce) -> Reduce:
     """``DTensor.from_local(local, mesh, [Shard(0)], shape=shape)`` as torch pickles it."""
@@ -109,26 +103,28 @@ def tree_for(writer: Any, job: Any) -> tuple[Any, Emitter]:
     Writer, for the world size, parameter order and keying)."""
     if job.kind == "extra":
         return dict(job.meta["extra"]), Emitter()
-    return Synthesized(writer).tree(job)
+    tree, emitter, _ = Synthesized(writer).tree(job)
+    return tree, emitter
 
 
 class Synthesized(Patched):
     """The model or optimizer files of a sharded writer with no source rank files (``writer``):
     the first built from the plan, the next patched (:class:`~.shardrebuild.Patched`). The
-    recipe: the plan's targets in pickling order, where the mesh's storage comes among theirs,
-    and what else the tree is built from (the plain tensors' names, the saved objects)."""
+    recipe: the plan's targets in pickling order, where the mesh's storage comes among theirs
+    (and its bytes), and what else the tree is built from (the plain tensors' names, the saved
+    objects)."""
 
     def __init__(self, writer: Any) -> None:
         super().__init__(writer.world_size)
         self.writer = writer
 
-    def tree(self, job: Any) -> tuple[Any, Emitter]:
+    def tree(self, job: Any) -> tuple[Any, Emitter, tuple]:
         writer, emitter = self.writer, Emitter()
         if job.objects and job.kind == "model":
             raise NotSimple("non-tensor model entries")
         plain = job.meta.get("plain", ())
         layout = Reduce(Global("torch.serialization", "_get_layout"), ("torch.strided",))  # one object: torch.strided
-        mesh_node, order, mesh_at = None, [], None
+        mesh_node, order, mesh_at = None, [], None  # mesh_at: (its place among the tensors, its rank map)
 
         def node(p: Any) -> Reduce:
             # called in the order pickling visits the tensors: storages are numbered in that order
@@ -138,7 +134,8 @@ class Synthesized(Patched):
             if (p.target.group, p.target.name) in plain:
                 return local
             if mesh_node is None:
-                mesh_node, mesh_at = mesh(emitter, writer.world_size, job.rank or 0, writer.mesh_names), len(order)
+                mesh_node = mesh(emitter, writer.world_size, job.rank or 0, writer.mesh_names)
+                mesh_at = (len(order), emitter.records[-1][1])
             return dtensor(local, mesh_node, p.target.shape, p.target.dtype, layout)
 
         if job.kind == "model":
@@ -148,11 +145,10 @@ class Synthesized(Patched):
             opt = object_values(writer.synth, job.objects).get("optimizer", {})
             groups = param_groups_keyed(opt.get("param_groups", []), keyed=writer.keyed, param_order=writer.param_order)
             tree = {"state": state, "param_groups": groups}
-        self._recipe = (order, mesh_at, plain, tuple(job.objects), job.kind)
-        return tree, emitter
+        return tree, emitter, (order, mesh_at, plain, tuple(job.objects), job.kind)
 
-    def _replay(self, job: Any, emitter: Emitter | None, storage: Any) -> bool:
-        order, mesh_at, plain, objects, kind = self._recipe
+    def _replay(self, job: Any, recipe: tuple, emitter: Emitter | None, storage: Any) -> bool:
+        order, mesh_at, plain, objects, kind = recipe
         if job.kind != kind or job.meta.get("plain", ()) != plain or tuple(job.objects) != objects:
             return False
         pieces = job.pieces if kind == "model" else [p for per in _optim_state(self.writer, job).values()
@@ -162,8 +158,8 @@ class Synthesized(Patched):
         if storage is not None:
             for i, p in enumerate(pieces, 1):
                 storage(p.sizes, p)
-                if i == mesh_at:
-                    storage((self.world,), rank_map_bytes(self.world))
+                if mesh_at is not None and i == mesh_at[0]:
+                    storage((self.world,), mesh_at[1])
                     emitter.rank(job.rank or 0)
         return True
 
