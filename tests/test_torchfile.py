@@ -414,7 +414,7 @@ def test_copy_record_concatenates_ranges_of_two_files(mode, tmp_path, monkeypatc
     if mode.startswith("combined_crc"):
         ranges = [(p, o, n, zlib.crc32(p.read_bytes()[o:o + n])) for p, o, n in ranges]
     if mode in ("combined_crc_kernel_copy", "read_write_fallback"):
-        monkeypatch.setattr(torchwriter, "_SMALL", 0)  # (a record this size is otherwise read whole)
+        monkeypatch.setattr(torchwriter, "SMALL_RECORD", 0)  # (a record this size is otherwise read whole)
     if mode == "read_write_fallback":
         def no_cfr(*_a, **_k):
             raise OSError(errno.EXDEV, "cross-device")
@@ -442,7 +442,7 @@ def test_copy_record_from_more_source_files_than_the_writer_keeps_open(small, tm
     reused by another file, would read the wrong bytes or fail)."""
     monkeypatch.setattr(torchwriter, "_MAX_OPEN", 4)
     if not small:
-        monkeypatch.setattr(torchwriter, "_SMALL", 0)
+        monkeypatch.setattr(torchwriter, "SMALL_RECORD", 0)
     files = []
     for i in range(11):
         f = tmp_path / f"src{i}.bin"
@@ -528,7 +528,7 @@ def test_copy_record_keeps_a_damaged_source_record_damaged(small, tmp_path, monk
     """A part whose known CRC its bytes do not match (a source record damaged on disk): the copy
     carries the known CRCs combined, so a reader still sees the damage; it is never re-blessed."""
     if not small:
-        monkeypatch.setattr(torchwriter, "_SMALL", 0)
+        monkeypatch.setattr(torchwriter, "SMALL_RECORD", 0)
     src = tmp_path / "src.bin"
     src.write_bytes(bytes(range(256)) * 40)
     good = zlib.crc32(src.read_bytes()[:5000])

@@ -60,8 +60,20 @@ def _hash_combine(seed: int, value: int) -> int:  # c10::hash_combine on a 64-bi
     return seed ^ ((value + 0x9E3779B9 + (seed << 6) + (seed >> 2)) & _M64)
 
 
+def _folded(size: int, crc: int, head: bytes) -> tuple[int, ...]:
+    """What a record adds to the CRC half of torch's serialization id, in order: its CRC (if
+    it has bytes), after the 4 bytes that follow a head torch mistakes for a data descriptor."""
+    mistaken = (int.from_bytes(head[4:8], "little"),) if head[:4] == b"PK\x07\x08" and len(head) >= 8 else ()
+    return mistaken + (crc,) if size else mistaken
+
+
+def parts_size(parts: Sequence[tuple]) -> int:
+    """Bytes in all of a record's ``parts``."""
+    return parts[0][2] if len(parts) == 1 else sum(p[2] for p in parts)
+
+
 PAGE = 4096
-_SMALL = 256 << 10  # records up to this size are copied through memory (see copy_record)
+SMALL_RECORD = 256 << 10  # records up to this size are copied through memory (see copy_record)
 # Sources.read: small ranges read ahead, in windows of 16x the range (64 KiB-1 MiB), 8 files' kept
 _AHEAD_PER, _AHEAD_MIN, _AHEAD_MAX, _WINDOWS_KEPT = 16, 64 << 10, 1 << 20, 8
 _MAX_OPEN = open_files_cap()  # source files a writer keeps open at once
@@ -72,6 +84,7 @@ _SID = ".data/serialization_id"
 _LOCAL, _PAD = struct.Struct("<IHHHHHIIIHH"), struct.Struct("<HH")
 _DESCRIPTOR, _DESCRIPTOR64 = struct.Struct("<IIII"), struct.Struct("<IIQQ")
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
+_U32 = struct.Struct("<I")
 Part = tuple[str | os.PathLike, int, int] | tuple[str | os.PathLike, int, int, int]
 
 
@@ -104,6 +117,40 @@ class Sources:
             del self._windows[next(iter(self._windows))]
         self._windows[fd] = (offset, data)
         return data[:length]
+
+    def check(self, parts: Sequence[Part]) -> None:
+        """BadInput unless every range of ``parts`` lies within its file."""
+        for part in parts:
+            # (a descriptor is asked for where it is used: Sources closes its files to open more)
+            start, length, end = part[1], part[2], self.size(self.fd(part[0]))
+            if not (type(start) is int and type(length) is int and 0 <= start and 0 <= length
+                    and start + length <= end):
+                safefs.check_span(start, length, end, what=str(part[0]))  # (raises)
+
+    def small(self, parts: Sequence[Part], size: int) -> tuple[bytes, int]:
+        """The bytes of a small record made of ``parts`` (``size`` in all) and their CRC-32:
+        zlib's over the bytes (for a few KiB, cheaper than combining known CRCs in Python), or
+        where parts carry known CRCs (``TorchZip.part``) and a part's bytes fail theirs, the
+        known ones combined: a damaged source record stays detectably damaged, never re-blessed."""
+        self.check(parts)
+        if len(parts) == 1:  # most records (a piece from one source chunk): no loops
+            part = parts[0]
+            data = self.read(self.fd(part[0]), part[1], size)
+            crc = crc32(data)
+            damaged = len(part) == 4 and crc != part[3]
+        else:
+            blobs = [self.read(self.fd(part[0]), part[1], part[2]) for part in parts]
+            data = b"".join(blobs)
+            crc = crc32(data)
+            damaged = all(len(p) == 4 for p in parts) and any(
+                crc32(blob) != part[3] for blob, part in zip(blobs, parts))
+        if len(data) != size:
+            raise BadInput(f"{parts[0][0]}: a byte range ends before its file does; was it truncated?")
+        if damaged:
+            crc = 0
+            for part in parts:
+                crc = crc32_combine(crc, part[3], part[2])
+        return data, crc
 
     def fd(self, path: Any) -> int:
         fd = self._fds.get(path)
@@ -141,7 +188,7 @@ class TorchZipWriter:
     def __init__(self, path: str | os.PathLike, prefix: str, *, alignment: int = 64, page_phase: bool = False,
                  fd: int | None = None, flusher: Flusher | None = None, sources: Sources | None = None) -> None:
         self.path, self.prefix, self.alignment = Path(path), prefix, alignment
-        # copy_record puts the data of each record it has the kernel copy (over _SMALL) at its
+        # copy_record puts the data of each record it has the kernel copy (over SMALL_RECORD) at its
         # first source's offset within a page, not at the next multiple of ``alignment``
         # (padding of up to a page; the file then differs from torch.save's, and loads the same)
         self.page_phase = page_phase
@@ -218,8 +265,8 @@ class TorchZipWriter:
         return full, ofs
 
     def _end(self, full: bytes, ofs: int, size: int, crc: int, head: bytes) -> None:
-        if head[:4] == b"PK\x07\x08" and len(head) >= 8:  # torch mistakes such data for a descriptor
-            self._crc_hash = _hash_combine(self._crc_hash, int.from_bytes(head[4:8], "little"))
+        for value in _folded(size, crc, head):
+            self._crc_hash = _hash_combine(self._crc_hash, value)
         if size >= _MAX32 or ofs >= _MAX32:
             if size:
                 self._write(_DESCRIPTOR64.pack(0x08074B50, crc, size, size))
@@ -228,8 +275,6 @@ class TorchZipWriter:
             if size:
                 self._write(_DESCRIPTOR.pack(0x08074B50, crc, size, size))
             extra = b""
-        if size:
-            self._crc_hash = _hash_combine(self._crc_hash, crc)
         self._central += _CENTRAL.pack(
             0x02014B50, 0, 0, 0x0808 if size else 0x0800, 0, 0, 0, crc, min(size, _MAX32),
             min(size, _MAX32), len(full), len(extra), 0, 0, 0, 0, min(ofs, _MAX32)) + full + extra
@@ -268,39 +313,17 @@ class TorchZipWriter:
         if name == _SID:
             return
         sources = self._sources
-        if len(parts) == 1:  # most records (a piece from one source chunk): no loops
-            size, known = parts[0][2], len(parts[0]) == 4
-        else:
-            size, known = sum(p[2] for p in parts), all(len(p) == 4 for p in parts)
-        for part in parts:  # every range checked first: the CRC thread maps them
-            # (a descriptor is asked for where it is used: Sources closes its files to open more)
-            start, length, end = part[1], part[2], sources.size(sources.fd(part[0]))
-            if not (type(start) is int and type(length) is int and 0 <= start and 0 <= length
-                    and start + length <= end):
-                safefs.check_span(start, length, end, what=str(part[0]))  # (raises)
-        if size <= _SMALL:
-            full, ofs = self._begin(name, size)  # (through memory: a page phase would only pad)
+        size = parts_size(parts)
+        if size <= SMALL_RECORD:
             # a small record (a few rows of a tensor of a many-rank save): read, CRC'd and written
-            # here; a thread hand-off and a kernel copy per record cost more than the bytes, and
-            # zlib's CRC of a few KiB costs less than combining known CRCs in Python
-            if len(parts) == 1:
-                data = sources.read(sources.fd(parts[0][0]), parts[0][1], size)
-                crc = crc32(data)
-                damaged = known and crc != parts[0][3]
-            else:
-                blobs = [sources.read(sources.fd(part[0]), part[1], part[2]) for part in parts]
-                data = b"".join(blobs)
-                crc = crc32(data)
-                damaged = known and any(crc32(blob) != part[3] for blob, part in zip(blobs, parts))
-            if len(data) != size:
-                raise BadInput(f"{parts[0][0]}: a byte range ends before its file does; was it truncated?")
-            if damaged:  # a damaged source record: its known CRC carried over, never re-blessed
-                crc = 0
-                for part in parts:
-                    crc = crc32_combine(crc, part[3], part[2])
+            # here; a thread hand-off and a kernel copy per record cost more than the bytes
+            data, crc = sources.small(parts, size)
+            full, ofs = self._begin(name, size)  # (through memory: a page phase would only pad)
             self._write(data)
             self._end(full, ofs, size, crc, data[:8])
             return
+        known = all(len(p) == 4 for p in parts)
+        sources.check(parts)  # every range checked first: the CRC thread maps them
         full, ofs = self._begin(name, size, phase=parts[0][1] % PAGE if self.page_phase else None)
         # the CRC is computed by another thread while the kernel copies (zlib releases the GIL)
         crc_job = None if known else _crc_pool().submit(_crc_of_parts, [tuple(p[:3]) for p in parts])
@@ -370,6 +393,83 @@ class TorchZipWriter:
                 os.close(self._fd)
         self._fd = None
         return sid.decode()
+
+
+class _Capture(TorchZipWriter):
+    """A writer whose bytes stay in memory, noting where each record's data, CRC fields and
+    contribution to the serialization id fall (for :class:`ZipTemplate`)."""
+
+    def __init__(self, prefix: str, alignment: int) -> None:
+        super().__init__(Path(os.devnull), prefix, alignment=alignment, fd=-1)
+        self.out = bytearray()
+        self.noted: dict[str, tuple] = {}  # name -> (data start, descriptor, central entry, hash before, folds)
+        self.central_at = -1
+
+    def _write(self, data: bytes | bytearray | memoryview) -> None:
+        if data is self._central:
+            self.central_at = self._pos
+        self._pos += len(data)
+        self.out += data
+
+    def _flush(self) -> None:
+        pass
+
+    def _end(self, full: bytes, ofs: int, size: int, crc: int, head: bytes) -> None:
+        if size >= _MAX32 or ofs >= _MAX32:
+            raise ValueError("a template is for small zips")
+        name = full.decode()[len(self.prefix) + 1:]
+        self.noted[name] = (self._pos - size, self._pos if size else None, len(self._central), self._crc_hash,
+                            _folded(size, crc, head))
+        super()._end(full, ofs, size, crc, head)
+
+
+class ZipTemplate:
+    """The torch.save zip of ``records`` (name, bytes) then a record ``name`` of ``size``
+    bytes, closed with ``name_hash`` as :meth:`TorchZipWriter.close` closes it, offsets from
+    its own start (a DCP item), as bytes with a hole: :meth:`render` fills in the record's bytes,
+    its CRC (descriptor and central entry) and the serialization id that CRC changes. A
+    many-rank DCP holds thousands of items of one dtype and shape; written record by record,
+    each cost ~40 µs of headers in Python. Byte-for-byte the writer's, which builds it."""
+
+    def __init__(self, prefix: str, records: Sequence[tuple[str, bytes]], name: str, size: int, name_hash: str,
+                 *, alignment: int = 64) -> None:
+        cap = _Capture(prefix, alignment)
+        for rec, data in records:
+            cap.write_record(rec, data)
+        full, ofs = cap._begin(name, size)
+        cap._write(bytes(size))
+        cap._end(full, ofs, size, 0, b"")
+        cap.close(name_hash=name_hash)
+        noted, sid = cap.noted[name], cap.noted[_SID]
+        if cap.central_at < 0 or len(cap.out) > SMALL_RECORD + (64 << 10):
+            raise ValueError("not a small zip")
+        self.size, self.name_hash, self._bytes = size, name_hash, bytes(cap.out)
+        self._data, self._descriptor, self._hash = noted[0], noted[1], noted[3]
+        self._central = cap.central_at + noted[2] + 16  # (the CRC field of the central entry)
+        # what the records after it add to the id before close computes it
+        self._after = [v for rec, n in cap.noted.items() if n[0] > noted[0] and rec != _SID for v in n[4]]
+        self._sid, self._sid_descriptor, self._sid_central = sid[0], sid[1], cap.central_at + sid[2] + 16
+
+    def render(self, data: bytes, crc: int) -> bytearray:
+        """The zip with ``data`` (``size`` bytes, CRC-32 ``crc``) in the record."""
+        if len(data) != self.size:
+            raise ValueError(f"{len(data)} bytes for a record of {self.size}")
+        h = self._hash
+        for value in _folded(self.size, crc, data[:8]):
+            h = _hash_combine(h, value)
+        for value in self._after:
+            h = _hash_combine(h, value)
+        sid = f"{self.name_hash}{h:020d}".encode()
+        sid_crc = zlib.crc32(sid)
+        out = bytearray(self._bytes)
+        out[self._data:self._data + self.size] = data
+        if self._descriptor is not None:
+            _U32.pack_into(out, self._descriptor + 4, crc)
+        _U32.pack_into(out, self._central, crc)
+        out[self._sid:self._sid + len(sid)] = sid
+        _U32.pack_into(out, self._sid_descriptor + 4, sid_crc)
+        _U32.pack_into(out, self._sid_central, sid_crc)
+        return out
 
 
 _POOL: list = []

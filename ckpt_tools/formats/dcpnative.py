@@ -33,13 +33,13 @@ from typing import Any
 from ..codecs import metapickle as mp
 from ..codecs.tensornodes import REBUILD_V2, STORAGE_DTYPES, contiguous_stride
 from ..codecs.torchpickler import dumps
-from ..codecs.torchwriter import Sources, TorchZipWriter
+from ..codecs.torchwriter import SMALL_RECORD, Sources, TorchZipWriter, ZipTemplate, parts_size
 from ..core.describe import Checkpoint, ObjectInfo
 from ..core.plan import Span
 from ..errors import BadInput, Damaged
 from ..security.torchfile import Global, NewObj, Reduce, StorageRef, loads_blob
 from ..storage.castio import CastSpan, blocks
-from ..storage.diskio import Flusher, copy_range
+from ..storage.diskio import Flusher, copy_range, write_all
 from .dcp import METADATA, by_part, canonical, renamed_keys, tensor_record
 from .hf import tensor_bytes
 from .shardtree import parsed
@@ -74,6 +74,37 @@ def _tensor_pickle(dtype: str, sizes: tuple[int, ...]) -> bytes:
         numel *= s
     ref = StorageRef(Global("torch", storage), "0", "cpu", numel)
     return dumps(Reduce(REBUILD_V2, (ref, 0, tuple(sizes), contiguous_stride(tuple(sizes)), False, Reduce(_ODICT, ()))))
+
+
+@functools.lru_cache(maxsize=1024)
+def _item_template(dtype: str, sizes: tuple[int, ...], nbytes: int) -> ZipTemplate:
+    """The zip of a tensor item of ``dtype`` and ``sizes`` (``nbytes`` of data), as written
+    record by record in :meth:`Writer._write_items`."""
+    return ZipTemplate("archive", (("data.pkl", tensor_pickle(dtype, sizes)), *_SMALL), "data/0", nbytes,
+                       TENSOR_NAME_HASH)
+
+
+class _Batch:
+    """Small items' bytes gathered and written 1 MiB at a time at ``fd``'s position; ``add``
+    returns where an item starts in the file."""
+
+    def __init__(self, fd: int, flusher: Flusher) -> None:
+        self.fd, self.flusher, self.buf, self.at = fd, flusher, bytearray(), None
+
+    def add(self, blob: bytes | bytearray) -> int:
+        if self.at is None:
+            self.at = os.lseek(self.fd, 0, os.SEEK_CUR)
+        start = self.at + len(self.buf)
+        self.buf += blob
+        if len(self.buf) >= 1 << 20:
+            self.flush()
+        return start
+
+    def flush(self) -> None:
+        if self.buf:
+            write_all(self.fd, self.buf, self.flusher)
+            self.buf.clear()
+        self.at = None
 
 
 def plain(tree: Any) -> bool:
@@ -313,10 +344,19 @@ class Writer:
 
         records = []
         it = iter(pieces)
+        batch = _Batch(fd, flusher)  # small items' zips, rendered from a template per dtype and shape
         for i, p in enumerate(job.pieces):
             got, values = next(it)
             if got is not p:
                 raise RuntimeError("the engine's stream is out of the plan's order")
+            if isinstance(values, Span):
+                size = parts_size(values.parts)
+                if size <= SMALL_RECORD:
+                    data, crc = sources.small(values.parts, size)
+                    blob = _item_template(str(p.target.dtype), tuple(p.sizes), size).render(data, crc)
+                    records.append(("tensor", tensor_record(p), batch.add(blob), len(blob)))
+                    continue
+            batch.flush()
             start = os.lseek(fd, 0, os.SEEK_CUR)
             with TorchZipWriter(path, "archive", fd=fd, flusher=flusher, sources=sources) as z:
                 z.write_record("data.pkl", tensor_pickle(p.target.dtype, p.sizes))
@@ -330,6 +370,7 @@ class Writer:
                     z.write_record("data/0", tensor_bytes(values))
                 z.close(name_hash=TENSOR_NAME_HASH)
             records.append(("tensor", tensor_record(p), start, os.lseek(fd, 0, os.SEEK_CUR) - start))
+        batch.flush()
         for i, o in enumerate(job.objects):
             if self._as_saved(o):
                 start = os.lseek(fd, 0, os.SEEK_CUR)
