@@ -64,7 +64,7 @@ def test_what_ckpt_writes_from_it_loads_with_dcp_load(tmp_path, fixture):
 def _newer_metadata(tmp_path: Path, monkeypatch, state) -> Path:
     """A DCP whose TensorProperties pickle ``state`` (as a future torch might): written through
     ckpt's own DCP writer with the field list changed."""
-    monkeypatch.setattr(metapickle.TensorProperties, "_state", lambda self: state(self))
+    monkeypatch.setattr(metapickle.TensorProperties, "__getstate__", lambda self: state(self))
     out = tmp_path / "newer"
     ckpt_tools.convert(FIX / "dcp_torch215", out, to="dcp", progress=False)
     return out
