@@ -660,10 +660,12 @@ def test_zip64_matches_torch_save(tmp_path):
         b.unlink(missing_ok=True)
 
 
-def test_blob_records_of_a_blob_like_the_last_are_its_own():
+@pytest.mark.parametrize("numel", [12, 20_000], ids=["masked", "by-region"])
+def test_blob_records_of_a_blob_like_the_last_are_its_own(numel):
     """Two items of one tensor (same zip, other values): the second's records come from the
     first's layout, with its own CRCs; a blob of that length differing anywhere the parse reads
-    (a name, a header) is parsed afresh, and refused like any other."""
+    (a name, a header) is parsed afresh, and refused like any other. A small blob is compared
+    whole under a mask, a large one region by region."""
     import io
 
     def blob(value):
@@ -675,8 +677,8 @@ def test_blob_records_of_a_blob_like_the_last_are_its_own():
         zipdir._BLOB_LAYOUTS.clear()
         return zipdir.blob_records(b)
 
-    one, two = blob(torch.arange(12, dtype=torch.float32)), blob(torch.arange(12, dtype=torch.float32) * 3)
-    assert len(one) == len(two) and one != two
+    one, two = blob(torch.arange(numel, dtype=torch.float32)), blob(torch.arange(numel, dtype=torch.float32) * 3)
+    assert len(one) == len(two) and one != two and (len(one) > zipdir._MASKED) == (numel > 12)
     zipdir._BLOB_LAYOUTS.clear()
     assert zipdir.blob_records(one) == parsed(one)
     want = parsed(two)

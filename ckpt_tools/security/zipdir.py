@@ -44,17 +44,39 @@ def blob_records(blob: bytes | memoryview) -> dict[str, tuple[int, int, int]] | 
     has that one's records (only its CRCs are read again), found by a few slice compares."""
     n = len(blob)
     known = _BLOB_LAYOUTS.get(n)
-    if known is not None and all(bytes(blob[a:b]) == want for a, b, want in known[0]):
+    if known is not None and _same(blob, known[0]):
         return {name: (start, size, _U32(blob, crc_at)[0]) for name, start, size, crc_at in known[1]}
     regions: list[tuple[int, int]] = []
     records = _blob_records(blob, regions)
     if records is not None:
         if len(_BLOB_LAYOUTS) >= 1024:
             _BLOB_LAYOUTS.clear()
-        _BLOB_LAYOUTS[n] = (tuple((a, b, bytes(blob[a:b])) for a, b in regions),
+        _BLOB_LAYOUTS[n] = (_read_bytes(blob, regions),
                             tuple((name, start, size, crc_at) for name, (start, size, crc_at) in records.items()))
         records = {name: (start, size, _U32(blob, crc_at)[0]) for name, (start, size, crc_at) in records.items()}
     return records
+
+
+_MASKED = 64 << 10  # blobs up to this size are compared whole, under a mask, at C speed
+
+
+def _read_bytes(blob: bytes | memoryview, regions: list[tuple[int, int]]) -> tuple:
+    """What :func:`_same` compares another blob of this length with: the bytes of ``regions``,
+    as a mask and the masked value of the blob read (a small blob: one compare), or each."""
+    if len(blob) <= _MASKED:
+        mask = bytearray(len(blob))
+        for a, b in regions:
+            mask[a:b] = b"\xff" * (b - a)
+        mask_int = int.from_bytes(mask, "little")
+        return (mask_int, int.from_bytes(blob, "little") & mask_int)
+    return tuple((a, b, bytes(blob[a:b])) for a, b in regions)
+
+
+def _same(blob: bytes | memoryview, read: tuple) -> bool:
+    """Whether ``blob`` has the bytes ``read`` (:func:`_read_bytes`) of a blob of its length."""
+    if len(read) == 2 and type(read[0]) is int:
+        return int.from_bytes(blob, "little") & read[0] == read[1]
+    return all(bytes(blob[a:b]) == want for a, b, want in read)
 
 
 def _blob_records(blob: bytes | memoryview, regions: list[tuple[int, int]]) -> dict[str, tuple[int, int, int]] | None:
