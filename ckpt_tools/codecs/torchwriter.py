@@ -283,9 +283,32 @@ class TorchZipWriter:
         """A record from memory (the pickle, the small text records). Like torch, skips
         ``.data/serialization_id``: ``close`` writes the id for this file's contents."""
         if name != _SID:
-            full, ofs = self._begin(name, len(data))
-            self._write(data)
-            self._end(full, ofs, len(data), zlib.crc32(data), bytes(data[:8]))
+            self._in_memory(name, data, zlib.crc32(data))
+
+    def _in_memory(self, name: str, data: bytes | bytearray, crc: int) -> None:
+        """A record of ``data`` (CRC-32 ``crc``): what :meth:`_begin`, a write and :meth:`_end`
+        write, its header, bytes and descriptor in one write, below 4 GiB (no zip64 field).
+        A many-rank job's rank files hold hundreds of thousands of records of a few KiB."""
+        size, ofs = len(data), self._pos
+        if size >= _MAX32 or ofs >= _MAX32 or self._fd is None or name in self._names:
+            self._by_parts(name, data, crc)
+            return
+        self._names.add(name)
+        full = f"{self.prefix}/{name}".encode()
+        pad = -(ofs + 34 + len(full)) % self.alignment  # (as _begin pads: the data's offset aligned)
+        flags = 0x0808 if size else 0x0800
+        self._write(b"".join((_LOCAL.pack(0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), 4 + pad), full,
+                              _PAD.pack(0x4246, pad), b"Z" * pad, data,
+                              _DESCRIPTOR.pack(0x08074B50, crc, size, size) if size else b"")))
+        for value in _folded(size, crc, data[:8]):
+            self._crc_hash = _hash_combine(self._crc_hash, value)
+        self._central += _CENTRAL.pack(0x02014B50, 0, 0, flags, 0, 0, 0, crc, size, size, len(full), 0, 0, 0, 0, 0,
+                                       ofs) + full
+
+    def _by_parts(self, name: str, data: bytes | bytearray, crc: int) -> None:
+        full, ofs = self._begin(name, len(data))
+        self._write(data)
+        self._end(full, ofs, len(data), crc, bytes(data[:8]))
 
     def write_stream(self, name: str, size: int, chunks: Any) -> None:
         """A record of ``size`` bytes from an iterable of buffers (a cast, block by block), its
@@ -318,9 +341,7 @@ class TorchZipWriter:
             # a small record (a few rows of a tensor of a many-rank save): read, CRC'd and written
             # here; a thread hand-off and a kernel copy per record cost more than the bytes
             data, crc = sources.small(parts, size)
-            full, ofs = self._begin(name, size)  # (through memory: a page phase would only pad)
-            self._write(data)
-            self._end(full, ofs, size, crc, data[:8])
+            self._in_memory(name, data, crc)  # (through memory: a page phase would only pad)
             return
         known = all(len(p) == 4 for p in parts)
         sources.check(parts)  # every range checked first: the CRC thread maps them
@@ -413,6 +434,8 @@ class _Capture(TorchZipWriter):
 
     def _flush(self) -> None:
         pass
+
+    _in_memory = TorchZipWriter._by_parts  # (each record through _end, which notes it)
 
     def _end(self, full: bytes, ofs: int, size: int, crc: int, head: bytes) -> None:
         if size >= _MAX32 or ofs >= _MAX32:
