@@ -694,6 +694,43 @@ def test_blob_records_of_a_blob_like_the_last_are_its_own(numel):
     assert zipdir.blob_records(deflated) is None
 
 
+def test_an_item_like_the_last_read_is_read_by_its_fixed_part():
+    """A DCP item blob of the length of the last one read whose every byte but its data and
+    serialization id (and their CRCs) is that one's holds the same tensor at the same place;
+    one that differs anywhere else (a byte of its pickle, its pickle's CRC field) is read afresh,
+    and what it holds judged as before."""
+    import io
+
+    from ckpt_tools.engine import reader
+
+    def blob(value):
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        return buf.getvalue()
+
+    def fresh(b):
+        reader._ITEM_LAYOUTS.clear()
+        reader._ITEM_TENSORS.clear()
+        return reader._item(b, 0, len(b))
+
+    one, two = blob(torch.arange(12, dtype=torch.float32)), blob(torch.arange(12, dtype=torch.float32) * 3)
+    want = fresh(two)
+    assert want[0] is not None and want[0].size == (12,)
+    fresh(one)
+    assert len(reader._ITEM_LAYOUTS) == 1  # (the fixed part of one noted)
+    got = reader._item(two, 0, len(two))
+    assert got[0] is reader._ITEM_TENSORS[next(iter(reader._ITEM_TENSORS))] and got[1:] == want[1:]
+    assert two[got[1]:got[1] + got[2]] == torch.arange(12, dtype=torch.float32).mul(3).numpy().tobytes()
+    at = two.index(b"FloatStorage")
+    other = two[:at] + b"F" + b"l".upper() + two[at + 2:]  # its pickle changed: its CRC no longer holds
+    fresh(one)
+    assert reader._item(other, 0, len(other)) == fresh(other) == (None, None, 0)
+    i = two.index(b"PK\x01\x02")  # the pickle's central entry comes first: its CRC field
+    recrc = two[:i + 16] + bytes(4) + two[i + 20:]
+    fresh(one)
+    assert reader._item(recrc, 0, len(recrc)) == fresh(recrc) == (None, None, 0)
+
+
 @pytest.mark.parametrize("value", [torch.arange(7, dtype=torch.float32), torch.zeros(0), torch.ones(3, 5, dtype=torch.bfloat16),
                                    torch.tensor(3.5)])
 def test_blob_records_match_zipfile(value):

@@ -72,6 +72,29 @@ def _read_bytes(blob: bytes | memoryview, regions: list[tuple[int, int]]) -> tup
     return tuple((a, b, bytes(blob[a:b])) for a, b in regions)
 
 
+def fixed_part(blob: bytes | memoryview, varying: tuple[str, ...]) -> tuple[int, int] | None:
+    """A mask over every byte of ``blob`` (a small zip :func:`blob_records` reads) but the
+    bytes and CRC fields (central entry, data descriptor) of the records named ``varying``, and
+    ``blob``'s masked value: a blob of its length with that value is this zip but for those
+    records' contents (their sizes, names and places too are where they are here). None for a
+    blob over 64 KiB or one it does not read."""
+    if len(blob) > _MASKED:
+        return None
+    records = _blob_records(blob, [])
+    if records is None or not set(varying) <= records.keys():
+        return None
+    mask = bytearray(b"\xff") * len(blob)
+    for name in varying:
+        start, size, crc_at = records[name]
+        mask[start:start + size] = bytes(size)
+        mask[crc_at:crc_at + 4] = bytes(4)
+        end = start + size
+        if size and bytes(blob[end:end + 4]) == b"PK\x07\x08":  # its data descriptor's CRC
+            mask[end + 4:end + 8] = bytes(4)
+    value = int.from_bytes(mask, "little")
+    return value, int.from_bytes(blob, "little") & value
+
+
 def _same(blob: bytes | memoryview, read: tuple) -> bool:
     """Whether ``blob`` has the bytes ``read`` (:func:`_read_bytes`) of a blob of its length."""
     if len(read) == 2 and type(read[0]) is int:
