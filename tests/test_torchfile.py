@@ -660,18 +660,20 @@ def test_zip64_matches_torch_save(tmp_path):
         b.unlink(missing_ok=True)
 
 
+def _saved(value) -> bytes:
+    """What torch.save writes for ``value`` (a DCP item's blob)."""
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
 @pytest.mark.parametrize("numel", [12, 20_000], ids=["masked", "by-region"])
 def test_blob_records_of_a_blob_like_the_last_are_its_own(numel):
     """Two items of one tensor (same zip, other values): the second's records come from the
     first's layout, with its own CRCs; a blob of that length differing anywhere the parse reads
     (a name, a header) is parsed afresh, and refused like any other. A small blob is compared
     whole under a mask, a large one region by region."""
-    import io
-
-    def blob(value):
-        buf = io.BytesIO()
-        torch.save(value, buf)
-        return buf.getvalue()
+    blob = _saved
 
     def parsed(b):
         zipdir._BLOB_LAYOUTS.clear()
@@ -699,14 +701,9 @@ def test_an_item_like_the_last_read_is_read_by_its_fixed_part():
     serialization id (and their CRCs) is that one's holds the same tensor at the same place;
     one that differs anywhere else (a byte of its pickle, its pickle's CRC field) is read afresh,
     and what it holds judged as before."""
-    import io
-
     from ckpt_tools.engine import reader
 
-    def blob(value):
-        buf = io.BytesIO()
-        torch.save(value, buf)
-        return buf.getvalue()
+    blob = _saved
 
     def fresh(b):
         reader._ITEM_LAYOUTS.clear()
