@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..codecs.torchpickler import dumps
-from ..core.describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo, chunk_rows
+from ..core.describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo, chunk_rows, shared
 from ..core.dtypes import DType
 from ..core.plan import Span, by_piece, Piece
 from ..core.state import gather, param_groups_keyed
@@ -258,8 +258,8 @@ def _tree_chunk(d: shardtree.DTensorNode, rank: int, ws: int, zf: TorchZip, file
     if d.local.size != tuple(sizes):
         raise BadInput(f"{zf.path}: tensor {name!r}: rank {rank} holds {d.local.size}, but its placement "
                        f"on world size {ws} gives {tuple(sizes)}")
-    loc = shardtree.tensor_location(zf, file, d.local, key or (name,))
-    return d.shape, Chunk(tuple(offsets), tuple(sizes), loc, rank)
+    loc = shardtree.tensor_location(zf, file, d.local, key or shared((name,)))
+    return d.shape, Chunk(shared(tuple(offsets)), shared(tuple(sizes)), loc, rank)
 
 
 def _describe_torch(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Checkpoint:
