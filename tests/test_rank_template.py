@@ -69,6 +69,21 @@ def test_template_describes_as_parsing_does(tmp_path, monkeypatch, counted, shap
     assert _facts(got) == _facts(_without_templates(tmp_path / "src", monkeypatch))
 
 
+def test_parsed_files_chunks_share_their_keys_and_shapes(tmp_path, monkeypatch, counted):
+    """Every file parsed (no template learned): each tensor's chunks on the ranks holding the same
+    rows share one key tuple (rank 0's, its name string with it) and one sizes tuple, instead of
+    each file's own copies from its tree, and describe the same as before."""
+    make_verl(tmp_path / "src", 4, shapes=UNIFORM)
+    got = _without_templates(tmp_path / "src", monkeypatch)
+    assert counted["parsed"] == 4
+    for t in got.tensors:
+        first = t.chunks[0]
+        assert len(t.chunks) == 4 and all(c.location.key is first.location.key for c in t.chunks), t.name
+        assert all(c.sizes is first.sizes for c in t.chunks if c.sizes == first.sizes), t.name
+        assert first.location.key == (t.name,) and [c.offsets[0] for c in t.chunks] == sorted(
+            c.offsets[0] for c in t.chunks)
+
+
 def test_a_file_under_another_ranks_name_is_parsed_and_refused(tmp_path):
     make_verl(tmp_path / "src", 8, shapes=UNIFORM)
     shutil.copy(tmp_path / "src" / "model_world_size_8_rank_2.pt", tmp_path / "src" / "model_world_size_8_rank_5.pt")
