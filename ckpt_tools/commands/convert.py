@@ -87,7 +87,8 @@ def _run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) ->
     src = layouts.resolve(src)  # a verl global_step_N/ (what `ckpt latest` prints): its actor/
     # before any work, or any warning about it (a dry run removes no leftover staging)
     check_destination(src, dst, overwrite=opts.overwrite, dry_run=opts.dry_run)
-    ckpt = ckpt or describe(src, base=opts.base)
+    # (safetensors are written from the plan alone: nothing parsed need be kept for the writer)
+    ckpt = ckpt or describe(src, base=opts.base, read_only=opts.to == "hf")
     if opts.to == deepspeedwrite.NAME:
         return _write_deepspeed(ckpt, src, dst, opts)
     out_layout = opts.output

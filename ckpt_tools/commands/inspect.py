@@ -30,7 +30,7 @@ def inspect(path: str | Path, *, tensors: bool = False) -> dict[str, Any]:
     """
     if holds_checkpoints(path):
         return run_listing(path)
-    ckpt = describe(path)
+    ckpt = describe(path, read_only=True)
     return summarize(ckpt, tensors=tensors)
 
 

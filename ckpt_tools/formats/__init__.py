@@ -9,7 +9,7 @@ from pathlib import Path
 from ..core.describe import Checkpoint, check_coverage
 from ..security import bounded, safefs
 from ..errors import BadInput
-from . import dcp, deepspeed, hf, sharded, torchsave
+from . import dcp, deepspeed, hf, sharded, shardtree, torchsave
 
 FORMATS = ("hf", "torch", "dcp", "sharded", deepspeed.NAME)  # the formats written (read: _ORDER)
 _ORDER = ((deepspeed.NAME, deepspeed), ("sharded", sharded), ("dcp", dcp), ("hf", hf), ("torch", torchsave))
@@ -40,14 +40,20 @@ def detect(path: Path | str) -> str:
                    "expected safetensors, a torch .pt/.bin, a DCP .metadata, or model_world_size_W_rank_r.pt files")
 
 
-def describe(path: Path | str, *, check: bool = True) -> Checkpoint:
-    """Describe the checkpoint at ``path`` from its headers and metadata (no tensor data)."""
+def describe(path: Path | str, *, check: bool = True, read_only: bool = False) -> Checkpoint:
+    """Describe the checkpoint at ``path`` from its headers and metadata (no tensor data).
+    ``read_only``: nothing will be written from it (inspect, verify), so nothing parsed is kept
+    for a writer."""
     path = Path(path)
     name = detect(path)
     module = dict(_ORDER)[name]
     before = safefs.stamps(path)  # before reading a byte: what is described is what is copied
-    with bounded.gc_paused(promote=True):  # a description is many small objects: linear without the collector
-        ckpt = replace(module.describe(path), stamps=before)
+    token = shardtree.KEEP_TEMPLATES.set(not read_only)
+    try:
+        with bounded.gc_paused(promote=True):  # a description is many small objects: linear without the collector
+            ckpt = replace(module.describe(path), stamps=before)
+    finally:
+        shardtree.KEEP_TEMPLATES.reset(token)
     if check:
         check_coverage(ckpt)
     return ckpt

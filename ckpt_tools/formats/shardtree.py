@@ -13,6 +13,7 @@ caller takes the torch path, which handles it.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
 import os
@@ -67,6 +68,12 @@ class DTensorNode:
     mesh: NewObj
 
 
+# False while a checkpoint is described for reading only (inspect, verify): no writer will take a
+# rank file's tree as its template, so the first file's is not kept (at 25k tensors, ~50 MB held
+# while every other file is parsed)
+KEEP_TEMPLATES: contextvars.ContextVar[bool] = contextvars.ContextVar("keep_templates", default=True)
+
+
 def parsed(path: Path) -> TorchZip:
     """``TorchZip(path)``, parsed once per process while the file is unchanged (describing and
     writing both read the source's trees)."""
@@ -89,7 +96,8 @@ def described(path: Path, like: list, repeats: Callable[[bytes], TorchZip | None
     if repeats is not None:
         zf = TorchZip(path, like=like, repeats=repeats)
     else:
-        zf = TorchZip(path, like=like) if like else parsed(path)  # the first: kept, a writer's template
+        # the first: kept, a writer's template (unless nothing will be written from it)
+        zf = TorchZip(path, like=like) if like else parsed(path) if KEEP_TEMPLATES.get() else TorchZip(path)
     if zf.exact and len(like) < 8:
         like.append(zf.template())
     return zf

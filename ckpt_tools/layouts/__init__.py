@@ -71,10 +71,11 @@ def resolve(path: Path | str) -> Path:
     return Path(path) / parts[0] if parts else Path(path)
 
 
-def describe(path: Path | str, *, check: bool = True, base: str | None = None) -> Checkpoint:
-    """The checkpoint at ``path`` (:func:`resolve`) described (:func:`ckpt_tools.formats.describe`),
-    then completed by its layout where the layout knows what the files leave out (FSDP1 flat
-    parameters' make-up, from the model; ``base``: where its config is, if not beside it)."""
+def describe(path: Path | str, *, check: bool = True, base: str | None = None, read_only: bool = False) -> Checkpoint:
+    """The checkpoint at ``path`` (:func:`resolve`) described (:func:`ckpt_tools.formats.describe`;
+    ``read_only``: nothing will be written from it), then completed by its layout where the
+    layout knows what the files leave out (FSDP1 flat parameters' make-up, from the model;
+    ``base``: where its config is, if not beside it)."""
     from . import runs  # runs asks the adapters this module imports
 
     if runs.is_run(Path(path)):
@@ -82,7 +83,7 @@ def describe(path: Path | str, *, check: bool = True, base: str | None = None) -
         raise BadInput(f"{path}: a run directory holding {len(steps)} checkpoints ({', '.join(steps[:4])}"
                        f"{', ...' if len(steps) > 4 else ''}), not one checkpoint; `ckpt latest {path}` prints the "
                        "newest complete one to use (or name a file in it directly)")
-    ckpt = describe_format(resolve(path), check=check)
+    ckpt = describe_format(resolve(path), check=check, read_only=read_only)
     complete = getattr(layout_of(ckpt).adapter, "complete", None)
     if complete is None:
         return ckpt
