@@ -248,6 +248,12 @@ class TorchZipWriter:
         return struct.pack("<HH", 1, len(fields)) + fields if fields else b""
 
     def _begin(self, name: str, size: int, phase: int | None = None) -> tuple[bytes, int]:
+        full, ofs, header = self._header(name, size, phase)
+        self._write(header)
+        return full, ofs
+
+    def _header(self, name: str, size: int, phase: int | None = None) -> tuple[bytes, int, bytes]:
+        """A record's full name, offset and local header, at the current position."""
         if self._fd is None or name in self._names:
             raise ValueError(f"record {name!r} written twice, or the writer is closed")
         self._names.add(name)
@@ -261,23 +267,26 @@ class TorchZipWriter:
             pad = (phase - data) % PAGE
         extra = zip64 + _PAD.pack(0x4246, pad) + b"Z" * pad  # 'FB' <u16 pad> 'Z' * pad
         flags = 0x0808 if size else 0x0800  # UTF-8 names; a data descriptor follows unless empty
-        self._write(_LOCAL.pack(0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), len(extra)) + full + extra)
-        return full, ofs
+        return full, ofs, _LOCAL.pack(0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), len(extra)) + full + extra
 
     def _end(self, full: bytes, ofs: int, size: int, crc: int, head: bytes) -> None:
+        self._write(self._trailer(full, ofs, size, crc, head))
+
+    def _trailer(self, full: bytes, ofs: int, size: int, crc: int, head: bytes) -> bytes:
+        """A record's data descriptor (after its bytes), its central entry noted, its CRC
+        folded into the serialization id."""
         for value in _folded(size, crc, head):
             self._crc_hash = _hash_combine(self._crc_hash, value)
         if size >= _MAX32 or ofs >= _MAX32:
-            if size:
-                self._write(_DESCRIPTOR64.pack(0x08074B50, crc, size, size))
+            descriptor = _DESCRIPTOR64.pack(0x08074B50, crc, size, size) if size else b""
             extra = self._zip64(size, ofs, size)
         else:
-            if size:
-                self._write(_DESCRIPTOR.pack(0x08074B50, crc, size, size))
+            descriptor = _DESCRIPTOR.pack(0x08074B50, crc, size, size) if size else b""
             extra = b""
         self._central += _CENTRAL.pack(
             0x02014B50, 0, 0, 0x0808 if size else 0x0800, 0, 0, 0, crc, min(size, _MAX32),
             min(size, _MAX32), len(full), len(extra), 0, 0, 0, 0, min(ofs, _MAX32)) + full + extra
+        return descriptor
 
     def write_record(self, name: str, data: bytes) -> None:
         """A record from memory (the pickle, the small text records). Like torch, skips
@@ -286,26 +295,14 @@ class TorchZipWriter:
             self._in_memory(name, data, zlib.crc32(data))
 
     def _in_memory(self, name: str, data: bytes | bytearray, crc: int) -> None:
-        """A record of ``data`` (CRC-32 ``crc``): what :meth:`_begin`, a write and :meth:`_end`
-        write, its header, bytes and descriptor in one write, below 4 GiB (no zip64 field).
-        A many-rank job's rank files hold hundreds of thousands of records of a few KiB."""
-        size, ofs = len(data), self._pos
-        if size >= _MAX32 or ofs >= _MAX32 or self._fd is None or name in self._names:
-            self._by_parts(name, data, crc)
-            return
-        self._names.add(name)
-        full = f"{self.prefix}/{name}".encode()
-        pad = -(ofs + 34 + len(full)) % self.alignment  # (as _begin pads: the data's offset aligned)
-        flags = 0x0808 if size else 0x0800
-        self._write(b"".join((_LOCAL.pack(0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), 4 + pad), full,
-                              _PAD.pack(0x4246, pad), b"Z" * pad, data,
-                              _DESCRIPTOR.pack(0x08074B50, crc, size, size) if size else b"")))
-        for value in _folded(size, crc, data[:8]):
-            self._crc_hash = _hash_combine(self._crc_hash, value)
-        self._central += _CENTRAL.pack(0x02014B50, 0, 0, flags, 0, 0, 0, crc, size, size, len(full), 0, 0, 0, 0, 0,
-                                       ofs) + full
+        """A record of ``data`` (CRC-32 ``crc``): its header, bytes and descriptor in one
+        write (a many-rank job's rank files hold hundreds of thousands of records of a few KiB)."""
+        full, ofs, header = self._header(name, len(data))
+        self._write(b"".join((header, data, self._trailer(full, ofs, len(data), crc, data[:8]))))
 
     def _by_parts(self, name: str, data: bytes | bytearray, crc: int) -> None:
+        """:meth:`_in_memory` through :meth:`_begin`, a write and :meth:`_end` (each record
+        noted by a :class:`_Capture`)."""
         full, ofs = self._begin(name, len(data))
         self._write(data)
         self._end(full, ofs, len(data), crc, bytes(data[:8]))
@@ -459,9 +456,7 @@ class ZipTemplate:
         cap = _Capture(prefix, alignment)
         for rec, data in records:
             cap.write_record(rec, data)
-        full, ofs = cap._begin(name, size)
-        cap._write(bytes(size))
-        cap._end(full, ofs, size, 0, b"")
+        cap.write_record(name, bytes(size))  # (its CRC and what it folds into the id: render's)
         cap.close(name_hash=name_hash)
         noted, sid = cap.noted[name], cap.noted[_SID]
         if cap.central_at < 0 or len(cap.out) > SMALL_RECORD + (64 << 10):

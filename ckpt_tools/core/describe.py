@@ -9,6 +9,7 @@ needed until the engine carries a plan out.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -198,23 +199,26 @@ class Checkpoint:
         return sum(t.nbytes for t in self.tensors)
 
 
-# equal tuples of a description as one object: a many-rank job's chunks repeat a few offsets and
-# sizes, and each tensor's key, once per rank file parsed (~60 bytes a tuple, and a key's name
-# string from each file's tree: ~45 MB of a 25k-tensor, 8-rank description); bounded, emptied
-# when full
+# equal tuples of a description and its plan as one object: a many-rank job's chunks, pieces
+# and copies repeat a few offsets and sizes, and each tensor's key once per rank file parsed,
+# hundreds of thousands of times (~60 bytes a tuple, and a key's name string from each file's
+# tree: ~45 MB of a 25k-tensor, 8-rank description); bounded, emptied when full
 _SHARED: dict[tuple, tuple] = {}
 _SHARED_MAX = 1 << 17
 
 
-def shared(value: tuple) -> tuple:
-    """``value``, or the equal tuple met first: for offsets, sizes and a state dict's keys,
+def sharing() -> Callable[[tuple, tuple], tuple]:
+    """The table's ``setdefault`` (``share(t, t)``: ``t``, or the equal tuple met first), for a
+    loop that shares many (emptied first if full). For offsets, sizes and a state dict's keys,
     where equal members act the same (a dict holds one of ``1`` and ``True``)."""
-    got = _SHARED.get(value)
-    if got is None:
-        if len(_SHARED) >= _SHARED_MAX:
-            _SHARED.clear()
-        got = _SHARED[value] = value
-    return got
+    if len(_SHARED) >= _SHARED_MAX:
+        _SHARED.clear()
+    return _SHARED.setdefault
+
+
+def shared(value: tuple) -> tuple:
+    """``value``, or the equal tuple met first (see :func:`sharing`)."""
+    return sharing()(value, value)
 
 
 def dtype_size(dtype: DType) -> int:

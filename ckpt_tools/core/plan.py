@@ -17,7 +17,7 @@ from typing import Any
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-from .describe import Chunk, ObjectInfo, TensorInfo, chunk_rows, dtype_size
+from .describe import Chunk, ObjectInfo, TensorInfo, chunk_rows, dtype_size, sharing
 from .dtypes import DType
 from ..errors import BadInput
 
@@ -223,13 +223,6 @@ def rows_of(target: Target, world_size: int, rank: int) -> Piece:
     return piece(target, (start, *([0] * (len(shape) - 1))), (stop - start, *shape[1:]))
 
 
-# equal offsets and sizes of a plan's pieces and copies as one tuple each: a many-rank plan's
-# are a few distinct values met hundreds of thousands of times (~60 bytes a tuple); bounded,
-# emptied when full
-_SHARED: dict[tuple, tuple] = {}
-_SHARED_MAX = 1 << 16
-
-
 def _tiled_rows(target: Target, a: int, b: int) -> Piece:
     """:func:`piece` of rows [a, b) of a target whose source chunks tile its rows
     (:meth:`TensorInfo.row_tiles`): the chunks from the one holding row ``a``, each met in one
@@ -239,9 +232,9 @@ def _tiled_rows(target: Target, a: int, b: int) -> Piece:
     rest = target.shape[1:]
     zeros = (0,) * len(rest)
     chunks, n = source.chunks, len(starts)
-    if len(_SHARED) >= _SHARED_MAX:
-        _SHARED.clear()
-    shared = _SHARED.setdefault
+    # equal offsets and sizes as one tuple each: a many-rank plan's are a few distinct values
+    # met hundreds of thousands of times
+    shared = sharing()
     copies = []
     j = bisect_right(starts, a) - 1
     while a < b and j < n and starts[j] < b:

@@ -27,7 +27,7 @@ from ..core.dtypes import as_torch, scalar_from_bytes
 from ..errors import BadInput
 from ..security import safefs
 from ..security.torchfile import loads, loads_blob
-from ..security.zipdir import blob_records, fixed_part
+from ..security.zipdir import blob_records, fixed_part, matches
 from ..storage import diskio, remote
 from .torchranges import TorchRanges
 
@@ -388,7 +388,7 @@ _WINDOW, _WINDOWS_KEPT = 64 << 10, 256
 _ITEM_TENSORS: dict[bytes, Any] = {}  # an item blob's pickle -> the tensor it holds (a few shapes a job)
 # a blob length -> the fixed part of the last item of that length read (zipdir.fixed_part), its
 # tensor, and its data record's offset and size
-_ITEM_LAYOUTS: dict[int, tuple[int, int, Any, int, int]] = {}
+_ITEM_LAYOUTS: dict[int, tuple[tuple[int, int], Any, int, int]] = {}
 
 
 def _item(m: mmap.mmap, start: int, length: int) -> tuple[Any, int | None, int]:
@@ -397,8 +397,8 @@ def _item(m: mmap.mmap, start: int, length: int) -> tuple[Any, int | None, int]:
     on every rank pickle the same bytes, so each distinct pickle is parsed once."""
     view = memoryview(m)[start:start + length]
     known = _ITEM_LAYOUTS.get(length)
-    if known is not None and int.from_bytes(view, "little") & known[0] == known[1]:
-        return known[2], start + known[3], known[4]  # (an item of the last read of its length, its data aside)
+    if known is not None and matches(view, known[0]):
+        return known[1], start + known[2], known[3]  # (an item of the last read of its length, its data aside)
     records = blob_records(view)
     pickles = [n for n in records or () if n.endswith("/data.pkl")]
     data = [n for n in records or () if "/data/" in n and not n.endswith("/data.pkl")]
@@ -427,7 +427,7 @@ def _item(m: mmap.mmap, start: int, length: int) -> tuple[Any, int | None, int]:
         if fixed is not None:
             if len(_ITEM_LAYOUTS) >= 1024:
                 _ITEM_LAYOUTS.clear()
-            _ITEM_LAYOUTS[length] = (*fixed, local, at, size)
+            _ITEM_LAYOUTS[length] = (fixed, local, at, size)
     return local, start + at, size
 
 

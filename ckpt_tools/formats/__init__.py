@@ -42,7 +42,7 @@ def detect(path: Path | str) -> str:
 
 def describe(path: Path | str, *, check: bool = True, read_only: bool = False) -> Checkpoint:
     """Describe the checkpoint at ``path`` from its headers and metadata (no tensor data).
-    ``read_only``: nothing will be written from it (inspect, verify), so nothing parsed is kept
+    ``read_only``: nothing will be written from it (inspect, safetensors), so nothing parsed is kept
     for a writer."""
     path = Path(path)
     name = detect(path)

@@ -68,9 +68,9 @@ class DTensorNode:
     mesh: NewObj
 
 
-# False while a checkpoint is described for reading only (inspect, verify): no writer will take a
-# rank file's tree as its template, so the first file's is not kept (at 25k tensors, ~50 MB held
-# while every other file is parsed)
+# False while a checkpoint is described to read only (inspect, a conversion to safetensors): no
+# writer will take a rank file's tree as its template, so the first file's is not kept (at 25k
+# tensors, ~50 MB held while every other file is parsed)
 KEEP_TEMPLATES: contextvars.ContextVar[bool] = contextvars.ContextVar("keep_templates", default=True)
 
 
