@@ -3,6 +3,7 @@ accelerate (``pytorch_model_fsdp_0/`` + ``optimizer_0/``) and ``dcp.save`` write
 
 from __future__ import annotations
 
+import math
 import os
 
 import re
@@ -96,30 +97,30 @@ def _describe_one(path: Path, prefix: str):
     storage = meta.storage_data or {}
     paths = meta.planner_data if isinstance(meta.planner_data, dict) else {}
     where = str(path / METADATA)
-    tensors, objects, files = [], [], set()
-    inside: set[str] = set()  # relative paths already resolved inside the root (few, reused)
+    tensors, objects = [], []
+    files: set[str] = set()  # the data files items are in, each resolved inside the root once
 
     # the index by plain tuples: a many-rank save looks up one entry per item, and the records'
     # own hash and compare cost more than the rest of describing it
     index = {k._key(): v for k, v in storage.items()} \
         if type(storage) is dict and all(type(k) is MetadataIndex for k in storage) else None
 
-    def location(fqn: str, offset=None, kind: str = "torch_item") -> Location:
+    def location(fqn: str, offset: tuple[int, ...] | None = None, kind: str = "torch_item") -> Location:
+        # (``offset``: a chunk's, checked to be a tuple of ints: the index's key as it stands)
         try:
             info = storage[MetadataIndex(fqn=fqn, offset=offset)] if index is None \
-                else index[MetadataIndex.key_of(fqn, offset)]
+                else index[(fqn, offset) if offset is not None else MetadataIndex.key_of(fqn, None)]
         except KeyError:
             raise BadInput(f"{path / METADATA}: no storage entry for {fqn!r} at {offset}; the metadata is incomplete") from None
-        if info.relative_path not in inside:
-            safefs.resolve_inside(path, info.relative_path, what=f"{where}: item {fqn!r}")
-            inside.add(info.relative_path)
-        file = prefix + info.relative_path
+        rel = info.relative_path
+        if rel not in files:
+            safefs.resolve_inside(path, rel, what=f"{where}: item {fqn!r}")
+            files.add(rel)
         if getattr(info, "transform_descriptors", None):
             raise BadInput(f"{where}: item {fqn!r} is stored with transforms "
                            f"{brief(info.transform_descriptors)}, which ckpt cannot read yet")
         offset, length = safefs.check_span(info.offset, info.length, None, what=f"{where}: item {fqn!r}")
-        files.add(info.relative_path)
-        return Location(file, kind, offset, length)
+        return Location(prefix + rel, kind, offset, length)
 
     try:
         items = list(meta.state_dict_metadata.items())
@@ -141,9 +142,9 @@ def _describe_one(path: Path, prefix: str):
                 what = f"{where}: tensor {fqn!r}"
                 shape = safefs.check_dims(md.size, what=f"{what} size")
                 chunks = tuple(
-                    Chunk(safefs.check_dims(c.offsets, what=f"{what} chunk offsets", rank=len(shape)),
+                    Chunk(offsets := safefs.check_dims(c.offsets, what=f"{what} chunk offsets", rank=len(shape)),
                           safefs.check_dims(c.sizes, what=f"{what} chunk sizes", rank=len(shape)),
-                          location(fqn, c.offsets), None)
+                          location(fqn, offsets), None)
                     for c in md.chunks
                 )
                 tensors.append(TensorInfo(group, name, shape, md.properties.dtype, chunks, param, state,
@@ -171,16 +172,21 @@ def _describe_one(path: Path, prefix: str):
         if m:
             ranks.add(int(m.group(1)))
     entries.append(FileEntry(prefix + METADATA, (path / METADATA).stat().st_size))
-    for loc, what in [(c.location, t.name) for t in tensors for c in t.chunks] + [(o.location, o.name) for o in objects]:
+    def within(loc: Location, what: str) -> None:
         if loc.offset + loc.length > sizes[loc.file]:
             raise BadInput(f"{path / loc.file.removeprefix(prefix)}: item {what!r} ends at byte {loc.offset + loc.length}, "
                            f"but the file has {sizes[loc.file]}; it is truncated: copy it again")
+
     for t in tensors:
+        itemsize = t.dtype.itemsize
         for c in t.chunks:
+            within(loc := c.location, t.name)
             # refuse declared sizes the stored bytes cannot hold, before anything is allocated
-            if c.location.length < c.numel * t.dtype.itemsize:
+            if loc.length < math.prod(c.sizes) * itemsize:
                 raise BadInput(f"{path / METADATA}: tensor {t.name!r} declares a chunk of {c.sizes} "
-                               f"({c.numel * t.dtype.itemsize} bytes) stored in {c.location.length} bytes")
+                               f"({c.numel * itemsize} bytes) stored in {loc.length} bytes")
+    for o in objects:
+        within(o.location, o.name)
     # non-tensor items are small: load each now (weights_only), so one carrying code is refused
     # by every command, not only by those that read it
     handles: dict[str, Any] = {}

@@ -68,11 +68,8 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:  # noqa: C9
     fend = n  # where the current frame ends
     while True:
         op = buf[pos]
-        # most frequent first: a chain of compares is cheaper than a call through a table
-        if op == 0x94:  # MEMOIZE (one not taken with the opcode before it)
-            memoize(stack[-1])
-            pos += 1
-            continue
+        # most frequent first (in a many-rank .metadata, runs of opcodes taken together): a chain
+        # of compares is cheaper than a call through a table
         if op == 0x6a:  # LONG_BINGET
             append(memo[_U4(buf, pos + 1)[0]])
             pos += 5
@@ -85,12 +82,6 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:  # noqa: C9
             append(buf[pos + 1])
             pos += 2
             continue
-        if op == 0x28:  # MARK
-            metastack.append(stack)
-            stack = []
-            append = stack.append
-            pos += 1
-            continue
         if op == 0x29:  # EMPTY_TUPLE
             if buf[pos + 1] == 0x81:  # EMPTY_TUPLE NEWOBJ: cls() without arguments
                 cls = stack[-1]
@@ -99,19 +90,16 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:  # noqa: C9
                 if buf[pos] == 0x94:
                     memoize(obj)
                     pos += 1
+                    if buf.startswith(_STATE_OPENS, pos):  # its state dict begun: EMPTY_DICT MEMOIZE MARK
+                        x = {}
+                        append(x)
+                        memoize(x)
+                        metastack.append(stack)
+                        stack = []
+                        append = stack.append
+                        pos += 3
                 continue
             append(())
-            pos += 1
-            continue
-        if op == 0x62:  # BUILD
-            state = stack.pop()
-            inst = stack[-1]
-            if callable(inst):  # a class or function find_class gave: the careful reader refuses it
-                raise Decline("BUILD on a class or function")
-            setstate = getattr(inst, "__setstate__", None)
-            if setstate is None:  # plain __dict__/slots update: rare, the careful reader's
-                raise Decline("BUILD without __setstate__")
-            setstate(state)
             pos += 1
             continue
         if op == 0x86 or op == 0x85:  # TUPLE2, TUPLE1
@@ -125,6 +113,12 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:  # noqa: C9
             if buf[pos] == 0x94:
                 memoize(x)
                 pos += 1
+                if buf.startswith(_CALLED_WITH_IT, pos):  # TUPLE1 MEMOIZE REDUCE MEMOIZE: f(x), as torch.Size((...)) pickles
+                    memoize(args := (x,))
+                    stack.pop()
+                    stack[-1] = x = stack[-1](*args)
+                    memoize(x)
+                    pos += 4
             continue
         if op == 0x75:  # SETITEMS
             items = stack
@@ -135,21 +129,8 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:  # noqa: C9
                 check_key(items[i])
                 target[items[i]] = items[i + 1]
             pos += 1
-            continue
-        if op == 0x7d:  # EMPTY_DICT
-            x = {}
-            append(x)
-            pos += 1
-            if buf[pos] == 0x94:
-                memoize(x)
-                pos += 1
-            continue
-        if op == 0x52:  # REDUCE
-            args = stack.pop()
-            stack[-1] = x = stack[-1](*args)
-            pos += 1
-            if buf[pos] == 0x94:
-                memoize(x)
+            if buf[pos] == 0x62:  # BUILD with the state dict just filled
+                _build(stack)
                 pos += 1
             continue
         if op == 0x4d:  # BININT2
@@ -170,6 +151,36 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:  # noqa: C9
         if op == 0x4a:  # BININT
             append(_I4(buf, pos + 1)[0])
             pos += 5
+            continue
+        if op == 0x94:  # MEMOIZE (one not taken with the opcode before it)
+            memoize(stack[-1])
+            pos += 1
+            continue
+        if op == 0x28:  # MARK
+            metastack.append(stack)
+            stack = []
+            append = stack.append
+            pos += 1
+            continue
+        if op == 0x62:  # BUILD
+            _build(stack)
+            pos += 1
+            continue
+        if op == 0x7d:  # EMPTY_DICT
+            x = {}
+            append(x)
+            pos += 1
+            if buf[pos] == 0x94:
+                memoize(x)
+                pos += 1
+            continue
+        if op == 0x52:  # REDUCE
+            args = stack.pop()
+            stack[-1] = x = stack[-1](*args)
+            pos += 1
+            if buf[pos] == 0x94:
+                memoize(x)
+                pos += 1
             continue
         if op == 0x89:  # NEWFALSE
             append(False)
@@ -313,6 +324,23 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:  # noqa: C9
                 raise Decline("opcode across a frame's end")
             return stack.pop()
         raise Decline(f"opcode {op:#04x}")
+
+
+# runs of opcodes a DCP record pickles as, taken in one turn of the loop (the same steps)
+_STATE_OPENS = b"}\x94("  # EMPTY_DICT MEMOIZE MARK, after EMPTY_TUPLE NEWOBJ MEMOIZE
+_CALLED_WITH_IT = b"\x85\x94R\x94"  # TUPLE1 MEMOIZE REDUCE MEMOIZE, after a tuple memoized
+
+
+def _build(stack: list[Any]) -> None:
+    """BUILD: the state on top into the object below it, by its ``__setstate__``."""
+    state = stack.pop()
+    inst = stack[-1]
+    if callable(inst):  # a class or function find_class gave: the careful reader refuses it
+        raise Decline("BUILD on a class or function")
+    setstate = getattr(inst, "__setstate__", None)
+    if setstate is None:  # plain __dict__/slots update: rare, the careful reader's
+        raise Decline("BUILD without __setstate__")
+    setstate(state)
 
 
 def _put(memo: list[Any], i: int, x: Any) -> None:
