@@ -245,3 +245,24 @@ def test_an_index_key_is_worked_out_from_its_fields_never_taken_from_the_file():
         assert idx == dcpmeta.MetadataIndex(fqn="a", offset=(0, 0))
         idx.__setstate__({"fqn": "c", "offset": (1, 0)})  # a second BUILD: the key follows it
         assert idx._key() == ("c", (1, 0))
+
+
+@pytest.mark.parametrize("field", ["__class__", "__dict__"])
+def test_a_record_state_naming_the_object_itself_is_refused(tmp_path, field):
+    """A record's fields are set one by one (so its values stay inline, without a dict of its
+    own); a state key such as ``__class__`` would then reach the object itself (turn a chunk
+    into another record class, or swap its attributes wholesale). Both readers refuse it."""
+    meta = b"torch.distributed.checkpoint.metadata"
+    glob = b"\x8c" + bytes([len(meta)]) + meta + b"\x8c\x14ChunkStorageMetadata\x93"
+    other = b"\x8c" + bytes([len(meta)]) + meta + b"\x8c\x08Metadata\x93"
+    key = field.encode()
+    # ChunkStorageMetadata() with state {field: <the Metadata class>}
+    data = b"\x80\x04" + glob + b")\x81}(\x8c" + bytes([len(key)]) + key + other + b"ub."
+    p = tmp_path / ".metadata"
+    p.write_bytes(data)
+    with pytest.raises(fastpickle.Decline, match="pickled field named"):
+        _fast(data)
+    with pytest.raises(ValueError, match="pickled field named"):
+        _careful(data)
+    with pytest.raises(BadInput, match="corrupt"):
+        load_dcp_metadata(p)
