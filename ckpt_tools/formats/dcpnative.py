@@ -37,6 +37,7 @@ from ..codecs.torchwriter import SMALL_RECORD, Sources, TorchZipWriter, ZipTempl
 from ..core.describe import Checkpoint, ObjectInfo
 from ..core.plan import Span
 from ..errors import BadInput, Damaged
+from ..security import bounded
 from ..security.torchfile import Global, NewObj, Reduce, StorageRef, loads_blob
 from ..storage.castio import CastSpan, blocks
 from ..storage.diskio import Flusher, copy_range, write_all
@@ -399,6 +400,15 @@ class Writer:
             self._metadata(out / part if part else out, files)
 
     def _metadata(self, out: Path, files: list) -> None:
+        # (hundreds of thousands of small objects and no cycles: the collector's passes over
+        # them were a third of the step at 256 ranks with moments, 2.4 -> 1.5 s)
+        with bounded.gc_paused():
+            data = self._metadata_pickle(files)
+        # written last, as dcp.save does: a reader that finds it knows the data files are complete
+        with open(out / METADATA, "wb") as f:
+            f.write(data)
+
+    def _metadata_pickle(self, files: list) -> bytes:
         # the same steps as the torch writer's, over stand-ins of DCP's classes, so the pickle
         # shares strings and tuples as that one does (the pickle memoizes by identity)
         state: dict = {}
@@ -430,10 +440,8 @@ class Writer:
                 planner[fqn] = path_
         if self.keys:
             state, planner, storage = renamed_keys(state, planner, storage, self.keys, canon)
-        meta = mp.Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage, version="1.0.0")
-        # written last, as dcp.save does: a reader that finds it knows the data files are complete
-        with open(out / METADATA, "wb") as f:
-            f.write(mp.dumps(meta))
+        return mp.dumps(mp.Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage,
+                                    version="1.0.0"))
 
 
 def native_writer(ckpt: Checkpoint, jobs, *, param_order: tuple[str, ...], extras: bool = False,
