@@ -201,6 +201,41 @@ class _Pickler(pickle._Pickler):
     dispatch[_Global] = save_global
     dispatch[type] = save_global
 
+    # batches as the C pickler writes them (torch's pickle is the C pickler's), where pickle.py
+    # differs: a list or dict of more than one item always by MARK ... APPENDS / SETITEMS (pickle.py
+    # writes a lone last item by APPEND / SETITEM), and a dict's full last batch followed by an
+    # empty one
+    def _batch_appends(self, items: Any) -> None:
+        items = list(items)
+        if len(items) == 1:
+            self.save(items[0])
+            self.write(pickle.APPEND)
+            return
+        for at in range(0, len(items), self._BATCHSIZE):
+            self.write(pickle.MARK)
+            for x in items[at:at + self._BATCHSIZE]:
+                self.save(x)
+            self.write(pickle.APPENDS)
+
+    def _batch_setitems(self, items: Any) -> None:
+        items = list(items)
+        if len(items) == 1:
+            self.save(items[0][0])
+            self.save(items[0][1])
+            self.write(pickle.SETITEM)
+            return
+        at = 0
+        while items:
+            batch = items[at:at + self._BATCHSIZE]
+            self.write(pickle.MARK)
+            for k, v in batch:
+                self.save(k)
+                self.save(v)
+            self.write(pickle.SETITEMS)
+            at += self._BATCHSIZE
+            if len(batch) < self._BATCHSIZE:
+                break
+
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
         # pickle._Pickler.save's own steps for the objects a many-rank .metadata is mostly made
         # of (hundreds of thousands of ints, strings and small tuples), without its generic

@@ -26,11 +26,12 @@ from __future__ import annotations
 import functools
 
 import os
+import pickle
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..codecs import metapickle as mp
+from ..codecs import metaemit, metapickle as mp
 from ..codecs.tensornodes import REBUILD_V2, STORAGE_DTYPES, contiguous_stride
 from ..codecs.torchpickler import dumps
 from ..codecs.torchwriter import SMALL_RECORD, Sources, TorchZipWriter, ZipTemplate, parts_size
@@ -409,39 +410,56 @@ class Writer:
             f.write(data)
 
     def _metadata_pickle(self, files: list) -> bytes:
-        # the same steps as the torch writer's, over stand-ins of DCP's classes, so the pickle
-        # shares strings and tuples as that one does (the pickle memoizes by identity)
-        state: dict = {}
-        planner: dict = {}
-        storage: dict = {}
-        canon: dict = {}
-        for rel, records in files:
-            file = rel.rpartition("/")[2]
-            for kind, what, start, length in records:
-                if kind == "tensor":
-                    path_, dtype, shape, offsets, sizes = what
-                    if self.top_level_model and path_[0] == "model":
-                        path_ = path_[1:]
-                    path_ = canonical(path_, canon)
-                    fqn = ".".join(map(str, path_))
-                    md = state.setdefault(fqn, mp.TensorStorageMetadata(
-                        properties=mp.TensorProperties(dtype=mp.dtype(dtype)), size=mp.Size(shape),
-                        chunks=[]))
-                    md.chunks.append(mp.ChunkStorageMetadata(offsets=mp.Size(offsets), sizes=mp.Size(sizes)))
-                    storage[mp.MetadataIndex(fqn, mp.Size(offsets))] = mp.StorageInfo(file, start, length)
-                else:
-                    if kind == "object":
-                        path_ = canonical(what, canon)
-                        fqn = ".".join(map(str, path_))
-                    else:
-                        fqn, path_ = what[0], canonical(what[1], canon)
-                    state[fqn] = mp.BytesStorageMetadata()
-                    storage[mp.MetadataIndex(fqn)] = mp.StorageInfo(file, start, length)
-                planner[fqn] = path_
+        meta, canon = metadata_of(files, top_level_model=self.top_level_model)
+        if not self.keys:
+            try:
+                return metaemit.dumps(meta, pickle.DEFAULT_PROTOCOL)
+            except metaemit.Unsupported:
+                pass
+        meta = metaemit.stand_ins(meta)
         if self.keys:
-            state, planner, storage = renamed_keys(state, planner, storage, self.keys, canon)
-        return mp.dumps(mp.Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage,
-                                    version="1.0.0"))
+            meta.state_dict_metadata, meta.planner_data, meta.storage_data = renamed_keys(
+                meta.state_dict_metadata, meta.planner_data, meta.storage_data, self.keys, canon)
+        return mp.dumps(meta)
+
+
+def metadata_of(files: list, *, top_level_model: bool = False) -> tuple[mp.Metadata, dict]:
+    """The ``.metadata`` of the data files written (``(relative path, records)`` each, in the
+    plan's order), and the strings its keys were made one object of (``canon``). The same steps
+    as the torch writer's, so the pickle shares strings and tuples as that one does (the pickle
+    memoizes by identity); chunks and storage entries kept as their fields
+    (:mod:`~ckpt_tools.codecs.metaemit` renders them), the rest as stand-ins of DCP's classes."""
+    state: dict = {}
+    planner: dict = {}
+    storage = metaemit.Entries()
+    canon: dict = {}
+    for rel, records in files:
+        file = rel.rpartition("/")[2]
+        for kind, what, start, length in records:
+            if kind == "tensor":
+                path_, dtype, shape, offsets, sizes = what
+                if top_level_model and path_[0] == "model":
+                    path_ = path_[1:]
+                path_ = canonical(path_, canon)
+                fqn = ".".join(map(str, path_))
+                md = state.get(fqn)
+                if md is None:
+                    md = state[fqn] = mp.TensorStorageMetadata(
+                        properties=mp.TensorProperties(dtype=mp.dtype(dtype)), size=mp.Size(shape),
+                        chunks=metaemit.Chunks())
+                md.chunks.append((offsets, sizes))
+                storage.append((fqn, offsets, file, start, length))
+            else:
+                if kind == "object":
+                    path_ = canonical(what, canon)
+                    fqn = ".".join(map(str, path_))
+                else:
+                    fqn, path_ = what[0], canonical(what[1], canon)
+                state[fqn] = mp.BytesStorageMetadata()
+                storage.append((fqn, None, file, start, length))
+            planner[fqn] = path_
+    meta = mp.Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage, version="1.0.0")
+    return meta, canon
 
 
 def native_writer(ckpt: Checkpoint, jobs, *, param_order: tuple[str, ...], extras: bool = False,
