@@ -6,7 +6,10 @@ A many-rank ``.metadata`` is mostly two runs of records: each tensor's chunks (a
 its ``_StorageInfo`` per item). As stand-ins, each chunk and entry cost ~10 µs (five objects
 built, then reduced one by one by the C pickler): 1.5 s of a 256-rank reshard with moments.
 Here each is rendered from its fields: the opcodes the pickler writes for it, with the memo
-references it makes (classes, field names, ``torch.Size``) looked up once.
+references it makes (classes, field names, ``torch.Size``) looked up once. So are the entries
+with one per tensor (its name and header in ``state_dict_metadata``, its path in
+``planner_data``): at 25k tensors of a chunk each, saving those object by object in Python
+cost more than the C pickler had.
 
 :class:`_Emitter` is :class:`pickle._Pickler`'s algorithm for the few kinds of object a
 ``.metadata`` holds (strings, ints, tuples, lists, dicts, None and False, the stand-ins of
@@ -42,6 +45,7 @@ _NEW = b")\x81\x94}\x94("  # EMPTY_TUPLE NEWOBJ MEMOIZE, the state: EMPTY_DICT M
 _OFFSETS, _SIZES = sys.intern("offsets"), sys.intern("sizes")
 _FQN, _INDEX, _OFFSET = sys.intern("fqn"), sys.intern("index"), sys.intern("offset")
 _PATH, _LENGTH = sys.intern("relative_path"), sys.intern("length")
+_PROPERTIES, _SIZE_KEY, _CHUNKS = sys.intern("properties"), sys.intern("size"), sys.intern("chunks")
 
 
 class Chunks(list):
@@ -87,6 +91,8 @@ def dumps(meta: mp.Metadata, protocol: int = 4) -> bytes:
     if protocol not in (4, 5):
         raise Unsupported(f"protocol {protocol}")
     e = _Emitter()
+    # the two maps with an entry per tensor: their entries rendered too
+    e.rendered = {id(meta.state_dict_metadata): e._one_tensor, id(meta.planner_data): e._one_path}
     e.save(meta)
     e.write(b".")
     return e.finish(protocol)
@@ -119,6 +125,8 @@ class _Emitter:
         self.count = 0  # memo entries made (an object met once is counted, not kept)
         self._chunk: dict[int, tuple] = {}  # ndim -> a chunk's fixed parts, once its references are memoized
         self._entry: tuple | None = None
+        self._tensor: tuple | None = None
+        self.rendered: dict[int, Callable[[Any], None]] = {}
 
     # -- pickle's framer and memo
 
@@ -173,7 +181,7 @@ class _Emitter:
         elif t is dict:
             self.write(b"}")
             self.memoize(obj)
-            self._setitems(list(obj.items()))
+            self._setitems(list(obj.items()), self.rendered.get(id(obj)))
         elif t is list:
             self.write(b"]")
             self.memoize(obj)
@@ -337,3 +345,93 @@ class _Emitter:
             return
         index, fqn, idx, offset, size, info, path, length = (self.get(i) for i in refs)
         self._entry = (index + _NEW + fqn, idx + b"N" + offset + size, info + _NEW + path, offset, length)
+
+    def _one_tensor(self, kv: tuple) -> None:
+        """A state_dict_metadata entry: a tensor's name and header rendered (its chunks by
+        :meth:`_one_chunk`), where its references are memoized and no frame ends in it."""
+        fqn, md = kv
+        parts, memo = self._tensor, self.memo
+        if parts is not None and type(md) is mp.TensorStorageMetadata and type(md.chunks) is Chunks \
+                and type(md.size) is mp.Size and type(md.properties) is mp.TensorProperties \
+                and id(md) not in memo:
+            dtype = memo.get(id(md.properties.dtype))
+            name = self._name(fqn)
+            size = _size_ops(md.size)
+            if dtype is not None and name is not None and size is not None:
+                head, after_dtype, size_key, chunks_key = parts
+                data = b"".join([name[0], head, self.get(dtype), after_dtype, size_key, size[0], chunks_key, b"]\x94"])
+                if self.n + len(data) < _FRAME:
+                    self.write(data)
+                    if name[1]:
+                        memo[id(fqn)] = self.count
+                        self.keep.append(fqn)
+                    self.count += name[1] + 5 + size[1]
+                    self._appends(md.chunks, self._one_chunk)
+                    self.write(b"ub")
+                    return
+        self._item(kv)
+        if parts is None and type(md) is mp.TensorStorageMetadata:
+            refs = [memo.get(id(x)) for x in (mp.TensorStorageMetadata, _PROPERTIES, mp.TensorProperties, mp.STRIDED,
+                                              mp.CONTIGUOUS, _SIZE_KEY, mp._SIZE, _CHUNKS)]
+            if None not in refs:
+                tsm, props, tp, strided, contiguous, size_key, size_g, chunks = (self.get(i) for i in refs)
+                self._tensor = (tsm + _NEW + props + tp + b")\x81\x94(", strided + b"\x89" + contiguous + b"\x89t\x94b",
+                                size_key + size_g, chunks)
+
+    def _one_path(self, kv: tuple) -> None:
+        """A planner_data entry (a tensor's name, its path): rendered where the name is memoized,
+        the path a tuple of names and ints, and no frame ends in it."""
+        fqn, path = kv
+        memo = self.memo
+        key = memo.get(id(fqn))
+        if key is not None and type(path) is tuple and path and id(path) not in memo:
+            ops, fresh, count = [self.get(key)], {}, self.count
+            if len(path) > 3:
+                ops.append(b"(")
+            for x in path:
+                t = type(x)
+                if t is int:
+                    ops.append(_int(x))
+                    continue
+                if t is not str:
+                    break
+                i = memo.get(id(x), fresh.get(id(x)))
+                if i is not None:
+                    ops.append(self.get(i))
+                    continue
+                encoded = x.encode("utf-8", "surrogatepass")
+                if len(encoded) > 0xFF:
+                    break
+                ops.append(b"\x8c" + bytes([len(encoded)]) + encoded + b"\x94")
+                fresh[id(x)] = count
+                count += 1
+            else:
+                ops.append(_TUPLE_END[len(path)] if len(path) <= 3 else b"t\x94")
+                data = b"".join(ops)
+                if self.n + len(data) < _FRAME:
+                    self.write(data)
+                    memo.update(fresh)
+                    self.keep += [x for x in path if id(x) in fresh]
+                    self.count = count + 1
+                    return
+        self._item(kv)
+
+    def _name(self, s: str) -> tuple[bytes, int] | None:
+        """A string's opcodes where it is saved next (a reference, or the string and MEMOIZE) and
+        whether it is new; None for one of 256 bytes or more (BINUNICODE: left to :meth:`save`)."""
+        i = self.memo.get(id(s))
+        if i is not None:
+            return self.get(i), 0
+        encoded = s.encode("utf-8", "surrogatepass")
+        return (b"\x8c" + bytes([len(encoded)]) + encoded + b"\x94", 1) if len(encoded) <= 0xFF else None
+
+
+def _size_ops(dims: tuple) -> tuple[bytes, int] | None:
+    """What a torch.Size of ``dims`` pickles as after its global, and its memo entries."""
+    d = len(dims)
+    if d == 0:
+        return b")" + _SIZE_END, 2
+    if not all(type(x) is int for x in dims):
+        return None
+    ints = b"".join(map(_int, dims))
+    return (ints + _TUPLE_END[d] if d <= 3 else b"(" + ints + b"t\x94") + _SIZE_END, 3
