@@ -9,7 +9,7 @@ import pytest
 
 from ckpt_tools.core.describe import Chunk, Location, TensorInfo, chunk_rows
 from ckpt_tools.core.dtypes import DType
-from ckpt_tools.core.plan import Target, by_piece, piece, rows_of
+from ckpt_tools.core.plan import Target, by_piece, piece, rows_of, whole
 from ckpt_tools.errors import BadInput
 
 
@@ -41,6 +41,7 @@ def test_tiled_rows_are_the_general_plan(seed):
     for world_size in (1, 2, 3, 7, rows, rows + 3):
         for r in range(world_size):
             assert rows_of(target, world_size, r) == _general(target, world_size, r)
+    assert whole(target) == piece(target, (0, 0), (rows, 6))  # (a whole tensor, the same way)
 
 
 @pytest.mark.parametrize("boxes,tiles", [

@@ -209,7 +209,11 @@ def piece(target: Target, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> P
 
 
 def whole(target: Target) -> Piece:
-    return piece(target, (0,) * len(target.shape), target.shape)
+    shape = target.shape
+    if shape and target.computed is None and target.source.row_tiles():
+        # (a many-rank source's tensor: its chunks met in row order, not each intersected)
+        return _tiled_rows(target, 0, shape[0])
+    return piece(target, (0,) * len(shape), shape)
 
 
 def rows_of(target: Target, world_size: int, rank: int) -> Piece:
