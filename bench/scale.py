@@ -4,7 +4,9 @@ reshard (to 3/4 of the ranks), export and convert, beside ``cp -r`` and torch's
 
     python bench/scale.py --ranks 8 64 256 1024 --tensors 300 3000 30000 --out docs/scale-run.md
 
-Two sweeps of the same 80 MB: ranks at the fewest tensors, tensors at the fewest ranks. Writes
+Two sweeps of the same 80 MB: ranks at the fewest tensors, tensors at the fewest ranks, and
+one point more (``--tile 32``, 0 for none) of the same bytes as an MoE's per-expert layout
+holds them: 19,521 matrices of 32 x 32, in the table and not the plot. Writes
 a markdown table to ``--out``, its rows as JSON beside it, and, when matplotlib is importable
 (``pip install .[bench]``), a PNG; ``--plot RUN.json`` draws the PNG of an earlier run.
 Each run is a fresh process (``ckpt ...``); peak RSS is the child's (GNU time's %M).
@@ -72,31 +74,41 @@ def cases(ranks: int, tensors: int, work: Path) -> list[tuple[str, list[str]]]:
     ]
 
 
-def run(ranks: list[int], tensors: list[int], root: Path) -> list[dict]:
+def run(ranks: list[int], tensors: list[int], root: Path, tile: int = 0) -> list[dict]:
     """Two sweeps of the same bytes: ranks (at the first tensor count) and tensors (at the first
-    rank count); each point's sources are made, measured and removed before the next."""
+    rank count); each point's sources are made, measured and removed before the next. With
+    ``tile``, one more point at the first rank count: every matrix in ``tile`` x ``tile`` blocks
+    (an MoE's per-expert layout; rows ``layout: tiles``). The tensors sweep's row blocks do not
+    divide evenly over the ranks (2 rows over 8): no rank file repeats another's shape."""
     import fw_scale  # torch's own writers (not needed to --plot)
 
-    points = [(w, tensors[0]) for w in ranks] + [(ranks[0], t) for t in tensors[1:]]
+    points = [(w, tensors[0], 0) for w in ranks] + [(ranks[0], t, 0) for t in tensors[1:]]
+    points += [(ranks[0], 0, tile)] if tile else []
     rows = []
-    for w, t in points:
-        work = root / f"w{w}_t{t}"
+    for w, t, tiles in points:
+        work = root / f"w{w}_t{t}_{tiles}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-        fw_scale.make_verl(work / "verl", w, split=SPLIT.get(t, 1))
-        fw_scale.make_dcp(work / "dcp", w, split=SPLIT.get(t, 1))
-        n = len(fw_scale.llama_shapes(split=SPLIT.get(t, 1)))
-        for name, cmd in cases(w, t, work):
+        shape = {"split": SPLIT.get(t, 1), "tile": tiles}
+        fw_scale.make_verl(work / "verl", w, **shape)
+        fw_scale.make_dcp(work / "dcp", w, **shape)
+        n = len(fw_scale.llama_shapes(**shape))
+        if not rows:  # the architecture check's answer, cached per model (~/.cache/ckpt-tools) as after any first export
+            timed([sys.executable, "-m", "ckpt_tools", "export", str(work / "verl"), str(work / "warm"), "--quiet"], cwd=work)
+            shutil.rmtree(work / "warm")
+        for name, cmd in cases(w, n, work):
             secs, mb = timed(cmd, cwd=work)
-            rows.append({"case": name, "ranks": w, "tensors": n, "s": secs, "mb": mb})
-            print(f"{name:24s} ranks {w:5d} tensors {n:6d}: {secs:7.2f} s {mb:7.0f} MB", flush=True)
+            rows.append({"case": name, "ranks": w, "tensors": n, "s": secs, "mb": mb, **({"layout": "tiles"} if tiles else {})})
+            print(f"{name:24s} ranks {w:5d} tensors {n:6d}{' tiles' if tiles else ''}: {secs:7.2f} s {mb:7.0f} MB",
+                  flush=True)
         shutil.rmtree(work, ignore_errors=True)
     return rows
 
 
 def table(rows: list[dict]) -> str:
     out = ["| case | ranks | tensors | seconds | peak RSS MB |", "| --- | ---: | ---: | ---: | ---: |"]
-    out += [f"| {r['case']} | {r['ranks']} | {r['tensors']} | {r['s']:.2f} | {r['mb']:.0f} |" for r in rows]
+    out += [f"| {r['case']} | {r['ranks']} | {r['tensors']}{' (tiles)' if r.get('layout') else ''} | {r['s']:.2f} | "
+            f"{r['mb']:.0f} |" for r in rows]
     return "\n".join(out) + "\n"
 
 
@@ -110,6 +122,7 @@ def plot(rows: list[dict], png: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    rows = [r for r in rows if not r.get("layout")]  # (the tiles point: in the table only)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     few_t, few_w = min(r["tensors"] for r in rows), min(r["ranks"] for r in rows)
     for ax, (x, fixed, value) in zip(axes, (("ranks", "tensors", few_t), ("tensors", "ranks", few_w))):
@@ -136,6 +149,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 256, 1024])
     ap.add_argument("--tensors", type=int, nargs="+", default=[300, 3000, 30000])
+    ap.add_argument("--tile", type=int, default=32, help="one more point: matrices in TILE x TILE blocks (0: none)")
     ap.add_argument("--out", type=Path, default=Path("docs/scale-run.md"))
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None, help="only draw the PNG of an earlier run's JSON")
@@ -151,7 +165,7 @@ def main() -> None:
     compile_package()  # as pip install does: else a checkout under PYTHONDONTWRITEBYTECODE compiles every run
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(dir=a.work) as tmp:
-        rows = run(a.ranks, a.tensors, Path(tmp))
+        rows = run(a.ranks, a.tensors, Path(tmp), a.tile)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     a.out.write_text(f"# ckpt at scale (bench/scale.py)\n\nload average {load:.1f} at the start, "

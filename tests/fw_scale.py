@@ -20,9 +20,15 @@ import torch
 
 
 def llama_shapes(*, layers: int = 32, hidden: int = 256, inter: int = 448, vocab: int = 1024,
-                 split: int = 1) -> dict[str, tuple[int, ...]]:
+                 split: int = 1, tile: int = 0) -> dict[str, tuple[int, ...]]:
     """A Llama-shaped state dict's names and shapes (``3 + 9 * layers`` tensors). ``split``
-    cuts every matrix into that many row blocks (more, smaller tensors; the same bytes)."""
+    cuts every matrix into that many row blocks (more, smaller tensors; the same bytes);
+    ``tile`` into ``tile`` x ``tile`` blocks instead, as an MoE's per-expert layout has tens of
+    thousands of small matrices (32: 19,521 tensors, each of whose rows 8 ranks share evenly)."""
+    if tile:
+        return {(k.removesuffix(".weight") + f".{i}_{j}.weight" if len(s) == 2 else k): ((tile, tile) if len(s) == 2 else s)
+                for k, s in llama_shapes(layers=layers, hidden=hidden, inter=inter, vocab=vocab).items()
+                for i in range(s[0] // tile if len(s) == 2 else 1) for j in range(s[1] // tile if len(s) == 2 else 1)}
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     mats = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (hidden, hidden),
             "self_attn.v_proj": (hidden, hidden), "self_attn.o_proj": (hidden, hidden),
@@ -83,14 +89,14 @@ def _dtensors(state: dict, mesh, ws: int, rank: int) -> dict:
     return out
 
 
-def make_verl(out: Path, ws: int, *, optim: bool = False, split: int = 1, seed: int = 0,
+def make_verl(out: Path, ws: int, *, optim: bool = False, split: int = 1, tile: int = 0, seed: int = 0,
               shapes: dict | None = None) -> dict:
     """verl's rank files at world size ``ws`` (and ``huggingface/config.json``, for export);
     returns the full state (for checks). ``shapes``: names and shapes (default: Llama-shaped)."""
     import torch.distributed as dist
 
     out.mkdir(parents=True, exist_ok=True)
-    state = full_state(shapes or llama_shapes(split=split), seed)
+    state = full_state(shapes or llama_shapes(split=split, tile=tile), seed)
     moments = {k: (v * 0.1, v.abs() * 0.01) for k, v in state.items()} if optim else {}
     for r in range(ws):
         mesh = _fake(r, ws)
@@ -112,7 +118,7 @@ def make_verl(out: Path, ws: int, *, optim: bool = False, split: int = 1, seed: 
     return state
 
 
-def make_dcp(out: Path, ws: int, *, optim: bool = False, split: int = 1, seed: int = 0,
+def make_dcp(out: Path, ws: int, *, optim: bool = False, split: int = 1, tile: int = 0, seed: int = 0,
              shapes: dict | None = None) -> dict:
     """A DCP at world size ``ws`` by ``dcp.save``'s own steps, rank by rank."""
     import torch.distributed as dist
@@ -120,7 +126,7 @@ def make_dcp(out: Path, ws: int, *, optim: bool = False, split: int = 1, seed: i
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     out.mkdir(parents=True, exist_ok=True)
-    state = full_state(shapes or llama_shapes(split=split), seed)
+    state = full_state(shapes or llama_shapes(split=split, tile=tile), seed)
     locals_, planners, writers = [], [], []
     for r in range(ws):
         mesh = _fake(r, ws)
@@ -161,9 +167,10 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--optim", action="store_true")
     ap.add_argument("--split", type=int, default=1)
+    ap.add_argument("--tile", type=int, default=0)
     a = ap.parse_args()
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    (make_verl if a.kind == "verl" else make_dcp)(a.out, a.ranks, optim=a.optim, split=a.split)
+    (make_verl if a.kind == "verl" else make_dcp)(a.out, a.ranks, optim=a.optim, split=a.split, tile=a.tile)
 
 
 if __name__ == "__main__":
