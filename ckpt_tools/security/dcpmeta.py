@@ -27,12 +27,21 @@ class _Record:
     """Attributes from the pickled state dict; unknown fields are kept, missing ones None."""
 
     _fields: tuple[str, ...] = ()
+    _known: frozenset[str] = frozenset()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._known = frozenset(cls._fields)
 
     def __init__(self, **kwargs: Any) -> None:
         for f in self._fields:
             setattr(self, f, kwargs.get(f))
 
     def __setstate__(self, state: Any) -> None:
+        if type(state) is dict and state.keys() <= self._known:  # the usual: some of its own fields
+            for f in self._fields:
+                setattr(self, f, state.get(f))
+            return
         if isinstance(state, tuple) and len(state) == 2:  # (dict, slots) from a __slots__ class
             state = {**(state[0] or {}), **(state[1] or {})}
         if not isinstance(state, dict):
