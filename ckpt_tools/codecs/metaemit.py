@@ -31,7 +31,6 @@ from typing import Any
 from . import metapickle as mp
 
 _FRAME = 64 * 1024  # pickle's _FRAME_SIZE_TARGET
-_BATCH = 1000  # pickle's _BATCHSIZE: MARK ... APPENDS / SETITEMS per this many
 
 _U2 = struct.Struct("<H").pack
 _U4 = struct.Struct("<I").pack
@@ -40,6 +39,9 @@ _U8 = struct.Struct("<Q").pack
 _SMALL_INTS = [b"K" + bytes([i]) for i in range(256)]
 _TUPLE_END = {1: b"\x85\x94", 2: b"\x86\x94", 3: b"\x87\x94"}  # TUPLE1/2/3 MEMOIZE
 _SIZE_END = b"\x85\x94R\x94"  # (the tuple of ints) TUPLE1 MEMOIZE REDUCE MEMOIZE: torch.Size((...))
+# a torch.Size of up to 3 dims after its ints: its tuple's end (an empty tuple: no ints, not
+# memoized), then _SIZE_END; and the memo entries it makes
+_DIMS_END = {0: (b")" + _SIZE_END, 2), **{d: (end + _SIZE_END, 3) for d, end in _TUPLE_END.items()}}
 _NEW = b")\x81\x94}\x94("  # EMPTY_TUPLE NEWOBJ MEMOIZE, the state: EMPTY_DICT MEMOIZE MARK
 # the field names as a stand-in's __dict__ holds them (interned, one object each, as in torch's)
 _OFFSETS, _SIZES = sys.intern("offsets"), sys.intern("sizes")
@@ -93,13 +95,16 @@ def dumps(meta: mp.Metadata, protocol: int = 4) -> bytes:
     e = _Emitter()
     # the two maps with an entry per tensor: their entries rendered too
     e.rendered = {id(meta.state_dict_metadata): e._one_tensor, id(meta.planner_data): e._one_path}
-    e.save(meta)
+    try:
+        e.save(meta)
+    except (TypeError, struct.error) as err:  # a value that is no plain int where one is rendered
+        raise Unsupported(str(err)) from None
     e.write(b".")
     return e.finish(protocol)
 
 
 def _int(v: int) -> bytes:
-    """An int as pickle.save_long writes it."""
+    """An int as pickle.save_long writes it (the plan's ints; anything else fails in it)."""
     if 0 <= v < 256:
         return _SMALL_INTS[v]
     if 0 <= v <= 0xFFFF:
@@ -123,7 +128,7 @@ class _Emitter:
         self.memo: dict[int, int] = {}  # id -> memo index, for objects that may be met again
         self.keep: list[Any] = []  # those objects, alive while their ids are keys
         self.count = 0  # memo entries made (an object met once is counted, not kept)
-        self._chunk: dict[int, tuple] = {}  # ndim -> a chunk's fixed parts, once its references are memoized
+        self._chunk: tuple | None = None  # a chunk's fixed parts, once its references are memoized
         self._entry: tuple | None = None
         self._tensor: tuple | None = None
         self.rendered: dict[int, Callable[[Any], None]] = {}
@@ -243,40 +248,29 @@ class _Emitter:
         self.write(b"R")
         self.memoize(obj)
 
-    # batches as the C pickler writes an exact list or dict (pickle.py differs at the edges):
-    # one item alone by APPEND / SETITEM; else MARK ... APPENDS / SETITEMS per 1,000, a dict
-    # closing a full batch with one more, empty
+    # batched as the C pickler batches an exact list or dict (metapickle.batches)
 
     def _appends(self, items: list, one: Callable[[Any], None] | None = None) -> None:
         one = one or self.save
-        if len(items) <= 1:
-            for x in items:
-                one(x)
-                self.write(b"a")
-            return
-        for at in range(0, len(items), _BATCH):
+        if len(items) == 1:
+            one(items[0])
+            self.write(b"a")
+        for batch in mp.batches(items, closed=False):
             self.write(b"(")
-            for x in items[at:at + _BATCH]:
+            for x in batch:
                 one(x)
             self.write(b"e")
 
     def _setitems(self, items: list, one: Callable[[Any], None] | None = None) -> None:
         one = one or self._item
-        if len(items) <= 1:
-            for x in items:
-                one(x)
-                self.write(b"s")
-            return
-        at = 0
-        while True:
-            batch = items[at:at + _BATCH]
+        if len(items) == 1:
+            one(items[0])
+            self.write(b"s")
+        for batch in mp.batches(items, closed=True):
             self.write(b"(")
             for x in batch:
                 one(x)
             self.write(b"u")
-            at += _BATCH
-            if len(batch) < _BATCH:
-                break
 
     def _item(self, kv: tuple) -> None:
         self.save(kv[0])
@@ -286,50 +280,36 @@ class _Emitter:
 
     def _one_chunk(self, pair: tuple) -> None:
         offsets, sizes = pair
-        d = len(offsets)
-        parts = self._chunk.get(d) if 0 < d <= 3 and len(sizes) == d else None
-        if parts is not None:
-            head, mid, tail, counted = parts
-            data = b"".join([head, *map(_int, offsets), mid, *map(_int, sizes), tail])
+        if self._chunk is not None:
+            head, mid = self._chunk
+            (at, n), (of, m) = _size_ops(offsets), _size_ops(sizes)
+            data = b"".join((head, at, mid, of, b"ub"))
             if self.n + len(data) < _FRAME:  # no save() in it can meet a frame's end
                 self.write(data)
-                self.count += counted
+                self.count += 2 + n + m  # (itself, its state, the two Sizes')
                 return
-        self.save(chunk(offsets, sizes))  # the first of its shape, or near a frame's end
-        self._learn_chunk(d)
-
-    def _learn_chunk(self, d: int) -> None:
-        """A chunk's fixed parts, once the class, field names and torch.Size are memoized."""
-        memo = self.memo
-        refs = [memo.get(id(x)) for x in (mp.ChunkStorageMetadata, _OFFSETS, _SIZES, mp._SIZE)]
-        if d in self._chunk or not 0 < d <= 3 or None in refs:
-            return
-        cls, offsets, sizes, size = (self.get(i) for i in refs)
-        end = _TUPLE_END[d] + _SIZE_END
-        self._chunk[d] = (cls + _NEW + offsets + size, end + sizes + size, end + b"ub", 8)
+        self.save(chunk(offsets, sizes))  # the first, or near a frame's end
+        if self._chunk is None:
+            refs = [self.memo.get(id(x)) for x in (mp.ChunkStorageMetadata, _OFFSETS, _SIZES, mp._SIZE)]
+            if None not in refs:
+                cls, offsets_key, sizes_key, size = (self.get(i) for i in refs)
+                self._chunk = (cls + _NEW + offsets_key + size, sizes_key + size)
 
     def _one_entry(self, row: tuple) -> None:
         fqn, offsets, file, start, length = row
         parts, memo = self._entry, self.memo
-        if parts is not None and offsets is not None and 0 < len(offsets) <= 3 and id(file) in memo:
+        name = self._name(fqn) if parts is not None and offsets is not None and id(file) in memo else None
+        if name is not None:
             index_head, index_mid, info_head, offset_key, length_key = parts
-            name = memo.get(id(fqn))
-            if name is not None:
-                fqn_op, fresh = self.get(name), 0
-            else:  # the string itself, memoized after the index and its state dict
-                encoded = fqn.encode("utf-8", "surrogatepass")
-                fqn_op, fresh = b"\x8c" + bytes([len(encoded) & 0xFF]) + encoded + b"\x94", 1
-                if len(encoded) > 0xFF:
-                    fqn_op = None  # (BINUNICODE: as the pickler writes it, below)
-            data = fqn_op and b"".join([index_head, fqn_op, index_mid, *map(_int, offsets), _TUPLE_END[len(offsets)],
-                                        _SIZE_END, b"ub", info_head, self.get(memo[id(file)]), offset_key,
-                                        _int(start), length_key, _int(length), b"ub"])
-            if data and self.n + len(data) < _FRAME:
+            at, n = _size_ops(offsets)
+            data = b"".join((index_head, name[0], index_mid, at, b"ub", info_head, self.get(memo[id(file)]),
+                             offset_key, _int(start), length_key, _int(length), b"ub"))
+            if self.n + len(data) < _FRAME:
                 self.write(data)
-                if fresh:
+                if name[1]:  # (memoized after the index and its state dict)
                     memo[id(fqn)] = self.count + 2
                     self.keep.append(fqn)
-                self.count += 7 + fresh
+                self.count += 4 + n + name[1]  # (the index, its state, its Size's; the info, its state)
                 return
         k, v = entry(fqn, offsets, file, start, length)
         self.save(k)
@@ -356,8 +336,8 @@ class _Emitter:
                 and id(md) not in memo:
             dtype = memo.get(id(md.properties.dtype))
             name = self._name(fqn)
-            size = _size_ops(md.size)
-            if dtype is not None and name is not None and size is not None:
+            if dtype is not None and name is not None:
+                size = _size_ops(md.size)
                 head, after_dtype, size_key, chunks_key = parts
                 data = b"".join([name[0], head, self.get(dtype), after_dtype, size_key, size[0], chunks_key, b"]\x94"])
                 if self.n + len(data) < _FRAME:
@@ -395,16 +375,14 @@ class _Emitter:
                     continue
                 if t is not str:
                     break
-                i = memo.get(id(x), fresh.get(id(x)))
-                if i is not None:
-                    ops.append(self.get(i))
-                    continue
-                encoded = x.encode("utf-8", "surrogatepass")
-                if len(encoded) > 0xFF:
+                i = fresh.get(id(x))
+                op = (self.get(i), 0) if i is not None else self._name(x)
+                if op is None:
                     break
-                ops.append(b"\x8c" + bytes([len(encoded)]) + encoded + b"\x94")
-                fresh[id(x)] = count
-                count += 1
+                ops.append(op[0])
+                if op[1]:
+                    fresh[id(x)] = count
+                    count += 1
             else:
                 ops.append(_TUPLE_END[len(path)] if len(path) <= 3 else b"t\x94")
                 data = b"".join(ops)
@@ -426,12 +404,9 @@ class _Emitter:
         return (b"\x8c" + bytes([len(encoded)]) + encoded + b"\x94", 1) if len(encoded) <= 0xFF else None
 
 
-def _size_ops(dims: tuple) -> tuple[bytes, int] | None:
+def _size_ops(dims: tuple) -> tuple[bytes, int]:
     """What a torch.Size of ``dims`` pickles as after its global, and its memo entries."""
-    d = len(dims)
-    if d == 0:
-        return b")" + _SIZE_END, 2
-    if not all(type(x) is int for x in dims):
-        return None
-    ints = b"".join(map(_int, dims))
-    return (ints + _TUPLE_END[d] if d <= 3 else b"(" + ints + b"t\x94") + _SIZE_END, 3
+    end = _DIMS_END.get(len(dims))
+    if end is not None:
+        return b"".join((*map(_int, dims), end[0])), end[1]
+    return b"(" + b"".join(map(_int, dims)) + b"t\x94" + _SIZE_END, 3

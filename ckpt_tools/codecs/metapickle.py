@@ -201,19 +201,15 @@ class _Pickler(pickle._Pickler):
     dispatch[_Global] = save_global
     dispatch[type] = save_global
 
-    # batches as the C pickler writes them (torch's pickle is the C pickler's), where pickle.py
-    # differs: a list or dict of more than one item always by MARK ... APPENDS / SETITEMS (pickle.py
-    # writes a lone last item by APPEND / SETITEM), and a dict's full last batch followed by an
-    # empty one
+    # batched as the C pickler batches (torch's pickle is the C pickler's; see :func:`batches`)
     def _batch_appends(self, items: Any) -> None:
         items = list(items)
         if len(items) == 1:
             self.save(items[0])
             self.write(pickle.APPEND)
-            return
-        for at in range(0, len(items), self._BATCHSIZE):
+        for batch in batches(items, closed=False):
             self.write(pickle.MARK)
-            for x in items[at:at + self._BATCHSIZE]:
+            for x in batch:
                 self.save(x)
             self.write(pickle.APPENDS)
 
@@ -223,18 +219,12 @@ class _Pickler(pickle._Pickler):
             self.save(items[0][0])
             self.save(items[0][1])
             self.write(pickle.SETITEM)
-            return
-        at = 0
-        while items:
-            batch = items[at:at + self._BATCHSIZE]
+        for batch in batches(items, closed=True):
             self.write(pickle.MARK)
             for k, v in batch:
                 self.save(k)
                 self.save(v)
             self.write(pickle.SETITEMS)
-            at += self._BATCHSIZE
-            if len(batch) < self._BATCHSIZE:
-                break
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
         # pickle._Pickler.save's own steps for the objects a many-rank .metadata is mostly made
@@ -255,6 +245,20 @@ class _Pickler(pickle._Pickler):
                 self.save_tuple(obj)
         else:
             super().save(obj, save_persistent_id)
+
+
+BATCH = 1000  # pickle's _BATCHSIZE
+
+
+def batches(items: list, *, closed: bool) -> list[list]:
+    """The runs of MARK ... APPENDS (a list's) or MARK ... SETITEMS (a dict's, ``closed``) the C
+    pickler writes an exact list's or dict's items in: 1,000 a run, a dict's full last run
+    followed by an empty one; none for a lone item (APPEND / SETITEM) or none. pickle.py differs
+    at those edges (a lone last item by APPEND / SETITEM, no empty run)."""
+    if len(items) <= 1:
+        return []
+    runs = [items[at:at + BATCH] for at in range(0, len(items), BATCH)]
+    return runs + [[]] if closed and len(items) % BATCH == 0 else runs
 
 
 def dumps(meta: Metadata, protocol: int | None = None) -> bytes:
