@@ -19,7 +19,7 @@ import pytest
 from mutations import mutations
 
 from ckpt_tools.errors import BadInput, UnsafeInput
-from ckpt_tools.security import bounded, dcpmeta, fastpickle
+from ckpt_tools.security import bounded, dcpmeta, dcprows, fastpickle
 from ckpt_tools.security.dcpmeta import load_dcp_metadata
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
@@ -27,14 +27,41 @@ REAL = ["llama_dcp", "dcp_torch214", "dcp_torch215", "llama_accelerate/optimizer
         "llama_accelerate/pytorch_model_fsdp_0"]
 
 
+ROWS = (dcprows.ChunkRow, dcprows.IndexKey, dcprows.StorageRow)
+
+
 def _careful(data: bytes):
     return dcpmeta.MetadataUnpickler(io.BytesIO(data)).load()
 
 
-def _fast(data: bytes):
+def _fast(data: bytes, rows: bool = True):
+    """The fast reader's tree, DCP's records read as rows in one step where they can be
+    (``rows``) and the rest as rows after; Decline where it refers back to what a row skipped."""
     u = dcpmeta.MetadataUnpickler(io.BytesIO(data))
     u.proto = 4
-    return fastpickle.load(data, u.find_class)
+    readers = dcprows.Rows().readers(dcpmeta.ChunkStorageMetadata, dcpmeta.MetadataIndex,
+                                     dcpmeta.StorageInfo) if rows else None
+    tree = fastpickle.load(data, u.find_class, readers)
+    for _ in bounded.distinct_nodes(tree):  # (a part of a record read as a row, met again: declined)
+        pass
+    return tree
+
+
+def _as_row(x) -> tuple | None:
+    """The row a record read as an object stands for (what the fast reader reads it as, in the
+    forms torch pickles it): the same attributes, compared by value; None if it has none."""
+    state = vars(x)
+    if type(x) is dcpmeta.ChunkStorageMetadata and len(state) == 2:
+        off, sizes = x.offsets, x.sizes
+        if type(off) is tuple and type(sizes) is tuple and len(off) == len(sizes) and all(
+                type(v) is int and v >= 0 for v in off + sizes):
+            return dcprows.ChunkRow((off, sizes))
+    if type(x) is dcpmeta.MetadataIndex and state.keys() <= {"fqn", "offset", "index", "_k"}:
+        return dcprows.IndexKey(x._key())
+    if type(x) is dcpmeta.StorageInfo and len(state) == 4 and x.transform_descriptors is None and \
+            type(x.relative_path) is str and type(x.offset) is int and type(x.length) is int:
+        return dcprows.StorageRow((x.relative_path, x.offset, x.length))
+    return None
 
 
 def _shape(x, ids: dict) -> object:
@@ -42,6 +69,10 @@ def _shape(x, ids: dict) -> object:
     order it was first met, so two trees are equal only if built alike, sharing included."""
     if type(x) in (str, int, float, bool, bytes, type(None)):
         return (type(x).__name__, x)
+    if type(x) in ROWS:  # built of names and ints, compared by value
+        return (type(x).__name__, repr(x))
+    if isinstance(x, dcpmeta._Record) and (row := _as_row(x)) is not None:
+        return (type(row).__name__, repr(row))
     if id(x) in ids:
         return ("shared", ids[id(x)])
     ids[id(x)] = len(ids)
@@ -266,3 +297,90 @@ def test_a_record_state_naming_the_object_itself_is_refused(tmp_path, field):
         _careful(data)
     with pytest.raises(BadInput, match="corrupt"):
         load_dcp_metadata(p)
+
+
+def _rows_in(tree) -> dict[type, int]:
+    counts = {t: 0 for t in ROWS}
+    for node in bounded.distinct_nodes(tree):
+        for child in bounded.children(node) or ():  # (a dict's: its keys and values)
+            if type(child) in counts:
+                counts[type(child)] += 1
+    return counts
+
+
+def test_a_real_many_record_metadata_is_read_as_rows():
+    """torch's chunks and storage entries come as rows, each in one step (all but the first
+    of each kind, whose field names are new to the memo), and read the same attributes."""
+    data = (FIX / "llama_dcp" / ".metadata").read_bytes()
+    fast, careful = _fast(data), _careful(data)
+    counts = _rows_in(fast)
+    chunks = sum(len(md.chunks) for md in careful.state_dict_metadata.values() if hasattr(md, "chunks"))
+    assert counts[dcprows.ChunkRow] == chunks - 1 > 100
+    assert counts[dcprows.IndexKey] == counts[dcprows.StorageRow] == len(careful.storage_data) - 1
+    for (k, v), (ck, cv) in zip(fast.storage_data.items(), careful.storage_data.items()):
+        assert k == ck and hash(k) == hash(ck) and k.fqn == ck.fqn and k.offset == ck.offset
+        assert (v.relative_path, v.offset, v.length, v.transform_descriptors) == \
+            (cv.relative_path, cv.offset, cv.length, cv.transform_descriptors)
+        assert fast.storage_data[ck] is v  # a record looks its row up, and the other way round
+        assert careful.storage_data[k] is cv
+    for name, md in careful.state_dict_metadata.items():
+        for c, r in zip(getattr(md, "chunks", ()), getattr(fast.state_dict_metadata[name], "chunks", ())):
+            assert (r.offsets, r.sizes) == (c.offsets, c.sizes)
+
+
+def test_every_form_of_a_record_reads_the_same(tmp_path):
+    """Chunks of 0 to 4 dims, offsets past 2**31 (LONG1) and below 0, names over 255 bytes, an
+    index of None, a byte item's entry (no offsets), a path shared by memo: rows where torch's
+    forms allow (at most 3 dims, a name in one opcode), records otherwise; the same tree."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+
+    long = "w" * 300
+    state, storage = {}, {}
+    for dims in range(5):
+        name = f"t{dims}" if dims != 2 else long
+        size = torch.Size([4] * dims)
+        chunks = [ChunkStorageMetadata(offsets=torch.Size([0] * dims), sizes=size)]
+        state[name] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), size, chunks)
+        storage[MetadataIndex(name, [0] * dims, None if dims == 1 else 0)] = \
+            _StorageInfo("__0_0.distcp", 2 ** 33 + dims if dims < 3 else -dims, 64)
+    state["obj"] = BytesStorageMetadata()
+    storage[MetadataIndex("obj")] = _StorageInfo("__0_0.distcp", 0, 8)
+    data = pickle.dumps(Metadata(state_dict_metadata=state, storage_data=storage), protocol=4)
+    fast, careful = _fast(data), _careful(data)
+    assert _same(fast, careful)
+    counts = _rows_in(fast)
+    assert counts[dcprows.ChunkRow] == 3  # dims 1 to 3 (the first chunk, of 0 dims, names its fields)
+    assert counts[dcprows.IndexKey] == 4 and counts[dcprows.StorageRow] == 5  # not the first; the long name's
+    p = tmp_path / ".metadata"
+    p.write_bytes(data)
+    got = load_dcp_metadata(p)
+    assert [c.sizes for md in got.state_dict_metadata.values() for c in getattr(md, "chunks", ())] == \
+        [(), (4,), (4, 4), (4, 4, 4), (4, 4, 4, 4)]
+    assert got.storage_data[dcpmeta.MetadataIndex(fqn="t1", offset=(0,))].offset == 2 ** 33 + 1
+    assert got.storage_data[("obj", None)].length == 8
+
+
+def test_a_pickle_referring_back_into_a_row_is_read_the_careful_way(tmp_path):
+    """A chunk's state dict and a ``torch.Size`` call's arguments are not built when the chunk
+    is read as a row; a pickle that refers to either again (torch never does) is declined by
+    the tree check and read again by the careful reader: the same tree as the careful one."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    chunks = [ChunkStorageMetadata(offsets=torch.Size([i, 0]), sizes=torch.Size([1, 3])) for i in range(3)]
+    meta = Metadata(state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32),
+                                                                    torch.Size([3, 3]), chunks)},
+                    planner_data={"w": ("w",), "again": chunks[2].__dict__})
+    data = pickle.dumps(meta, protocol=4)
+    with pytest.raises(fastpickle.Decline, match="refers back"):
+        _fast(data)
+    p = tmp_path / ".metadata"
+    p.write_bytes(data)
+    got = load_dcp_metadata(p)
+    assert _same(got, _careful(data))
+    assert got.planner_data["again"] == {"offsets": (2, 0), "sizes": (1, 3)}
+    assert all(type(c) is dcpmeta.ChunkStorageMetadata for c in got.state_dict_metadata["w"].chunks)

@@ -17,6 +17,7 @@ from ..core.state import gather, param_groups_keyed
 from ..errors import BadInput, Damaged, brief
 from ..security import bounded, safefs
 from ..security.dcpmeta import load_dcp_metadata, BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+from ..security.dcprows import ChunkRow, IndexKey
 from ..security.torchfile import Global, NewObj, Reduce, StorageRef, loads_blob
 
 if TYPE_CHECKING:
@@ -102,8 +103,10 @@ def _describe_one(path: Path, prefix: str):
 
     # the index by plain tuples: a many-rank save looks up one entry per item, and the records'
     # own hash and compare cost more than the rest of describing it
-    index = {k._key(): v for k, v in storage.items()} \
-        if type(storage) is dict and all(type(k) is MetadataIndex for k in storage) else None
+    # (as the reader gives it, keyed by rows that hash as those tuples: the index itself)
+    index = None
+    if type(storage) is dict and all(type(k) is IndexKey or type(k) is MetadataIndex for k in storage):
+        index = storage if all(type(k) is IndexKey for k in storage) else {k._key(): v for k, v in storage.items()}
 
     def location(fqn: str, offset: tuple[int, ...] | None = None, kind: str = "torch_item") -> Location:
         # (``offset``: a chunk's, checked to be a tuple of ints: the index's key as it stands)
@@ -141,9 +144,12 @@ def _describe_one(path: Path, prefix: str):
             if isinstance(md, TensorStorageMetadata):
                 what = f"{where}: tensor {fqn!r}"
                 shape = safefs.check_dims(md.size, what=f"{what} size")
+                rank = len(shape)
                 chunks = tuple(
-                    Chunk(offsets := safefs.check_dims(c.offsets, what=f"{what} chunk offsets", rank=len(shape)),
-                          safefs.check_dims(c.sizes, what=f"{what} chunk sizes", rank=len(shape)),
+                    # a row's offsets and sizes are non-negative ints of one length already
+                    Chunk(c[0], c[1], location(fqn, c[0]), None) if type(c) is ChunkRow and len(c[0]) == rank else
+                    Chunk(offsets := safefs.check_dims(c.offsets, what=f"{what} chunk offsets", rank=rank),
+                          safefs.check_dims(c.sizes, what=f"{what} chunk sizes", rank=rank),
                           location(fqn, offsets), None)
                     for c in md.chunks
                 )

@@ -52,6 +52,7 @@ def register(cls: type, children: Callable[[Any], Iterable[Any]], cycle: Callabl
     first), and ``cycle``, what its refusal says of such a node that contains itself."""
     _NODES[cls] = children
     _OPAQUE.clear()
+    _OPAQUE.update(_INERT)
     if cycle is not None:
         _CYCLES[cls] = cycle
 
@@ -93,6 +94,15 @@ def children(x: Any) -> Iterable[Any] | None:
 # types found to have no children (a torch pickle's Global nodes, one-character strings, dtypes):
 # known by their type at once; emptied when a node type is registered
 _OPAQUE: set[type] = set()
+# types declared leaves (:func:`inert`): in _OPAQUE always
+_INERT: set[type] = set()
+
+
+def inert(cls: type) -> None:
+    """Declare ``cls`` a leaf: its objects are built only by ckpt's own readers, of names,
+    ints and flat tuples of ints (:mod:`.dcprows`), so nothing in one needs walking."""
+    _INERT.add(cls)
+    _OPAQUE.add(cls)
 
 
 _FLAT = 8  # a tuple of leaves at most this long is walked where it stands (check_tree)

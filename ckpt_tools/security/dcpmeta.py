@@ -18,7 +18,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from . import bounded, fastpickle, safefs
+from . import bounded, dcprows, fastpickle, safefs
 from ..core.dtypes import DType, known
 from ..errors import BadInput, Damaged, NewerFormat, UnsafeInput, brief, first_line
 
@@ -123,7 +123,9 @@ class MetadataIndex(_Record):
     def __hash__(self) -> int:
         return hash(self._key())
 
-    def __eq__(self, other: object) -> bool:
+    def __eq__(self, other: object) -> bool:  # (equal to its row, which hashes alike: dcprows.IndexKey)
+        if type(other) is dcprows.IndexKey:
+            return self._key() == other
         return isinstance(other, MetadataIndex) and self._key() == other._key()
 
 
@@ -277,24 +279,23 @@ bounded.register(_Record, lambda r: vars(r).values())
 FAST_MAX_BYTES = 128 * 1024 * 1024
 
 
-def _unpickle(f: Any, size: int) -> Any:
-    """The pickle in ``f``: by :func:`fastpickle.load` when it vouches for the whole file, else
-    (from the start, so refusals are always its own) by :class:`MetadataUnpickler`."""
-    if size > FAST_MAX_BYTES:
+def _unpickle(f: Any, size: int, fast: bool) -> Any:
+    """The pickle in ``f``: by :func:`fastpickle.load` (DCP's many-rank records read as rows,
+    :mod:`.dcprows`) when ``fast`` and it vouches for the whole file, else (from the start, so
+    refusals are always its own) by :class:`MetadataUnpickler`."""
+    if size > FAST_MAX_BYTES or not fast:
         return MetadataUnpickler(f).load()
     data = f.read(size)
     careful = MetadataUnpickler(io.BytesIO(data))
     careful.proto = 4  # what its find_class consults; fastpickle reads protocol 4 and 5 only
     try:
-        return fastpickle.load(data, careful.find_class)
+        rows = dcprows.Rows().readers(ChunkStorageMetadata, MetadataIndex, StorageInfo)
+        return fastpickle.load(data, careful.find_class, rows)
     except fastpickle.Decline:
         return MetadataUnpickler(io.BytesIO(data)).load()
 
 
-def load_dcp_metadata(path: Path) -> Any:
-    """Read a DCP ``.metadata`` file as :class:`MetadataUnpickler` reads it: refused unless a
-    regular file under :data:`~ckpt_tools.security.safefs.MAX_METADATA_BYTES`, and its objects must pass
-    :func:`~ckpt_tools.security.bounded.check_tree` (no runaway depth or sharing) before anything uses them."""
+def _read(path: Path, fast: bool) -> Any:
     try:
         with safefs.open_file(path) as f:
             # the size is checked before reading: a sparse multi-GB file is refused, not read
@@ -303,7 +304,7 @@ def load_dcp_metadata(path: Path) -> Any:
                 raise BadInput(f"{path}: {size} bytes, over the {safefs.MAX_METADATA_BYTES >> 20} MiB a DCP "
                                ".metadata may hold; corrupt or not a checkpoint")
             with bounded.gc_paused():
-                meta = _unpickle(f, size)
+                return _unpickle(f, size, fast)
     except NewerTorch as e:
         raise NewerFormat(f"{path}: written by a newer torch ({first_line(e)}) than this ckpt-tools reads; "
                        "upgrade ckpt-tools (pip install -U ckpt-tools)") from e
@@ -317,8 +318,21 @@ def load_dcp_metadata(path: Path) -> Any:
             raise Damaged(f"{path}: truncated: the DCP metadata pickle ends early ({size:,} bytes on disk); "
                            "copy the checkpoint again") from e
         raise Damaged(f"{path}: corrupt or truncated DCP metadata ({first_line(e)}); copy the checkpoint again") from e
+
+
+def load_dcp_metadata(path: Path) -> Any:
+    """Read a DCP ``.metadata`` file as :class:`MetadataUnpickler` reads it: refused unless a
+    regular file under :data:`~ckpt_tools.security.safefs.MAX_METADATA_BYTES`, and its objects must pass
+    :func:`~ckpt_tools.security.bounded.check_tree` (no runaway depth or sharing) before anything uses them.
+    Chunks and storage entries come as rows (:mod:`.dcprows`) where the fast reader read them so,
+    else as records: the same attributes either way."""
+    meta = _read(path, fast=True)
     with bounded.gc_paused():
-        bounded.check_tree(meta, where=str(path))
+        try:
+            bounded.check_tree(meta, where=str(path))
+        except fastpickle.Decline:  # it refers back to a part of a record read as a row: read it all as objects
+            meta = _read(path, fast=False)
+            bounded.check_tree(meta, where=str(path))
     if not isinstance(meta, Metadata):
         raise BadInput(f"{path}: holds a {type(meta).__name__}, not DCP Metadata")
     return meta

@@ -41,18 +41,23 @@ class Decline(Exception):
     """The fast reader does not vouch for this pickle; read it the careful way."""
 
 
-def load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:
+def load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type, Callable] | None = None) -> Any:
     """The object pickled in ``buf`` (the whole pickle, STOP its last opcode read), exactly as
-    the careful reader with ``find_class`` builds it; :class:`Decline` where it cannot say."""
+    the careful reader with ``find_class`` builds it; :class:`Decline` where it cannot say.
+
+    ``records``: for a class ``find_class`` gives, a reader of one record of it (called as
+    ``reader(buf, pos, frame_end, memo)`` at its EMPTY_TUPLE NEWOBJ, after the class) that
+    returns ``(value, end)`` with the record's memo entries added, or None to read it opcode by
+    opcode; the value stands for the object built (:mod:`.dcprows`)."""
     try:
-        return _load(buf, find_class)
+        return _load(buf, find_class, records or {})
     except Decline:
         raise
     except Exception as e:  # what the careful reader would make of it is its own to say
         raise Decline(f"{type(e).__name__}: {e}") from None
 
 
-def _load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:  # noqa: C901 (one loop on purpose)
+def _load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type, Callable]) -> Any:  # noqa: C901 (one loop on purpose)
     n = len(buf)
     # the memo as a list: MEMOIZE numbers objects 0, 1, 2, ... (a dict of 1.2 million int keys,
     # as a 256-rank .metadata needs, is ~70 MB and slower); a BINPUT past its end declines
@@ -87,6 +92,11 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any]) -> Any:  # noqa: C9
         if op == 0x29:  # EMPTY_TUPLE
             if buf[pos + 1] == 0x81:  # EMPTY_TUPLE NEWOBJ: cls() without arguments
                 cls = stack[-1]
+                if type(cls) is type and cls in records:  # a record read in one step
+                    got = records[cls](buf, pos, fend, memo)
+                    if got is not None:
+                        stack[-1], pos = got
+                        continue
                 stack[-1] = obj = cls.__new__(cls)
                 pos += 2
                 if buf[pos] == 0x94:
