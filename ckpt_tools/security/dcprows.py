@@ -24,6 +24,7 @@ file is then read again the careful way). torch never does.
 
 from __future__ import annotations
 
+import re
 import struct
 from operator import itemgetter
 from typing import Any
@@ -33,10 +34,24 @@ from .fastpickle import Decline
 
 _U4 = struct.Struct("<I").unpack_from
 _I4 = struct.Struct("<i").unpack_from
-_NEW = b")\x81\x94}\x94("  # EMPTY_TUPLE NEWOBJ MEMOIZE, its state: EMPTY_DICT MEMOIZE MARK
-_CALL = b"\x85\x94R\x94"  # TUPLE1 MEMOIZE REDUCE MEMOIZE: Size((...))
-_TUPLE_OF = {0x85: 1, 0x86: 2, 0x87: 3}  # TUPLE1..3: how many ints it takes
-_END = 0x75, 0x62  # SETITEMS BUILD: the state set
+
+# The records as torch pickles them, opcode by opcode. Every record: EMPTY_TUPLE NEWOBJ MEMOIZE
+# (after its class), its state: EMPTY_DICT MEMOIZE MARK, key value ..., SETITEMS BUILD. Keys
+# are memo references (BINGET, LONG_BINGET) to the field names (the first record of each kind,
+# which names them, is read opcode by opcode).
+_NEW = rb"\)\x81\x94\}\x94\("
+_REF = rb"(h.|j....)"
+_INT = rb"(K.|M..|J....)"  # BININT1, BININT2, BININT
+_BIG = rb"(K.|M..|J....|\x8a\x05.{5}|\x8a\x06.{6}|\x8a\x07.{7}|\x8a\x08.{8})"  # and LONG1: a byte offset
+# torch.Size((ints)): its global, then up to 3 ints and TUPLE1..3 MEMOIZE, or EMPTY_TUPLE (not
+# memoized), then TUPLE1 MEMOIZE REDUCE MEMOIZE; or no call: a reference to a Size read before
+_SIZE = _REF + rb"(?:(?:((?:K.|M..|J....){1,3})([\x85-\x87])\x94|(\)))\x85\x94R\x94)?"
+_END = rb"ub"
+_CHUNK = re.compile(_NEW + _REF + _SIZE + _REF + _SIZE + _END, re.S).match
+# a MetadataIndex or _StorageInfo: up to its string (a name, a path): a reference or SHORT_BINUNICODE
+_HEAD = re.compile(_NEW + _REF + rb"(?:" + _REF + rb"|\x8c(.))", re.S).match
+_INDEX = re.compile(_REF + rb"(N|" + _INT[1:-1] + rb")(?:" + _REF + _SIZE + rb")?" + _END, re.S).match
+_STORAGE = re.compile(_REF + _BIG + _REF + _BIG + _END, re.S).match
 
 
 class ChunkRow(tuple):
@@ -95,10 +110,15 @@ _NO = object()
 
 class Rows:
     """The readers of one file: ``readers(classes)`` maps the record classes ``find_class``
-    gives to the steps :func:`~ckpt_tools.security.fastpickle.load` takes for them."""
+    gives to the steps :func:`~ckpt_tools.security.fastpickle.load` takes for them.
+
+    What a memo reference names is looked up once (by its bytes) and kept: fastpickle never
+    changes a memo entry while it reads records so (a BINPUT over one is declined)."""
 
     def __init__(self) -> None:
         self._names: dict[bytes, str] = {}  # one string per distinct name or path
+        self._refs: dict[bytes, Any] = {}  # memo reference -> what it named
+        self._dims: dict[bytes, tuple[int, ...]] = {}  # a Size's ints, as pickled -> the tuple
 
     def readers(self, chunk: type, index: type, storage: type) -> dict[type, Any]:
         return {chunk: self.chunk, index: self.index, storage: self.storage}
@@ -107,148 +127,133 @@ class Rows:
     # ``(row, end)`` with its memo entries added; or None (nothing added) to read it as an object
 
     def chunk(self, buf: bytes, pos: int, fend: int, memo: list[Any]) -> tuple[ChunkRow, int] | None:
-        if not buf.startswith(_NEW, pos):
+        m = _CHUNK(buf, pos, fend)
+        if m is None:
             return None
-        key, p = _ref(buf, pos + 6, memo)
-        if key != "offsets" or type(key) is not str:
+        k1, c1, d1, t1, e1, k2, c2, d2, t2, e2 = m.groups()
+        ref = self._ref
+        if ref(k1, memo) != "offsets" or ref(k2, memo) != "sizes":
             return None
-        offsets, p, m1 = _size(buf, p, memo)
-        if p < 0:
-            return None
-        key, p = _ref(buf, p, memo)
-        if key != "sizes" or type(key) is not str:
-            return None
-        sizes, p, m2 = _size(buf, p, memo)
-        if p < 0 or len(sizes) != len(offsets) or p + 2 > fend or buf[p] != 0x75 or buf[p + 1] != 0x62:
+        offsets, m1 = self._size(c1, d1, t1, e1, memo)
+        sizes, m2 = self._size(c2, d2, t2, e2, memo)
+        if offsets is None or sizes is None or len(offsets) != len(sizes):
             return None
         row = ChunkRow((offsets, sizes))
         memo += (row, UNREAD, *m1, *m2)
-        return row, p + 2
+        return row, m.end()
 
     def index(self, buf: bytes, pos: int, fend: int, memo: list[Any]) -> tuple[IndexKey, int] | None:
-        if not buf.startswith(_NEW, pos):
+        fqn, new, p = self._head("fqn", buf, pos, fend, memo)
+        m = None if p < 0 else _INDEX(buf, p, fend)
+        if m is None:
             return None
-        key, p = _ref(buf, pos + 6, memo)
-        if key != "fqn" or type(key) is not str:
+        k1, _, k2, c, d, t, e = m.groups()
+        ref = self._ref
+        if ref(k1, memo) != "index":
             return None
-        fqn, p, new = self._str(buf, p, memo)
-        if p < 0:
-            return None
-        key, p = _ref(buf, p, memo)
-        if key != "index" or type(key) is not str:
-            return None
-        if buf[p] == 0x4e:  # NONE
-            p += 1
-        else:
-            _, p = _int(buf, p)
-            if p < 0:
+        offsets, m1 = None, ()
+        if k2 is not None:
+            if ref(k2, memo) != "offset":
                 return None
-        offsets, m = None, ()
-        if buf[p] != 0x75:
-            key, p = _ref(buf, p, memo)
-            if key != "offset" or type(key) is not str:
+            offsets, m1 = self._size(c, d, t, e, memo)
+            if offsets is None:
                 return None
-            offsets, p, m = _size(buf, p, memo)
-            if p < 0:
-                return None
-        if p + 2 > fend or buf[p] != 0x75 or buf[p + 1] != 0x62:
-            return None
         row = IndexKey((fqn, offsets))
-        memo += (row, UNREAD, *new, *m)
-        return row, p + 2
+        memo += (row, UNREAD, *new, *m1)
+        return row, m.end()
 
     def storage(self, buf: bytes, pos: int, fend: int, memo: list[Any]) -> tuple[StorageRow, int] | None:
-        if not buf.startswith(_NEW, pos):
+        path, new, p = self._head("relative_path", buf, pos, fend, memo)
+        m = None if p < 0 else _STORAGE(buf, p, fend)
+        if m is None:
             return None
-        key, p = _ref(buf, pos + 6, memo)
-        if key != "relative_path" or type(key) is not str:
+        k1, offset, k2, length = m.groups()
+        ref = self._ref
+        if ref(k1, memo) != "offset" or ref(k2, memo) != "length":
             return None
-        path, p, new = self._str(buf, p, memo)
-        if p < 0:
-            return None
-        key, p = _ref(buf, p, memo)
-        if key != "offset" or type(key) is not str:
-            return None
-        offset, p = _int(buf, p)
-        if p < 0:
-            return None
-        key, p = _ref(buf, p, memo)
-        if key != "length" or type(key) is not str:
-            return None
-        length, p = _int(buf, p)
-        if p < 0 or p + 2 > fend or buf[p] != 0x75 or buf[p + 1] != 0x62:
-            return None
-        row = StorageRow((path, offset, length))
+        row = StorageRow((path, _int(offset), _int(length)))
         memo += (row, UNREAD, *new)
-        return row, p + 2
+        return row, m.end()
 
-    def _str(self, buf: bytes, p: int, memo: list[Any]) -> tuple[Any, int, tuple]:
-        """A string: a memo reference to one, or SHORT_BINUNICODE MEMOIZE (with the memo entry
-        it adds); position -1 for anything else."""
-        if buf[p] == 0x8c:
-            end = p + 2 + buf[p + 1]
-            if buf[end] != 0x94:
-                return None, -1, ()
-            raw = buf[p + 2:end]
-            s = self._names.get(raw)
-            if s is None:
-                s = self._names[raw] = str(raw, "utf-8", "surrogatepass")
-            return s, end + 1, (s,)
-        s, p = _ref(buf, p, memo)
-        return (s, p, ()) if type(s) is str else (None, -1, ())
+    def _head(self, field: str, buf: bytes, pos: int, fend: int, memo: list[Any]) -> tuple[Any, tuple, int]:
+        """A record's first field, a string: it, the memo entries it adds, and where the rest
+        begins (-1: not this form)."""
+        m = _HEAD(buf, pos, fend)
+        if m is None:
+            return None, (), -1
+        key, sref, short = m.groups()
+        if self._ref(key, memo) != field:
+            return None, (), -1
+        if short is None:
+            s = self._ref(sref, memo)
+            return (s, (), m.end()) if type(s) is str else (None, (), -1)
+        end = m.end() + short[0]
+        if end >= fend or buf[end] != 0x94:  # SHORT_BINUNICODE MEMOIZE
+            return None, (), -1
+        raw = buf[m.end():end]
+        s = self._names.get(raw)
+        if s is None:
+            s = self._names[raw] = str(raw, "utf-8", "surrogatepass")
+        return s, (s,), end + 1
+
+    def _ref(self, ref: bytes, memo: list[Any]) -> Any:
+        """What the memo reference ``ref`` names (only strings and ``tuple``, the Size global, and
+        tuples are asked for: anything else compares unequal to what is asked)."""
+        got = self._refs.get(ref, _NO)
+        if got is _NO:
+            i = ref[1] if len(ref) == 2 else _U4(ref, 1)[0]
+            if i >= len(memo):
+                return _NO
+            got = memo[i]
+            if not (type(got) is str or got is tuple or type(got) is tuple):
+                return _NO  # (not kept: a comparison with a str must not reach its __eq__)
+            self._refs[ref] = got
+        return got
+
+    def _size(self, cls: bytes, dims: bytes | None, op: bytes | None, empty: bytes | None,
+              memo: list[Any]) -> tuple[tuple | None, tuple]:
+        """``torch.Size((...))`` of up to 3 non-negative ints, read as the careful reader reads
+        it (its global is the ``tuple`` find_class gives for it), or a memo reference to such a
+        tuple (a Size pickled before): the tuple and the memo entries it adds; None for
+        anything else."""
+        got = self._ref(cls, memo)
+        if dims is not None:
+            t = self._dims.get(dims)
+            if t is None:
+                t = _ints(dims)
+                if t is None:
+                    return None, ()
+                self._dims[dims] = t
+            if got is not tuple or len(t) != op[0] - 0x84:  # TUPLE1..3 takes 1..3
+                return None, ()
+            return t, (t, UNREAD, t)
+        if empty is not None:
+            return ((), (UNREAD, ())) if got is tuple else (None, ())
+        if type(got) is tuple and len(got) <= 64 and all(type(v) is int and v >= 0 for v in got):
+            return got, ()
+        return None, ()
 
 
-def _ref(buf: bytes, p: int, memo: list[Any]) -> tuple[Any, int]:
-    """A memo reference (BINGET, LONG_BINGET): its object and where the next opcode is."""
-    op = buf[p]
-    if op == 0x68:
-        i, p = buf[p + 1], p + 2
-    elif op == 0x6a:
-        i, p = _U4(buf, p + 1)[0], p + 5
-    else:
-        return _NO, -1
-    return (memo[i], p) if i < len(memo) else (_NO, -1)
-
-
-def _int(buf: bytes, p: int) -> tuple[int, int]:
-    """An int as the pickler writes one (BININT1, BININT2, BININT, LONG1 of up to 8 bytes)."""
-    op = buf[p]
+def _int(b: bytes) -> int:
+    """An int as pickled: BININT1, BININT2, BININT or LONG1 (its opcode first)."""
+    op = b[0]
     if op == 0x4b:
-        return buf[p + 1], p + 2
+        return b[1]
     if op == 0x4d:
-        return buf[p + 1] | buf[p + 2] << 8, p + 3
+        return b[1] | b[2] << 8
     if op == 0x4a:
-        return _I4(buf, p + 1)[0], p + 5
-    if op == 0x8a and buf[p + 1] <= 8:
-        end = p + 2 + buf[p + 1]
-        return int.from_bytes(buf[p + 2:end], "little", signed=True), end
-    return 0, -1
+        return _I4(b, 1)[0]
+    return int.from_bytes(b[2:], "little", signed=True)
 
 
-def _size(buf: bytes, p: int, memo: list[Any]) -> tuple[tuple, int, tuple]:
-    """``torch.Size((...))`` of up to 3 non-negative ints, read as the careful reader reads it
-    (its global is the ``tuple`` find_class gives for it), or a memo reference to such a tuple
-    (a Size pickled before): the tuple, where the next opcode is, and the memo entries it adds;
-    position -1 for anything else."""
-    cls, p = _ref(buf, p, memo)
-    if cls is not tuple:
-        if type(cls) is tuple and len(cls) <= 64 and all(type(v) is int and v >= 0 for v in cls):
-            return cls, p, ()
-        return (), -1, ()
-    if buf[p] == 0x29:  # EMPTY_TUPLE: no dims (not memoized)
-        if not buf.startswith(_CALL, p + 1):
-            return (), -1, ()
-        return (), p + 5, (UNREAD, ())
-    dims = []
-    while len(dims) < 3:
-        v, q = _int(buf, p)
-        if q < 0:
-            break
+def _ints(b: bytes) -> tuple[int, ...] | None:
+    """The non-negative ints of a run of BININT1, BININT2 and BININT opcodes; None if one is negative."""
+    out, i = [], 0
+    while i < len(b):
+        n = 2 if b[i] == 0x4b else 3 if b[i] == 0x4d else 5
+        v = _int(b[i:i + n])
         if v < 0:
-            return (), -1, ()
-        dims.append(v)
-        p = q
-    if _TUPLE_OF.get(buf[p]) != len(dims) or buf[p + 1] != 0x94 or not buf.startswith(_CALL, p + 2):
-        return (), -1, ()
-    t = tuple(dims)
-    return t, p + 6, (t, UNREAD, t)
+            return None
+        out.append(v)
+        i += n
+    return tuple(out)

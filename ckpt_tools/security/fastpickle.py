@@ -289,11 +289,11 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type,
             pos += 9
             continue
         if op == 0x71:  # BINPUT
-            _put(memo, buf[pos + 1], stack[-1])
+            _put(memo, buf[pos + 1], stack[-1], records)
             pos += 2
             continue
         if op == 0x72:  # LONG_BINPUT
-            _put(memo, _U4(buf, pos + 1)[0], stack[-1])
+            _put(memo, _U4(buf, pos + 1)[0], stack[-1], records)
             pos += 5
             continue
         if op == 0x73:  # SETITEM
@@ -355,9 +355,13 @@ def _build(stack: list[Any]) -> None:
     setstate(state)
 
 
-def _put(memo: list[Any], i: int, x: Any) -> None:
-    """BINPUT: at ``i`` of the memo, as the careful reader's dict takes it, where a list can."""
+def _put(memo: list[Any], i: int, x: Any, records: dict) -> None:
+    """BINPUT: at ``i`` of the memo, as the careful reader's dict takes it, where a list can.
+    Not over an entry while records are read in one step: their readers may keep what they
+    looked up in the memo (protocols 4 and 5 never put twice; only a hand-made pickle does)."""
     if i < len(memo):
+        if records:
+            raise Decline("BINPUT over a memo entry")
         memo[i] = x
     elif i == len(memo):
         memo.append(x)
