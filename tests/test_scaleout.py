@@ -38,6 +38,62 @@ def test_workers_write_the_same_bytes(name: str, fixtures_dir: Path, tmp_path: P
     assert [k for k in got if got[k] != single[name][k]] == []
 
 
+@pytest.mark.parametrize("name", ["llama_sharded_ws8", "llama_dcp"])
+def test_forked_workers_write_the_same_bytes(name: str, fixtures_dir: Path, tmp_path: Path, single) -> None:
+    """A command's own process (torch not loaded, no other thread) forks its workers: the plan
+    and description as they stand in memory, none of it handed over in a file."""
+    dst = tmp_path / "out"
+    script = f"""
+import ckpt_tools
+from ckpt_tools.runtime import procs
+forked, fork = [], procs.fork
+procs.fork = lambda *a, **k: forked.append(1) or fork(*a, **k)
+ckpt_tools.reshard({str(fixtures_dir / name)!r}, {str(dst)!r}, to=3, workers=2, progress=False)
+assert len(forked) == 2, forked
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = _files(dst)
+    assert got.keys() == single[name].keys()
+    assert [k for k in got if got[k] != single[name][k]] == []
+
+
+def _twice(x: int) -> int:
+    return 2 * x
+
+
+def _fails() -> None:
+    raise ValueError("boom")
+
+
+def _dies() -> None:
+    os.kill(os.getpid(), 9)
+
+
+def test_a_forked_child_reports_and_never_runs_its_parents_code(tmp_path: Path) -> None:
+    """A forked worker's value, its error and its death come back as a started one's do; and
+    it ends where its work ends: never back in the caller's frames (whose ``finally`` would
+    remove the parent's staging), whatever its work did."""
+    from ckpt_tools.runtime import procs
+
+    ran = tmp_path / "finally-ran"
+    outcomes = {}
+    try:
+        children = [procs.fork(fn, args, work=tmp_path, name=name)
+                    for name, fn, args in (("ok", _twice, (21,)), ("error", _fails, ()), ("died", _dies, ()))]
+        while (done := procs.wait_any(children)) is not None:
+            outcomes[done.name] = done.outcome()
+    finally:
+        with ran.open("a") as f:
+            f.write(f"{os.getpid()}\n")
+    assert outcomes["ok"] == ("ok", 42)
+    assert outcomes["error"][0] == "error" and isinstance(outcomes["error"][1], ValueError)
+    assert "boom" in outcomes["error"][2]
+    assert outcomes["died"] == ("died", -9)
+    assert ran.read_text().split() == [str(os.getpid())]
+
+
 def test_torchrun_processes_write_their_share(fixtures_dir: Path, tmp_path: Path, single) -> None:
     dst = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

@@ -44,6 +44,9 @@ class Location:
     length: int = 0
     key: tuple[Any, ...] = ()
 
+    def __reduce__(self) -> tuple:  # (for --workers: its fields, not a state dict of its slots: 4x faster)
+        return Location, (self.file, self.kind, self.offset, self.length, self.key)
+
 
 @dataclass(slots=True, unsafe_hash=True)
 class Chunk:
@@ -53,6 +56,9 @@ class Chunk:
     sizes: tuple[int, ...]
     location: Location
     rank: int | None = None
+
+    def __reduce__(self) -> tuple:
+        return Chunk, (self.offsets, self.sizes, self.location, self.rank)
 
     @property
     def numel(self) -> int:

@@ -51,11 +51,13 @@ def run_parallel(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: 
     written: dict[str, Any] = {}
     work = Path(tempfile.mkdtemp(prefix="ckpt-workers-"))
     children: list[procs.Child] = []
+    # forked where it can be (the plan as it stands in memory), else handed over in a file
+    start = procs.fork if procs.can_fork() else procs.start
     try:
-        with progress_bar(sum(j.nbytes for j in jobs), desc, progress) as bar:
-            for i, share in enumerate(shares):
-                children.append(procs.start(_run_share, (src, writer, share, out), work=work, name=f"worker-{i}"))
-            share_of = {c.name: share for c, share in zip(children, shares)}
+        for i, share in enumerate(shares):
+            children.append(start(_run_share, (src, writer, share, out), work=work, name=f"worker-{i}"))
+        share_of = {c.name: share for c, share in zip(children, shares)}
+        with progress_bar(sum(j.nbytes for j in jobs), desc, progress) as bar:  # (a bar's thread after the forks)
             while (done := procs.wait_any(children)) is not None:
                 outcome = done.outcome()
                 if outcome[0] == "ok":

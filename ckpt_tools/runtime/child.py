@@ -33,8 +33,12 @@ def main(spec: str) -> int:
             outcome: tuple = ("ok", fn(*args))
         except Exception as e:  # noqa: BLE001 - everything goes back to the parent
             outcome = ("error", e, traceback.format_exc())
-    out = spec_path.with_suffix(".out")
-    tmp = spec_path.with_suffix(".out-tmp")
+    return report(spec_path.with_suffix(".out"), outcome)
+
+
+def report(out: Path, outcome: tuple) -> int:
+    """Write ``outcome`` to ``out`` (private, whole or not at all) for the parent; the exit code."""
+    tmp = out.with_suffix(".out-tmp")
     try:
         data = pickle.dumps(outcome)
         if not private.admitted(data):  # names a class the parent's reader does not look up

@@ -1,5 +1,6 @@
 """Helper processes of our own: every rank of ``ckpt shard`` and every ``--workers`` writer is
-``python -m ckpt_tools.runtime.child WORK/NAME``, never multiprocessing's ``spawn``.
+``python -m ckpt_tools.runtime.child WORK/NAME``, never multiprocessing's ``spawn``; or, for
+``--workers`` where it is safe (:func:`can_fork`), a fork of this process (:func:`fork`).
 
 ``spawn`` re-imports the caller's ``__main__`` in each child: a script without an
 ``if __name__ == "__main__":`` guard (the README's API block pasted into a file) ran again in
@@ -21,7 +22,9 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +40,7 @@ STOP_GRACE_S = 10.0
 @dataclass
 class Child:
     name: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | _Forked
     out: Path
 
     def outcome(self) -> tuple:
@@ -68,6 +71,74 @@ def start(fn: Callable[..., Any], args: Sequence[Any], *, work: Path, name: str,
     proc = subprocess.Popen([sys.executable, "-m", "ckpt_tools.runtime.child", str(spec)], env=child_env,
                             stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True)
     return Child(name, proc, work / f"{name}.out")
+
+
+def can_fork() -> bool:
+    """Whether :func:`fork` may be used now: on Linux, with this the process's only thread (a
+    fork copies only the calling thread; a lock another held would stay held in the child) and
+    torch not loaded (its thread pools do not survive a fork)."""
+    return sys.platform.startswith("linux") and threading.active_count() == 1 and "torch" not in sys.modules
+
+
+def fork(fn: Callable[..., Any], args: Sequence[Any], *, work: Path, name: str) -> Child:
+    """Run ``fn(*args)`` in a forked copy of this process (see :func:`can_fork`): the arguments
+    are this process's own objects, not pickled and read back (a 256-rank plan and description
+    took longer to hand over than to write). The child reports as :func:`start`'s do, in a
+    session of its own, tied to this process; it ends with ``os._exit``, so none of this
+    process's pending cleanups (its staging directory's) ever run in it."""
+    from .child import report
+
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # (else both would write what is buffered)
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+            os.setsid()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_DFL)
+            from .lifeline import tie_to_parent
+
+            tie_to_parent(parent)
+            try:
+                outcome: tuple = ("ok", fn(*args))
+            except Exception as e:  # noqa: BLE001 - everything goes back to the parent
+                outcome = ("error", e, traceback.format_exc())
+            code = report(work / f"{name}.out", outcome)
+        finally:
+            os._exit(code)
+    return Child(name, _Forked(pid), work / f"{name}.out")
+
+
+class _Forked:
+    """What this module asks of a :class:`subprocess.Popen`, for a forked child."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() >= end:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 def _site_dirs() -> set[str]:
