@@ -6,7 +6,9 @@ reshard (to 3/4 of the ranks), export and convert, beside ``cp -r`` and torch's
 
 Two sweeps of the same 80 MB: ranks at the fewest tensors, tensors at the fewest ranks, and
 one point more (``--tile 32``, 0 for none) of the same bytes as an MoE's per-expert layout
-holds them: 19,521 matrices of 32 x 32, in the table and not the plot. Writes
+holds them: 19,521 matrices of 32 x 32, in the table and not the plot; and one of the training
+state (``--moments 256``: the model and its AdamW moments at 256 ranks, resharded by one
+process and by two), also in the table only. Writes
 a markdown table to ``--out``, its rows as JSON beside it, and, when matplotlib is importable
 (``pip install .[bench]``), a PNG; ``--plot RUN.json`` draws the PNG of an earlier run.
 Each run is a fresh process (``ckpt ...``); peak RSS is the child's (GNU time's %M).
@@ -74,6 +76,43 @@ def cases(ranks: int, tensors: int, work: Path) -> list[tuple[str, list[str]]]:
     ]
 
 
+def moment_cases(ranks: int, work: Path) -> list[tuple[str, list[str]]]:
+    """The training state (model and AdamW moments) resharded to 3/4 of the ranks, by one
+    process and by two (``--workers 2``: this machine's two cores)."""
+    ckpt = [sys.executable, "-m", "ckpt_tools"]
+    v, d = work / "verl", work / "dcp"
+    m = str(max(1, ranks * 3 // 4))
+    return [
+        ("cp -r rank files", ["cp", "-r", str(v), str(work / "cp")]),
+        ("reshard rank files", [*ckpt, "reshard", str(v), str(work / "o1"), "--to", m, "--quiet"]),
+        ("reshard rank files --workers 2", [*ckpt, "reshard", str(v), str(work / "o2"), "--to", m, "--workers", "2",
+                                            "--quiet"]),
+        ("reshard dcp", [*ckpt, "reshard", str(d), str(work / "o3"), "--to", m, "--quiet"]),
+        ("reshard dcp --workers 2", [*ckpt, "reshard", str(d), str(work / "o4"), "--to", m, "--workers", "2",
+                                     "--quiet"]),
+    ]
+
+
+def run_moments(ranks: int, root: Path) -> list[dict]:
+    """One more point: ``ranks`` ranks of the model with its AdamW moments (rows ``layout:
+    moments``), as issue 30 asks of a reshard (256 -> 192 in 5 s)."""
+    import fw_scale
+
+    work = root / f"w{ranks}_moments"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    fw_scale.make_verl(work / "verl", ranks, optim=True)
+    fw_scale.make_dcp(work / "dcp", ranks, optim=True)
+    n = len(fw_scale.llama_shapes())
+    rows = []
+    for name, cmd in moment_cases(ranks, work):
+        secs, mb = timed(cmd, cwd=work)
+        rows.append({"case": name, "ranks": ranks, "tensors": n, "s": secs, "mb": mb, "layout": "moments"})
+        print(f"{name:30s} ranks {ranks:5d} with moments: {secs:7.2f} s {mb:7.0f} MB", flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
 def run(ranks: list[int], tensors: list[int], root: Path, tile: int = 0) -> list[dict]:
     """Two sweeps of the same bytes: ranks (at the first tensor count) and tensors (at the first
     rank count); each point's sources are made, measured and removed before the next. With
@@ -107,8 +146,9 @@ def run(ranks: list[int], tensors: list[int], root: Path, tile: int = 0) -> list
 
 def table(rows: list[dict]) -> str:
     out = ["| case | ranks | tensors | seconds | peak RSS MB |", "| --- | ---: | ---: | ---: | ---: |"]
-    out += [f"| {r['case']} | {r['ranks']} | {r['tensors']}{' (tiles)' if r.get('layout') else ''} | {r['s']:.2f} | "
-            f"{r['mb']:.0f} |" for r in rows]
+    for r in rows:
+        kind = f" ({r['layout']})" if r.get("layout") else ""
+        out.append(f"| {r['case']} | {r['ranks']} | {r['tensors']}{kind} | {r['s']:.2f} | {r['mb']:.0f} |")
     return "\n".join(out) + "\n"
 
 
@@ -122,7 +162,7 @@ def plot(rows: list[dict], png: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rows = [r for r in rows if not r.get("layout")]  # (the tiles point: in the table only)
+    rows = [r for r in rows if not r.get("layout")]  # (the tiles and moments points: in the table only)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     few_t, few_w = min(r["tensors"] for r in rows), min(r["ranks"] for r in rows)
     for ax, (x, fixed, value) in zip(axes, (("ranks", "tensors", few_t), ("tensors", "ranks", few_w))):
@@ -153,6 +193,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("docs/scale-run.md"))
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None, help="only draw the PNG of an earlier run's JSON")
+    ap.add_argument("--moments", type=int, default=256,
+                    help="one more point: this many ranks with AdamW moments, resharded (0: none)")
     a = ap.parse_args()
     if a.plot is not None:
         rows = json.loads(a.plot.read_text())
@@ -166,6 +208,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(dir=a.work) as tmp:
         rows = run(a.ranks, a.tensors, Path(tmp), a.tile)
+        rows += run_moments(a.moments, Path(tmp)) if a.moments else []
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     a.out.write_text(f"# ckpt at scale (bench/scale.py)\n\nload average {load:.1f} at the start, "
