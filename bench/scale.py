@@ -103,6 +103,7 @@ def run_moments(ranks: int, root: Path) -> list[dict]:
     work.mkdir(parents=True)
     fw_scale.make_verl(work / "verl", ranks, optim=True)
     fw_scale.make_dcp(work / "dcp", ranks, optim=True)
+    os.sync()  # (the sources' writeback done before anything is timed: ckpt's own fsyncs wait on a busy disk)
     n = len(fw_scale.llama_shapes())
     rows = []
     for name, cmd in moment_cases(ranks, work):
@@ -131,6 +132,7 @@ def run(ranks: list[int], tensors: list[int], root: Path, tile: int = 0) -> list
         shape = {"split": SPLIT.get(t, 1), "tile": tiles}
         fw_scale.make_verl(work / "verl", w, **shape)
         fw_scale.make_dcp(work / "dcp", w, **shape)
+        os.sync()
         n = len(fw_scale.llama_shapes(**shape))
         if not rows:  # the architecture check's answer, cached per model (~/.cache/ckpt-tools) as after any first export
             timed([sys.executable, "-m", "ckpt_tools", "export", str(work / "verl"), str(work / "warm"), "--quiet"], cwd=work)

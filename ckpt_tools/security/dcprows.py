@@ -52,6 +52,8 @@ _CHUNK = re.compile(_NEW + _REF + _SIZE + _REF + _SIZE + _END, re.S).match
 _HEAD = re.compile(_NEW + _REF + rb"(?:" + _REF + rb"|\x8c(.))", re.S).match
 _INDEX = re.compile(_REF + rb"(N|" + _INT[1:-1] + rb")(?:" + _REF + _SIZE + rb")?" + _END, re.S).match
 _STORAGE = re.compile(_REF + _BIG + _REF + _BIG + _END, re.S).match
+# the usual _StorageInfo whole: its path a reference to the file's name, pickled before
+_STORAGE_OF_REF = re.compile(_NEW + _REF + _REF + _REF + _BIG + _REF + _BIG + _END, re.S).match
 
 
 class ChunkRow(tuple):
@@ -119,6 +121,11 @@ class Rows:
         self._names: dict[bytes, str] = {}  # one string per distinct name or path
         self._refs: dict[bytes, Any] = {}  # memo reference -> what it named
         self._dims: dict[bytes, tuple[int, ...]] = {}  # a Size's ints, as pickled -> the tuple
+        # the references a record's field names were last found at, and the Size global's
+        self._chunk_keys: tuple = ()
+        self._storage_keys: tuple = ()
+        self._index_keys: tuple = ()
+        self._sizes: set[bytes] = set()
 
     def readers(self, chunk: type, index: type, storage: type) -> dict[type, Any]:
         return {chunk: self.chunk, index: self.index, storage: self.storage}
@@ -131,9 +138,20 @@ class Rows:
         if m is None:
             return None
         k1, c1, d1, t1, e1, k2, c2, d2, t2, e2 = m.groups()
-        ref = self._ref
-        if ref(k1, memo) != "offsets" or ref(k2, memo) != "sizes":
-            return None
+        if (k1, k2) != self._chunk_keys:
+            if self._ref(k1, memo) != "offsets" or self._ref(k2, memo) != "sizes":
+                return None
+            self._chunk_keys = (k1, k2)
+        if d1 is not None and d2 is not None and c1 in self._sizes and c2 in self._sizes:
+            # the usual chunk: two Size calls of 1 to 3 ints, their global known
+            dims = self._dims
+            offsets, sizes = dims.get(d1) or _ints_of(dims, d1), dims.get(d2) or _ints_of(dims, d2)
+            if offsets is None or sizes is None or len(offsets) != t1[0] - 0x84 or len(sizes) != len(offsets) or \
+                    len(sizes) != t2[0] - 0x84:
+                return None
+            row = ChunkRow((offsets, sizes))
+            memo += (row, UNREAD, offsets, UNREAD, offsets, sizes, UNREAD, sizes)
+            return row, m.end()
         offsets, m1 = self._size(c1, d1, t1, e1, memo)
         sizes, m2 = self._size(c2, d2, t2, e2, memo)
         if offsets is None or sizes is None or len(offsets) != len(sizes):
@@ -143,11 +161,19 @@ class Rows:
         return row, m.end()
 
     def index(self, buf: bytes, pos: int, fend: int, memo: list[Any]) -> tuple[IndexKey, int] | None:
-        fqn, new, p = self._head("fqn", buf, pos, fend, memo)
+        fqn, new, p, key = self._head("fqn", buf, pos, fend, memo)
         m = None if p < 0 else _INDEX(buf, p, fend)
         if m is None:
             return None
         k1, _, k2, c, d, t, e = m.groups()
+        if d is not None and c in self._sizes and (key, k1, k2) == self._index_keys:
+            # the usual entry: its fields where the last one's were, a Size call of 1 to 3 ints
+            offsets = self._dims.get(d) or _ints_of(self._dims, d)
+            if offsets is None or len(offsets) != t[0] - 0x84:
+                return None
+            row = IndexKey((fqn, offsets))
+            memo += (row, UNREAD, fqn, offsets, UNREAD, offsets) if new else (row, UNREAD, offsets, UNREAD, offsets)
+            return row, m.end()
         ref = self._ref
         if ref(k1, memo) != "index":
             return None
@@ -158,12 +184,21 @@ class Rows:
             offsets, m1 = self._size(c, d, t, e, memo)
             if offsets is None:
                 return None
+            self._index_keys = (key, k1, k2)
         row = IndexKey((fqn, offsets))
         memo += (row, UNREAD, *new, *m1)
         return row, m.end()
 
     def storage(self, buf: bytes, pos: int, fend: int, memo: list[Any]) -> tuple[StorageRow, int] | None:
-        path, new, p = self._head("relative_path", buf, pos, fend, memo)
+        m = _STORAGE_OF_REF(buf, pos, fend)
+        if m is not None:  # the usual: the path a reference, its fields where they were last
+            k0, ref, k1, offset, k2, length = m.groups()
+            path = self._refs.get(ref)
+            if type(path) is str and (k0, k1, k2) == self._storage_keys:
+                row = StorageRow((path, _int(offset), _int(length)))
+                memo += (row, UNREAD)
+                return row, m.end()
+        path, new, p, key = self._head("relative_path", buf, pos, fend, memo)
         m = None if p < 0 else _STORAGE(buf, p, fend)
         if m is None:
             return None
@@ -171,30 +206,31 @@ class Rows:
         ref = self._ref
         if ref(k1, memo) != "offset" or ref(k2, memo) != "length":
             return None
+        self._storage_keys = (key, k1, k2)  # (where its fields' names are: the next one's, too)
         row = StorageRow((path, _int(offset), _int(length)))
         memo += (row, UNREAD, *new)
         return row, m.end()
 
-    def _head(self, field: str, buf: bytes, pos: int, fend: int, memo: list[Any]) -> tuple[Any, tuple, int]:
-        """A record's first field, a string: it, the memo entries it adds, and where the rest
-        begins (-1: not this form)."""
+    def _head(self, field: str, buf: bytes, pos: int, fend: int, memo: list[Any]) -> tuple[Any, tuple, int, bytes]:
+        """A record's first field, a string: it, the memo entries it adds, where the rest
+        begins (-1: not this form) and the reference its name was found at."""
         m = _HEAD(buf, pos, fend)
         if m is None:
-            return None, (), -1
+            return None, (), -1, b""
         key, sref, short = m.groups()
         if self._ref(key, memo) != field:
-            return None, (), -1
+            return None, (), -1, b""
         if short is None:
             s = self._ref(sref, memo)
-            return (s, (), m.end()) if type(s) is str else (None, (), -1)
+            return (s, (), m.end(), key) if type(s) is str else (None, (), -1, b"")
         end = m.end() + short[0]
         if end >= fend or buf[end] != 0x94:  # SHORT_BINUNICODE MEMOIZE
-            return None, (), -1
+            return None, (), -1, b""
         raw = buf[m.end():end]
         s = self._names.get(raw)
         if s is None:
             s = self._names[raw] = str(raw, "utf-8", "surrogatepass")
-        return s, (s,), end + 1
+        return s, (s,), end + 1, key
 
     def _ref(self, ref: bytes, memo: list[Any]) -> Any:
         """What the memo reference ``ref`` names (only strings and ``tuple``, the Size global, and
@@ -218,14 +254,10 @@ class Rows:
         anything else."""
         got = self._ref(cls, memo)
         if dims is not None:
-            t = self._dims.get(dims)
-            if t is None:
-                t = _ints(dims)
-                if t is None:
-                    return None, ()
-                self._dims[dims] = t
-            if got is not tuple or len(t) != op[0] - 0x84:  # TUPLE1..3 takes 1..3
+            t = self._dims.get(dims) or _ints_of(self._dims, dims)
+            if t is None or got is not tuple or len(t) != op[0] - 0x84:  # TUPLE1..3 takes 1..3
                 return None, ()
+            self._sizes.add(cls)  # (the Size global's reference: chunk() takes the next at once)
             return t, (t, UNREAD, t)
         if empty is not None:
             return ((), (UNREAD, ())) if got is tuple else (None, ())
@@ -244,6 +276,14 @@ def _int(b: bytes) -> int:
     if op == 0x4a:
         return _I4(b, 1)[0]
     return int.from_bytes(b[2:], "little", signed=True)
+
+
+def _ints_of(known: dict[bytes, tuple[int, ...]], b: bytes) -> tuple[int, ...] | None:
+    """:func:`_ints` of ``b``, kept in ``known`` (a Size's ints recur: each tensor's sizes, each rank's offsets)."""
+    t = _ints(b)
+    if t is not None:
+        known[b] = t
+    return t
 
 
 def _ints(b: bytes) -> tuple[int, ...] | None:
