@@ -355,7 +355,7 @@ def _build(stack: list[Any]) -> None:
     setstate(state)
 
 
-def _put(memo: list[Any], i: int, x: Any, records: dict) -> None:
+def _put(memo: list[Any], i: int, x: Any, records: dict | None = None) -> None:
     """BINPUT: at ``i`` of the memo, as the careful reader's dict takes it, where a list can.
     Not over an entry while records are read in one step: their readers may keep what they
     looked up in the memo (protocols 4 and 5 never put twice; only a hand-made pickle does)."""
