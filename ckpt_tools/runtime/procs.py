@@ -87,6 +87,7 @@ def fork(fn: Callable[..., Any], args: Sequence[Any], *, work: Path, name: str) 
     session of its own, tied to this process; it ends with ``os._exit``, so none of this
     process's pending cleanups (its staging directory's) ever run in it."""
     from .child import report
+    from .lifeline import tie_to_parent  # (imported here: the child imports nothing)
 
     for stream in (sys.stdout, sys.stderr):
         stream.flush()  # (else both would write what is buffered)
@@ -98,8 +99,6 @@ def fork(fn: Callable[..., Any], args: Sequence[Any], *, work: Path, name: str) 
             os.setsid()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_DFL)
-            from .lifeline import tie_to_parent
-
             tie_to_parent(parent)
             try:
                 outcome: tuple = ("ok", fn(*args))

@@ -10,10 +10,10 @@ state dict, the tuples a ``torch.Size`` call makes, and a ``__setstate__`` call:
 step of :func:`~ckpt_tools.security.fastpickle.load` into a tuple: :class:`ChunkRow`
 ``(offsets, sizes)``, :class:`IndexKey` ``(fqn, offsets)`` (what a ``MetadataIndex`` hashes and
 compares as; its ``index`` is only a hint) and :class:`StorageRow` ``(file, offset, length)``;
-each reads the attributes the record has. Any other form of the record (another field, another
-order, a ``torch.Size`` of more than three dims, a string not read in one step) is read as an
-object as before, and :func:`~ckpt_tools.security.dcpmeta.compact` turns every record it can
-into its row afterwards, so the tree is the same whichever reader built it (tested).
+each reads the attributes the record has, so a reader of the tree takes either. Any other
+form of the record (another field, another order, a ``torch.Size`` of more than three dims, a
+string not read in one step) is read as an object as before; the careful reader builds objects
+only. Either tree, its records taken as the rows they stand for, is the other (tested).
 
 The memo keeps the row for the record and the values of its ``torch.Size`` tuples. Its state
 dict and the argument tuple of each ``torch.Size`` call are not built: their memo entries are
