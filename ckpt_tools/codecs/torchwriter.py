@@ -131,23 +131,29 @@ class Sources:
         """The bytes of a small record made of ``parts`` (``size`` in all) and their CRC-32:
         zlib's over the bytes (for a few KiB, cheaper than combining known CRCs in Python), or
         where parts carry known CRCs (``TorchZip.part``) and a part's bytes fail theirs, the
-        known ones combined: a damaged source record stays detectably damaged, never re-blessed."""
-        self.check(parts)
-        if len(parts) == 1:  # most records (a piece from one source chunk): no loops
-            part = parts[0]
-            data = self.read(self.fd(part[0]), part[1], size)
-            crc = crc32(data)
-            damaged = len(part) == 4 and crc != part[3]
-        else:
-            blobs = [self.read(self.fd(part[0]), part[1], part[2]) for part in parts]
-            data = b"".join(blobs)
-            crc = crc32(data)
-            damaged = all(len(p) == 4 for p in parts) and any(
-                crc32(blob) != part[3] for blob, part in zip(blobs, parts))
+        known ones combined: a damaged source record stays detectably damaged, never re-blessed.
+        (Asked per record of a many-rank job's rank files: each range checked as it is read.)"""
+        fds, sizes = self._fds, self._sizes
+        blobs = []
+        for part in parts:
+            path, start, length = part[0], part[1], part[2]
+            fd = fds.get(path)
+            if fd is None:
+                fd = self.fd(path)
+            if not (type(start) is int and type(length) is int and 0 <= start and 0 <= length
+                    and start + length <= sizes[fd]):
+                safefs.check_span(start, length, sizes[fd], what=str(path))  # (raises)
+            blobs.append(self.read(fd, start, length))
+        if not blobs:  # (an empty piece: a rank that holds none of a tensor's rows)
+            return b"", 0
+        data = blobs[0] if len(blobs) == 1 else b"".join(blobs)
         if len(data) != size:
             raise BadInput(f"{parts[0][0]}: a byte range ends before its file does; was it truncated?")
-        if damaged:
-            crc = 0
+        crc = crc32(data)
+        if len(parts[0]) == 4 and all(len(p) == 4 for p in parts) and (
+                crc != parts[0][3] if len(parts) == 1
+                else any(crc32(blob) != part[3] for blob, part in zip(blobs, parts))):
+            crc = 0  # damaged: the known CRCs combined
             for part in parts:
                 crc = crc32_combine(crc, part[3], part[2])
         return data, crc
@@ -205,6 +211,7 @@ class TorchZipWriter:
         self._own_sources = sources is None
         self._sources = Sources() if sources is None else sources
         self._buf = bytearray()  # written, not yet at the fd (see _write)
+        self._prefix_slash = f"{prefix}/".encode()
 
     def __enter__(self) -> TorchZipWriter:
         return self
@@ -296,9 +303,25 @@ class TorchZipWriter:
 
     def _in_memory(self, name: str, data: bytes | bytearray, crc: int) -> None:
         """A record of ``data`` (CRC-32 ``crc``): its header, bytes and descriptor in one
-        write (a many-rank job's rank files hold hundreds of thousands of records of a few KiB)."""
-        full, ofs, header = self._header(name, len(data))
-        self._write(b"".join((header, data, self._trailer(full, ofs, len(data), crc, data[:8]))))
+        write (a many-rank job's rank files hold hundreds of thousands of records of a few KiB:
+        :meth:`_header` and :meth:`_trailer` as one, for a record below 4 GiB that starts there)."""
+        size, ofs = len(data), self._pos
+        if size >= _MAX32 or ofs >= _MAX32 or not size or self._fd is None or name in self._names:
+            full, ofs, header = self._header(name, size)
+            self._write(b"".join((header, data, self._trailer(full, ofs, size, crc, data[:8]))))
+            return
+        self._names.add(name)
+        full = self._prefix_slash + name.encode()
+        pad = -(ofs + 34 + len(full)) % self.alignment
+        h = self._crc_hash
+        if data[:4] == b"PK\x07\x08" and size >= 8:  # (see _folded)
+            h = _hash_combine(h, int.from_bytes(data[4:8], "little"))
+        self._crc_hash = h ^ ((crc + 0x9E3779B9 + (h << 6) + (h >> 2)) & _M64)  # _hash_combine(h, crc)
+        self._central += _CENTRAL.pack(0x02014B50, 0, 0, 0x0808, 0, 0, 0, crc, size, size, len(full), 0, 0, 0, 0, 0,
+                                       ofs)
+        self._central += full
+        self._write(b"".join((_LOCAL.pack(0x04034B50, 0, 0x0808, 0, 0, 0, 0, 0, 0, len(full), pad + 4), full,
+                              _PAD.pack(0x4246, pad), b"Z" * pad, data, _DESCRIPTOR.pack(0x08074B50, crc, size, size))))
 
     def _by_parts(self, name: str, data: bytes | bytearray, crc: int) -> None:
         """:meth:`_in_memory` through :meth:`_begin`, a write and :meth:`_end` (each record

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 
 import io
+import math
 import mmap
 import os
 import struct
@@ -235,11 +236,14 @@ class Reader:
         row-major byte range of a file (safetensors, simple DCP items; with ``pickled``, a plain
         tensor of a ``torch.save`` file too); else None."""
         loc = chunk.location
-        nbytes = chunk.numel * tensor.dtype.itemsize
-        path = self.path(loc.file)
-        self._need(loc)
-        if loc.kind == "raw" and loc.length == nbytes:
-            return path, loc.offset, loc.length
+        path = self._paths.get(loc.file)
+        if path is None:
+            path = self.path(loc.file)
+        if not self.planned:
+            self._need(loc)
+        nbytes = math.prod(chunk.sizes) * tensor.dtype.itemsize
+        if loc.kind == "raw":  # (asked per piece of a many-rank plan: the usual case first)
+            return (path, loc.offset, loc.length) if loc.length == nbytes else None
         if loc.kind == "pickled" and pickled:
             with self._lock:
                 if self._torch is None:

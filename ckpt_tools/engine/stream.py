@@ -62,29 +62,59 @@ def spans_of(reader: Reader, piece: Piece, *, casts: bool = False) -> Span | Cas
     """The byte ranges that make ``piece``, when every copy takes whole rows of a chunk stored
     contiguously (Shard(0) pieces of safetensors and DCP items). A piece to cast is a
     :class:`~ckpt_tools.storage.castio.CastSpan` (converted block by block as it is written) with
-    ``casts``, else None."""
+    ``casts``, else None. (Asked once per piece: a many-rank reshard's 220k pieces, most of one
+    copy, each from a chunk no other piece of its file reads.)"""
     target = piece.target
-    cast = target.dtype != target.source.dtype
+    source = target.source
+    src_dtype = source.dtype
+    cast = target.dtype is not src_dtype and target.dtype != src_dtype
     if piece.add is not None or target.computed is not None or (cast and not casts):
         return None
-    row = math.prod(piece.sizes[1:]) * target.source.dtype.itemsize
-    parts = []
-    found: dict[int, tuple | None] = {}  # a row-permuted piece copies from each chunk many times
-    copies = piece.copies if len(piece.copies) < 2 else sorted(piece.copies, key=_dst_start)
-    for c in copies:
-        if c.sizes[1:] != piece.sizes[1:] or c.chunk.sizes[1:] != piece.sizes[1:]:
+    itemsize = src_dtype.itemsize
+    tail = piece.sizes[1:]
+    row = math.prod(tail) * itemsize
+    copies = piece.copies
+    if len(copies) == 1:  # the usual piece: one chunk's rows
+        c = copies[0]
+        if c.sizes[1:] != tail or c.chunk.sizes[1:] != tail:
             return None
-        span = found.get(id(c.chunk), found)  # (by identity: hashing a chunk hashes its location)
-        if span is found:
-            span = found[id(c.chunk)] = reader.span(target.source, c.chunk)
+        span = reader.span(source, c.chunk)
         if span is None:
             return None
         path, offset, _ = span
-        start = c.src_start[0] * row if c.sizes else 0
-        parts.append((path, offset + start, (c.sizes[0] * row) if c.sizes else row))
-    if sum(n for _, _, n in parts) != piece.numel * target.source.dtype.itemsize:
-        return None
-    return CastSpan(tuple(parts), target.source.dtype, target.dtype) if cast else Span(tuple(parts))
+        if c.sizes:
+            part = (path, offset + c.src_start[0] * row, c.sizes[0] * row)
+        else:
+            part = (path, offset, row)
+        if part[2] != math.prod(piece.sizes) * itemsize:
+            return None
+        parts: tuple = (part,)
+    else:
+        if len(copies) != 2 or copies[1].dst_start < copies[0].dst_start:
+            copies = sorted(copies, key=_dst_start)
+        found: dict[int, tuple | None] = {}  # a row-permuted piece copies from each chunk many times
+        out = []
+        total = 0
+        for c in copies:
+            chunk, sizes = c.chunk, c.sizes
+            if sizes[1:] != tail or chunk.sizes[1:] != tail:
+                return None
+            span = found.get(id(chunk), found)  # (by identity: hashing a chunk hashes its location)
+            if span is found:
+                span = found[id(chunk)] = reader.span(source, chunk)
+            if span is None:
+                return None
+            if sizes:
+                n = sizes[0] * row
+                out.append((span[0], span[1] + c.src_start[0] * row, n))
+            else:
+                n = row
+                out.append((span[0], span[1], n))
+            total += n
+        if total != math.prod(piece.sizes) * itemsize:
+            return None
+        parts = tuple(out)
+    return CastSpan(parts, src_dtype, target.dtype) if cast else Span(parts)
 
 
 def _dst_start(c: Any) -> tuple[int, ...]:
