@@ -252,6 +252,9 @@ def _tiled_rows(target: Target, a: int, b: int) -> Piece:
     offsets, sizes = shared(offsets, offsets), shared(sizes, sizes)
     if len(copies) == 1:
         return Piece(target, offsets, sizes, (copies[0][1],))
+    if len(copies) == 2:  # (the usual piece of a reshard to fewer ranks)
+        (i, a_copy), (k, b_copy) = copies
+        return Piece(target, offsets, sizes, (a_copy, b_copy) if i < k else (b_copy, a_copy))
     copies.sort(key=_first)  # in the chunks' order, as piece() gives them
     return Piece(target, offsets, sizes, tuple([c for _, c in copies]))
 

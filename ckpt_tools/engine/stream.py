@@ -191,9 +191,23 @@ def stream(reader: Reader, pieces: Sequence[Piece], bar: tqdm | _NoBar | None = 
             out.append(materialize(reader, p, spans=spans, casts=casts))
         return out
 
+    def spanned(batch: list[tuple[int, Piece]]) -> list[Span | CastSpan] | None:
+        """The batch's spans, or None where a piece is more than byte ranges to copy."""
+        out = []
+        for _, p in batch:
+            v = spans_of(reader, p, casts=casts) if p.target.computed is None and p.add is None else None
+            if v is None:
+                return None
+            out.append(v)
+        return out
+
     pending: deque = deque()
     it = iter(enumerate(pieces))
     inflight = 0
+    # a piece whose bytes are copied as they lie is a few lookups to prepare: done here, batch
+    # by batch as the writer asks (handed to the thread, a many-rank job's 220k small pieces
+    # waited on its turn for the GIL), until a piece is more (a read, a cast): then the thread
+    inline = spans and ready is None
 
     def fill() -> None:
         nonlocal inflight
@@ -207,6 +221,9 @@ def stream(reader: Reader, pieces: Sequence[Piece], bar: tqdm | _NoBar | None = 
                 size += p.nbytes
             if not batch:
                 return
+            if inline:
+                pending.append((batch, 0, None))
+                return
             pending.append((batch, size, pool.submit(prepare, batch)))
             inflight += size
 
@@ -214,17 +231,27 @@ def stream(reader: Reader, pieces: Sequence[Piece], bar: tqdm | _NoBar | None = 
         fill()
         while pending:
             batch, size, fut = pending.popleft()
-            values = fut.result()
+            if fut is None:
+                values = spanned(batch)
+                if values is None:
+                    inline = False
+                    values = prepare(batch)
+            else:
+                values = fut.result()
             inflight -= size
             fill()
+            if bar is None or type(bar) is _NoBar:  # (no bar: nothing per piece)
+                for (_, p), v in zip(batch, values):
+                    yield p, v
+                continue
             for (_, p), v in zip(batch, values):
                 yield p, v
-                if bar is not None:
-                    bar.update(p.nbytes)
+                bar.update(p.nbytes)
     finally:  # (ended early: nothing of this stream's left running in a shared thread)
-        for _, _, fut in pending:
+        handed = [fut for _, _, fut in pending if fut is not None]
+        for fut in handed:
             fut.cancel()
-        concurrent.futures.wait([fut for _, _, fut in pending])
+        concurrent.futures.wait(handed)
 
 
 class _NoBar:

@@ -513,7 +513,7 @@ class Writer:
                 if isinstance(src, Piece):
                     v = values(src)
                     if isinstance(v, Span):
-                        yield key, shardtree.with_crcs(v.parts, self._record_crc)
+                        yield key, shardtree.with_crcs(v.parts, self._record_crc, src.copies)
                     else:
                         yield key, v if isinstance(v, CastSpan) else tensor_bytes(v)
                 else:

@@ -395,8 +395,11 @@ def write_file(path: Path, pickled: bytes, small_records: list[tuple[str, bytes]
         out.write_record("data.pkl", pickled)
         for name, data in small_records:
             out.write_record(name, data)
+        copy = out.copy_record
         for key, source in fill:
-            if isinstance(source, (bytes, bytearray, memoryview)):
+            if type(source) is tuple:  # (the usual record: ranges of source files)
+                copy(f"data/{key}", source)
+            elif isinstance(source, (bytes, bytearray, memoryview)):
                 out.write_record(f"data/{key}", bytes(source))
             elif hasattr(source, "dst"):  # a castio.CastSpan: converted block by block
                 out.write_stream(f"data/{key}", source.nbytes, blocks(source))
@@ -481,9 +484,15 @@ def renumber(tree: Any, zf: TorchZip, emitter: Emitter, leaf: Callable[[Any], An
     return copy(tree)
 
 
-def with_crcs(parts: Sequence[tuple[Path, int, int]], crc_of: Callable[[Path, int, int], int | None]) -> Sequence[tuple]:
+def with_crcs(parts: Sequence[tuple[Path, int, int]], crc_of: Callable[[Path, int, int], int | None],
+              copies: Sequence | None = None) -> Sequence[tuple]:
     """Span parts, each with the CRC of the source record it is the whole of (so the record's
-    CRC is combined, not recomputed from the bytes) when every part is one; else ``parts``."""
+    CRC is combined, not recomputed from the bytes) when every part is one; else ``parts``.
+    ``copies``: the plan's copies the parts are of; a part is no whole record where its copy is
+    not a whole chunk (most parts of a reshard to other ranks: a few rows of a chunk), so then
+    nothing is looked up."""
+    if copies and any(c.sizes != c.chunk.sizes for c in copies):
+        return parts
     out = []
     for path, offset, length in parts:
         crc = crc_of(path, offset, length)
