@@ -52,3 +52,24 @@ def test_export_of_a_dcp_does_not_import_torch(tmp_path, source):
     assert out.stdout.strip() == "[]", out.stdout
     result = ckpt_tools.verify(src, tmp_path / "hf", progress=False)
     assert result["ok"] and result["checked"] == 21
+
+
+def test_one_object_per_dtype():
+    """Every spelling of a dtype gives the same object (plans compare dtypes by identity
+    first, and find their facts by it), pickled or copied too; a subclass keeps its own."""
+    import copy
+    import pickle
+
+    import torch
+
+    a = DType("float32")
+    assert a is DType("torch.float32") is DType("float") is DType(torch.float32) is DType(a)
+    assert pickle.loads(pickle.dumps(a)) is a and copy.deepcopy(a) is a
+    assert DType("half") is DType("float16") is not a
+    assert (a.itemsize, a.is_floating_point, DType("complex64").is_complex) == (4, True, True)
+
+    class Named(DType):
+        __slots__ = ()
+
+    n = Named("bfloat16")
+    assert type(n) is Named and n == DType("bfloat16") and n.itemsize == 2

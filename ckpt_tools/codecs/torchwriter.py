@@ -411,8 +411,8 @@ class TorchZipWriter:
             self.write_record("byteorder", b"little")
         if name_hash is None:
             own = 0
-            for n in sorted(self._names):
-                own = _hash_combine(own, zlib.crc32(n.encode()))
+            for c in map(zlib.crc32, map(str.encode, sorted(self._names))):
+                own ^= (c + 0x9E3779B9 + (own << 6) + (own >> 2)) & _M64  # _hash_combine(own, c)
             name_hash = f"{own:020d}"
         if len(name_hash) != 20 or not name_hash.isdigit():
             raise ValueError(f"name_hash must be 20 digits, not {name_hash!r}")

@@ -21,6 +21,8 @@ _TABLE: dict[str, tuple[int, bool, bool]] = {
     "uint64": (8, False, False), "uint32": (4, False, False), "uint16": (2, False, False), "uint8": (1, False, False),
     "bool": (1, False, False),
 }
+_INTERNED: dict[str, DType] = {}  # name -> its DType
+_FACTS: dict[DType, tuple[int, bool, bool]] = {}  # _TABLE by DType (found by identity)
 # torch's other spellings of the same types (how torch.FloatStorage etc. and old files name them)
 ALIASES = {"float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32",
            "short": "int16", "cfloat": "complex64", "cdouble": "complex128", "chalf": "complex32"}
@@ -36,11 +38,23 @@ class DType(str):
     __slots__ = ()
 
     def __new__(cls, name: str) -> DType:
+        # one object per name: equal dtypes are the same object, so comparing two and finding
+        # one in a table keyed by them take no call of __eq__ (asked per piece of a plan)
+        if type(name) is str and cls is DType:
+            got = _INTERNED.get(name)
+            if got is not None:
+                return got
         name = str(name).removeprefix("torch.")
         name = ALIASES.get(name, name)
         if name not in _TABLE:
             raise ValueError(f"unknown dtype {name!r}")
-        return super().__new__(cls, name)
+        if cls is not DType:
+            return super().__new__(cls, name)
+        got = _INTERNED.get(name)
+        if got is None:
+            got = _INTERNED[name] = super().__new__(cls, name)
+            _FACTS[got] = _TABLE[name]
+        return got
 
     @classmethod
     def of(cls, dtype: Any) -> DType:
@@ -49,15 +63,15 @@ class DType(str):
 
     @property
     def itemsize(self) -> int:
-        return _TABLE[self][0]
+        return _FACTS[self][0]
 
     @property
     def is_floating_point(self) -> bool:
-        return _TABLE[self][1]
+        return _FACTS[self][1]
 
     @property
     def is_complex(self) -> bool:
-        return _TABLE[self][2]
+        return _FACTS[self][2]
 
     @property
     def torch(self) -> Any:
@@ -82,6 +96,10 @@ class DType(str):
 
     def __repr__(self) -> str:
         return f"DType({str.__str__(self)!r})"
+
+
+for _name in _TABLE:  # (every name's DType made once, here)
+    DType(_name)
 
 
 def _is_torch_dtype(x: object) -> bool:

@@ -85,7 +85,7 @@ class Reader:
     # -- raw bytes ----------------------------------------------------------------------
     def _need(self, loc: Location) -> None:
         """A remote stand-in's bytes of ``loc`` fetched (whole: a reader outside a plan)."""
-        if self.planned:
+        if self.planned or not remote.any_standins():
             return
         path = self.path(loc.file)
         if loc.kind == "pickled":

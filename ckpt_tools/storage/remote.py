@@ -208,6 +208,11 @@ def _owner(path: str | os.PathLike) -> tuple[Mirror, str] | None:
     return None
 
 
+def any_standins() -> bool:
+    """Whether any remote stand-in is registered (else every file is local)."""
+    return bool(_MIRRORS)
+
+
 def is_standin(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a file of a registered remote stand-in (its bytes may not be here yet)."""
     return _owner(path) is not None
