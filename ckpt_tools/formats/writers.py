@@ -195,19 +195,20 @@ def layout_dcp(targets: list[Target], objects: tuple[ObjectInfo, ...], world_siz
     parts = list(dict.fromkeys([part_of(t) for t in targets] + [part_of(o) for o in objects])) or [""]
     home = "" if "" in parts else parts[0]  # where merged extra state goes
     jobs = []
-    for i, part in enumerate(parts):
-        mine = [t for t in targets if part_of(t) == part]
-        objs = tuple(o for o in objects if part_of(o) == part)
-        prefix = f"{part}/" if part else ""
-        for r in range(world_size) if ranks is None else ranks:
-            pieces = tuple(p for t in mine if t.shape for p in [piece_of(t, world_size, r)] if p.numel)
-            if r == 0:
-                pieces += tuple(whole(t) for t in mine if not t.shape)
-            elif not pieces:
-                continue
-            meta = {"extra": extra or {}} if r == 0 and part == home else {}
-            jobs.append(FileJob(f"{prefix}__{r}_0.distcp", pieces, objs if r == 0 else (), r,
-                                meta={**meta, "order": (i, r)}))
+    with bounded.gc_paused():  # a plan is many small objects and no cycles: linear without the collector
+        for i, part in enumerate(parts):
+            mine = [t for t in targets if part_of(t) == part]
+            objs = tuple(o for o in objects if part_of(o) == part)
+            prefix = f"{part}/" if part else ""
+            for r in range(world_size) if ranks is None else ranks:
+                pieces = tuple(p for t in mine if t.shape for p in [piece_of(t, world_size, r)] if p.numel)
+                if r == 0:
+                    pieces += tuple(whole(t) for t in mine if not t.shape)
+                elif not pieces:
+                    continue
+                meta = {"extra": extra or {}} if r == 0 and part == home else {}
+                jobs.append(FileJob(f"{prefix}__{r}_0.distcp", pieces, objs if r == 0 else (), r,
+                                    meta={**meta, "order": (i, r)}))
     return jobs
 
 
