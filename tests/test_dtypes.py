@@ -60,8 +60,6 @@ def test_one_object_per_dtype():
     import copy
     import pickle
 
-    import torch
-
     a = DType("float32")
     assert a is DType("torch.float32") is DType("float") is DType(torch.float32) is DType(a)
     assert pickle.loads(pickle.dumps(a)) is a and copy.deepcopy(a) is a
