@@ -63,7 +63,10 @@ def measured(cmd: list[str], cwd: Path) -> tuple[float, float]:
     if runs[0][0] < QUICK:
         for _ in range(2):
             for made in set(cwd.iterdir()) - before:
-                shutil.rmtree(made) if made.is_dir() else made.unlink()
+                if made.is_dir():
+                    shutil.rmtree(made)
+                else:
+                    made.unlink()
             runs.append(timed(cmd, cwd=cwd))
     return sorted(runs)[len(runs) // 2]
 

@@ -39,7 +39,7 @@ def ckpt(tmp_path):
     return describe(tmp_path), tensors
 
 
-def _values(v, reader_dir) -> torch.Tensor:
+def _values(v) -> torch.Tensor:
     if isinstance(v, Span):
         data = b"".join(open(path, "rb").read()[o:o + n] for path, o, n in v.parts)
         return torch.frombuffer(bytearray(data), dtype=torch.float32)
@@ -58,7 +58,7 @@ def test_spans_are_prepared_in_the_writers_thread(ckpt, monkeypatch):
         assert isinstance(v, Span)
         start = p.offsets[0]
         want = tensors[p.target.name][start:start + p.sizes[0]].reshape(-1)
-        assert torch.equal(_values(v, src.root), want)
+        assert torch.equal(_values(v), want)
 
 
 def test_a_piece_that_needs_reading_hands_the_rest_to_the_thread(ckpt, monkeypatch):
@@ -79,7 +79,7 @@ def test_a_piece_that_needs_reading_hands_the_rest_to_the_thread(ckpt, monkeypat
             assert not isinstance(v, Span) and v.dtype == torch.bfloat16
             assert torch.equal(v, want.to(torch.bfloat16))
         else:
-            assert torch.equal(_values(v, src.root), want.reshape(-1))
+            assert torch.equal(_values(v), want.reshape(-1))
 
 
 def test_a_stream_ended_early_leaves_nothing_running(ckpt, monkeypatch):

@@ -121,11 +121,19 @@ class Sources:
     def check(self, parts: Sequence[Part]) -> None:
         """BadInput unless every range of ``parts`` lies within its file."""
         for part in parts:
-            # (a descriptor is asked for where it is used: Sources closes its files to open more)
-            start, length, end = part[1], part[2], self.size(self.fd(part[0]))
-            if not (type(start) is int and type(length) is int and 0 <= start and 0 <= length
-                    and start + length <= end):
-                safefs.check_span(start, length, end, what=str(part[0]))  # (raises)
+            self.checked(part)
+
+    def checked(self, part: Part) -> int:
+        """The descriptor of ``part``'s file, BadInput unless its range lies within it. (A
+        descriptor is asked for where it is used: Sources closes its files to open more.)"""
+        path, start, length = part[0], part[1], part[2]
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self.fd(path)
+        end = self._sizes[fd]
+        if not (type(start) is int and type(length) is int and 0 <= start and 0 <= length and start + length <= end):
+            safefs.check_span(start, length, end, what=str(path))  # (raises)
+        return fd
 
     def small(self, parts: Sequence[Part], size: int) -> tuple[bytes, int]:
         """The bytes of a small record made of ``parts`` (``size`` in all) and their CRC-32:
@@ -133,17 +141,7 @@ class Sources:
         where parts carry known CRCs (``TorchZip.part``) and a part's bytes fail theirs, the
         known ones combined: a damaged source record stays detectably damaged, never re-blessed.
         (Asked per record of a many-rank job's rank files: each range checked as it is read.)"""
-        fds, sizes = self._fds, self._sizes
-        blobs = []
-        for part in parts:
-            path, start, length = part[0], part[1], part[2]
-            fd = fds.get(path)
-            if fd is None:
-                fd = self.fd(path)
-            if not (type(start) is int and type(length) is int and 0 <= start and 0 <= length
-                    and start + length <= sizes[fd]):
-                safefs.check_span(start, length, sizes[fd], what=str(path))  # (raises)
-            blobs.append(self.read(fd, start, length))
+        blobs = [self.read(self.checked(part), part[1], part[2]) for part in parts]
         if not blobs:  # (an empty piece: a rank that holds none of a tensor's rows)
             return b"", 0
         data = blobs[0] if len(blobs) == 1 else b"".join(blobs)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ast
 
 import io
-import math
 import mmap
 import os
 import struct
@@ -239,9 +238,8 @@ class Reader:
         path = self._paths.get(loc.file)
         if path is None:
             path = self.path(loc.file)
-        if not self.planned:
-            self._need(loc)
-        nbytes = math.prod(chunk.sizes) * tensor.dtype.itemsize
+        self._need(loc)
+        nbytes = chunk.numel * tensor.dtype.itemsize
         if loc.kind == "raw":  # (asked per piece of a many-rank plan: the usual case first)
             return (path, loc.offset, loc.length) if loc.length == nbytes else None
         if loc.kind == "pickled" and pickled:

@@ -62,8 +62,7 @@ def spans_of(reader: Reader, piece: Piece, *, casts: bool = False) -> Span | Cas
     """The byte ranges that make ``piece``, when every copy takes whole rows of a chunk stored
     contiguously (Shard(0) pieces of safetensors and DCP items). A piece to cast is a
     :class:`~ckpt_tools.storage.castio.CastSpan` (converted block by block as it is written) with
-    ``casts``, else None. (Asked once per piece: a many-rank reshard's 220k pieces, most of one
-    copy, each from a chunk no other piece of its file reads.)"""
+    ``casts``, else None. (Asked once per piece: a many-rank reshard's 220k pieces.)"""
     target = piece.target
     source = target.source
     src_dtype = source.dtype
@@ -74,46 +73,25 @@ def spans_of(reader: Reader, piece: Piece, *, casts: bool = False) -> Span | Cas
     tail = piece.sizes[1:]
     row = math.prod(tail) * itemsize
     copies = piece.copies
-    if len(copies) == 1:  # the usual piece: one chunk's rows
-        c = copies[0]
-        if c.sizes[1:] != tail or c.chunk.sizes[1:] != tail:
+    if len(copies) > 2 or len(copies) == 2 and copies[1].dst_start < copies[0].dst_start:
+        copies = sorted(copies, key=_dst_start)
+    found: dict[int, tuple | None] = {}  # a row-permuted piece copies from each chunk many times
+    out, total = [], 0
+    for c in copies:
+        chunk, sizes = c.chunk, c.sizes
+        if sizes[1:] != tail or chunk.sizes[1:] != tail:
             return None
-        span = reader.span(source, c.chunk)
+        span = found.get(id(chunk), found)  # (by identity: hashing a chunk hashes its location)
+        if span is found:
+            span = found[id(chunk)] = reader.span(source, chunk)
         if span is None:
             return None
-        path, offset, _ = span
-        if c.sizes:
-            part = (path, offset + c.src_start[0] * row, c.sizes[0] * row)
-        else:
-            part = (path, offset, row)
-        if part[2] != math.prod(piece.sizes) * itemsize:
-            return None
-        parts: tuple = (part,)
-    else:
-        if len(copies) != 2 or copies[1].dst_start < copies[0].dst_start:
-            copies = sorted(copies, key=_dst_start)
-        found: dict[int, tuple | None] = {}  # a row-permuted piece copies from each chunk many times
-        out = []
-        total = 0
-        for c in copies:
-            chunk, sizes = c.chunk, c.sizes
-            if sizes[1:] != tail or chunk.sizes[1:] != tail:
-                return None
-            span = found.get(id(chunk), found)  # (by identity: hashing a chunk hashes its location)
-            if span is found:
-                span = found[id(chunk)] = reader.span(source, chunk)
-            if span is None:
-                return None
-            if sizes:
-                n = sizes[0] * row
-                out.append((span[0], span[1] + c.src_start[0] * row, n))
-            else:
-                n = row
-                out.append((span[0], span[1], n))
-            total += n
-        if total != math.prod(piece.sizes) * itemsize:
-            return None
-        parts = tuple(out)
+        n = sizes[0] * row if sizes else row
+        out.append((span[0], span[1] + c.src_start[0] * row if sizes else span[1], n))
+        total += n
+    if total != math.prod(piece.sizes) * itemsize:
+        return None
+    parts = tuple(out)
     return CastSpan(parts, src_dtype, target.dtype) if cast else Span(parts)
 
 
@@ -178,6 +156,8 @@ def stream(reader: Reader, pieces: Sequence[Piece], bar: tqdm | _NoBar | None = 
     ``pool``: a one-thread pool to prepare them in, shared by a job's files (a thread started
     per file cost ~0.1 s over a 256-rank reshard's 768); else one of its own. Either way, what
     it handed the thread is done or cancelled when the stream ends."""
+    if type(bar) is _NoBar:
+        bar = None  # (nothing to do per piece)
     if pool is None:
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-read") as own:
             yield from stream(reader, pieces, bar, budget, spans, casts, ready, own)
@@ -195,7 +175,7 @@ def stream(reader: Reader, pieces: Sequence[Piece], bar: tqdm | _NoBar | None = 
         """The batch's spans, or None where a piece is more than byte ranges to copy."""
         out = []
         for _, p in batch:
-            v = spans_of(reader, p, casts=casts) if p.target.computed is None and p.add is None else None
+            v = spans_of(reader, p, casts=casts)
             if v is None:
                 return None
             out.append(v)
@@ -240,13 +220,10 @@ def stream(reader: Reader, pieces: Sequence[Piece], bar: tqdm | _NoBar | None = 
                 values = fut.result()
             inflight -= size
             fill()
-            if bar is None or type(bar) is _NoBar:  # (no bar: nothing per piece)
-                for (_, p), v in zip(batch, values):
-                    yield p, v
-                continue
             for (_, p), v in zip(batch, values):
                 yield p, v
-                bar.update(p.nbytes)
+                if bar is not None:
+                    bar.update(p.nbytes)
     finally:  # (ended early: nothing of this stream's left running in a shared thread)
         handed = [fut for _, _, fut in pending if fut is not None]
         for fut in handed:

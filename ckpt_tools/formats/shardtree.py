@@ -395,11 +395,8 @@ def write_file(path: Path, pickled: bytes, small_records: list[tuple[str, bytes]
         out.write_record("data.pkl", pickled)
         for name, data in small_records:
             out.write_record(name, data)
-        copy = out.copy_record
         for key, source in fill:
-            if type(source) is tuple:  # (the usual record: ranges of source files)
-                copy(f"data/{key}", source)
-            elif isinstance(source, (bytes, bytearray, memoryview)):
+            if isinstance(source, (bytes, bytearray, memoryview)):
                 out.write_record(f"data/{key}", bytes(source))
             elif hasattr(source, "dst"):  # a castio.CastSpan: converted block by block
                 out.write_stream(f"data/{key}", source.nbytes, blocks(source))
