@@ -209,7 +209,13 @@ def test_repeat_places_each_chunk_on_its_ranks_rows_and_refuses_rows_that_do_not
         return [(chunks[0], 10, "a", base[0], "data/0", 0), (chunks[1], 10, "b", base[1], "data/1", 8),
                 (chunks[2], None, "c", base[2], "data/2", 0)]
 
-    zf = SimpleNamespace(path="r1", records={f"data/{i}": SimpleNamespace(offset=1000 * (i + 1)) for i in range(3)})
+    from array import array
+
+    from ckpt_tools.security import zipdir
+
+    records = zipdir.Records(zipdir._Columns.of([(f"data/{i}", 1000 * (i + 1), 24) for i in range(3)]),
+                             array("I", [0] * 3))
+    zf = SimpleNamespace(path="r1", records=records)
     chunks = [[], [], []]
     rankread.repeat(table(chunks), 1, 4, zf, "r1")
     (a,), (b,), (c,) = chunks

@@ -842,3 +842,33 @@ def test_zip_records_fast_path_reads_as_zipfile_does(tmp_path, monkeypatch):
         if path.stem in ("jobD", "jobE", "jobF", "jobG", "jobH"):
             assert same and same[0] is None, path.name  # not by that layout
     assert zipdir.zip_records(tmp_path / "accented.pt")[0] == "modèle"
+
+
+def test_zip_records_of_one_jobs_files_share_their_columns(tmp_path):
+    """A job's rank files (one zip layout, their own data and CRCs) share one set of names,
+    offsets and sizes: each keeps 4 bytes a record of its own, not a Record apiece. What they
+    read is zipfile's all the same, Record by Record, and by the shortcuts the describer and
+    the writer use."""
+    import binascii
+
+    files = []
+    for rank in range(3):
+        torch.save({"w": torch.arange(6.0) + rank, "b": torch.ones(2, dtype=torch.int64) * rank},
+                   p := tmp_path / f"rank{rank}.pt")
+        files.append(p)
+    read = [zipdir.zip_records(p)[1] for p in files]
+    assert read[1]._cols is read[2]._cols  # the second and later files of a layout: one set of columns
+    for path, records in zip(files, read):
+        with zipfile.ZipFile(path) as z:
+            want = {i.filename.split("/", 1)[1]: i for i in z.infolist()}
+            data = path.read_bytes()
+        assert list(records) == list(want) and len(records) == len(want)
+        for name, info in want.items():
+            rec = records[name]
+            assert (rec.name, rec.size, rec.crc32) == (name, info.file_size, info.CRC)
+            assert binascii.crc32(data[rec.offset:rec.offset + rec.size]) == info.CRC
+            assert records.offset(name) == rec.offset and records.size(name) == rec.size and name in records
+        assert records.size("data/99") is None and "data/99" not in records
+        assert records.crcs_by_place() == {(r.offset, r.size): r.crc32 for r in records.values()}
+        with pytest.raises(KeyError):
+            records.offset("data/99")

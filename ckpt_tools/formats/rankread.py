@@ -132,7 +132,7 @@ def repeat(table: list, rank: int, ws: int, zf: TorchZip, file: str) -> None:
     record's place in ``file``. A row of the table, as :mod:`.sharded` notes it: the tensor's
     chunk list (appended to), its rows where it is a ``Shard(0)`` DTensor's (else None), its
     name, the base's chunk, its record's name and its byte offset in that record."""
-    records = zf.records
+    offset = zf.records.offset
     placed: dict = {}  # (rows, the base's sizes and offsets) -> this rank's offsets: checked once, shared
     for chunks, rows, name, chunk, record, delta in table:
         offsets, sizes, loc = chunk.offsets, chunk.sizes, chunk.location
@@ -146,7 +146,7 @@ def repeat(table: list, rank: int, ws: int, zf: TorchZip, file: str) -> None:
                                    f"on world size {ws} gives {(stop - start, *sizes[1:])}")
                 mine = placed[key] = (start, *offsets[1:])
             offsets = mine
-        at = Location(file, "raw", records[record].offset + delta, loc.length, loc.key)
+        at = Location(file, "raw", offset(record) + delta, loc.length, loc.key)
         chunks.append(Chunk(offsets, sizes, at, rank))
 
 

@@ -462,8 +462,8 @@ class Writer:
         crcs = self._crcs.get(key)
         if crcs is None:
             path = Path(path)
-            crcs = {} if path.parent != self.template else {  # (not the pickle: most files are not templates)
-                (r.offset, r.size): r.crc32 for r in records_of(path)[1].values()}
+            # (not the pickle: most files are not templates)
+            crcs = {} if path.parent != self.template else records_of(path)[1].crcs_by_place()
             if len(self._crcs) >= _CRC_TABLES:  # the oldest goes: the writer moves on from file to file
                 del self._crcs[next(iter(self._crcs))]
             self._crcs[key] = crcs

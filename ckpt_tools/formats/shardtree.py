@@ -258,8 +258,7 @@ def _mesh_world(mstate: dict) -> int | None:
 def tensor_location(zf: TorchZip, file: str, local: Local, key: tuple = ()) -> Location:
     """The raw bytes of a local tensor: its storage record, from its offset (``key``: the
     location's, the entry's keys in its file)."""
-    rec = zf.records[f"data/{local.storage.key}"]
-    start = rec.offset + local.offset * local.dtype.itemsize
+    start = zf.records.offset(f"data/{local.storage.key}") + local.offset * local.dtype.itemsize
     return Location(file, "raw", start, local.nbytes, key)
 
 

@@ -414,11 +414,11 @@ class TorchZip:
         self._check_storages()
 
     def _check_storages(self) -> None:
+        size = self.records.size
         for key, ref in self.storages.items():
-            rec = self.records.get(f"data/{key}")
-            if rec is None or rec.size != ref.nbytes:
+            if (got := size(f"data/{key}")) != ref.nbytes:
                 raise BadInput(f"{self.path}: storage {key} needs {ref.nbytes} bytes but record data/{key} "
-                               f"has {'none' if rec is None else rec.size}")
+                               f"has {'none' if got is None else got}")
 
     def template(self) -> Template:
         """What files read ``like`` this one need of it (its pickle, not its tree); only a file
