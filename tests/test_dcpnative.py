@@ -337,3 +337,33 @@ def test_kept_layouts_written_without_torch_as_torch_writes_them(tmp_path, monke
     _same_trees(tmp_path / "native", tmp_path / "torch")
     if case == "accelerate-parts":
         assert len(list((tmp_path / "native").rglob(".metadata"))) >= 2
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_metadata_is_written_a_frame_at_a_time_and_whole_when_the_emitter_gives_up(tmp_path, monkeypatch, fails):
+    """``.metadata`` goes to its file a frame at a time (never held whole), and is the pickler's
+    bytes all the same; where the emitter gives up after some frames are out (a value it does
+    not render), the file holds the pickler's pickle alone, nothing of the frames before."""
+    from ckpt_tools.codecs import metaemit
+
+    files = [(f"__{r}_0.distcp", [("tensor", (("model", f"layers.{i}.w"), "float32", (64, 8), (r * 8, 0), (8, 8)),
+                                    1000 * i, 900) for i in range(800)]) for r in range(8)]
+    writes, real_dump = [], metaemit.dump
+
+    def dump(meta, write, protocol):
+        def counted(data):
+            writes.append(len(data))
+            return write(data)
+        real_dump(meta, counted, protocol)
+        if fails:  # (as if a value past the frames written so far could not be rendered)
+            raise metaemit.Unsupported("a value the emitter does not render")
+
+    monkeypatch.setattr(metaemit, "dump", dump)
+    dcpnative.Writer(root=tmp_path)._metadata(tmp_path, files)
+    written = (tmp_path / ".metadata").read_bytes()
+    assert len(writes) > 10 and max(writes) < 2 * 65536  # a frame at a time (cut once it holds 64 KiB)
+    meta = dcpnative.metadata_of(files)[0]
+    assert written == mp.dumps(metaemit.stand_ins(meta))  # the pickler's bytes, nothing before them
+    from torch.distributed.checkpoint import FileSystemReader
+    md = FileSystemReader(tmp_path).read_metadata()  # DCP's own reader
+    assert len(md.state_dict_metadata) == 800 and len(md.storage_data) == 6400

@@ -90,9 +90,18 @@ class Unsupported(Exception):
 def dumps(meta: mp.Metadata, protocol: int = 4) -> bytes:
     """What :func:`.metapickle.dumps` gives for ``meta`` with its :class:`Chunks` and
     :class:`Entries` as stand-ins; :class:`Unsupported` where this cannot say."""
+    out: list[bytes] = []
+    dump(meta, out.append, protocol)
+    return b"".join(out)
+
+
+def dump(meta: mp.Metadata, write: Callable[[bytes], Any], protocol: int = 4) -> None:
+    """:func:`dumps`, its bytes given to ``write`` a frame (64 KiB) at a time as they are made
+    (a 256-rank DCP's ``.metadata`` is ~20 MB: never held whole, nor twice); on
+    :class:`Unsupported`, some may have been."""
     if protocol not in (4, 5):
         raise Unsupported(f"protocol {protocol}")
-    e = _Emitter()
+    e = _Emitter(write, protocol)
     # the two maps with an entry per tensor: their entries rendered too
     e.rendered = {id(meta.state_dict_metadata): e._one_tensor, id(meta.planner_data): e._one_path}
     try:
@@ -100,7 +109,7 @@ def dumps(meta: mp.Metadata, protocol: int = 4) -> bytes:
     except (TypeError, struct.error) as err:  # a value that is no plain int where one is rendered
         raise Unsupported(str(err)) from None
     e.write(b".")
-    return e.finish(protocol)
+    e.finish()
 
 
 def _int(v: int) -> bytes:
@@ -121,8 +130,9 @@ def _int(v: int) -> bytes:
 
 
 class _Emitter:
-    def __init__(self) -> None:
-        self.frames: list[bytes] = []
+    def __init__(self, out: Callable[[bytes], Any], protocol: int) -> None:
+        self.out = out  # given each frame once it is cut
+        out(b"\x80" + bytes([protocol]))
         self.cur: list[bytes] = []
         self.n = 0  # bytes in the current frame
         self.memo: dict[int, int] = {}  # id -> memo index, for objects that may be met again
@@ -142,16 +152,16 @@ class _Emitter:
     def boundary(self) -> None:
         """Where pickle's save() begins: the frame is cut once it holds 64 KiB."""
         if self.n >= _FRAME:
-            self.frames.append(b"".join(self.cur))
-            self.cur, self.n = [], 0
+            self._cut()
 
-    def finish(self, protocol: int) -> bytes:
+    def _cut(self) -> None:
+        frame = b"".join(self.cur)
+        self.out(b"\x95" + _U8(len(frame)) + frame if len(frame) >= 4 else frame)
+        self.cur, self.n = [], 0
+
+    def finish(self) -> None:
         if self.n:
-            self.frames.append(b"".join(self.cur))
-        out = [b"\x80" + bytes([protocol])]
-        for f in self.frames:
-            out += (b"\x95" + _U8(len(f)) if len(f) >= 4 else b"", f)
-        return b"".join(out)
+            self._cut()
 
     def memoize(self, obj: Any) -> None:
         self.memo[id(obj)] = self.count
