@@ -858,6 +858,7 @@ def test_zip_records_of_one_jobs_files_share_their_columns(tmp_path):
         files.append(p)
     read = [zipdir.zip_records(p)[1] for p in files]
     assert read[1]._cols is read[2]._cols  # the second and later files of a layout: one set of columns
+    assert all(read[1].offset(n) is read[2].offset(n) for n in read[1])  # (ints a description shares)
     for path, records in zip(files, read):
         with zipfile.ZipFile(path) as z:
             want = {i.filename.split("/", 1)[1]: i for i in z.infolist()}

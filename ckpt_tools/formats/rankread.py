@@ -146,7 +146,7 @@ def repeat(table: list, rank: int, ws: int, zf: TorchZip, file: str) -> None:
                                    f"on world size {ws} gives {(stop - start, *sizes[1:])}")
                 mine = placed[key] = (start, *offsets[1:])
             offsets = mine
-        at = Location(file, "raw", offset(record) + delta, loc.length, loc.key)
+        at = Location(file, "raw", offset(record) + delta if delta else offset(record), loc.length, loc.key)
         chunks.append(Chunk(offsets, sizes, at, rank))
 
 

@@ -258,7 +258,9 @@ def _mesh_world(mstate: dict) -> int | None:
 def tensor_location(zf: TorchZip, file: str, local: Local, key: tuple = ()) -> Location:
     """The raw bytes of a local tensor: its storage record, from its offset (``key``: the
     location's, the entry's keys in its file)."""
-    start = zf.records.offset(f"data/{local.storage.key}") + local.offset * local.dtype.itemsize
+    start = zf.records.offset(f"data/{local.storage.key}")  # (an int the zip's layout shares)
+    if local.offset:
+        start += local.offset * local.dtype.itemsize
     return Location(file, "raw", start, local.nbytes, key)
 
 

@@ -171,17 +171,19 @@ class Record:
 @dataclass(frozen=True, eq=False)
 class _Columns:
     """A zip's records but their CRCs, as columns: ``index`` (name -> place, file order),
-    ``offsets``, ``sizes``; ``end``, where the last byte of any record's data lies."""
+    ``offsets`` (ints: one object each, shared by every description of a chunk at it: a
+    job's ranks of one layout), ``sizes``; ``end``, where the last byte of any record's data
+    lies."""
 
     index: dict[str, int]
-    offsets: array
+    offsets: tuple[int, ...]
     sizes: array
     end: int
 
     @classmethod
     def of(cls, entries: Sequence[tuple[str, int, int]]) -> _Columns:
         """From ``(name, data offset, size)`` per record, in file order."""
-        return cls({e[0]: i for i, e in enumerate(entries)}, array("q", [e[1] for e in entries]),
+        return cls({e[0]: i for i, e in enumerate(entries)}, tuple([e[1] for e in entries]),
                    array("q", [e[2] for e in entries]), max((e[1] + e[2] for e in entries), default=0))
 
 
@@ -212,7 +214,8 @@ class Records(Mapping):
         return len(self._cols.index)
 
     def offset(self, name: str) -> int:
-        """Where record ``name``'s data starts (KeyError for none), no Record built."""
+        """Where record ``name``'s data starts (KeyError for none), no Record built: the same int
+        object for every zip of this one's layout."""
         return self._cols.offsets[self._cols.index[name]]
 
     def size(self, name: str) -> int | None:
