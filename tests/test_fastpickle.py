@@ -329,6 +329,9 @@ def test_a_real_many_record_metadata_is_read_as_rows():
             (cv.relative_path, cv.offset, cv.length, cv.transform_descriptors)
         assert fast.storage_data[ck] is v  # a record looks its row up, and the other way round
         assert careful.storage_data[k] is cv
+    lengths: dict[int, int] = {}  # items of one length share one int (the description holds one per chunk)
+    rows = [v for v in fast.storage_data.values() if type(v) is dcprows.StorageRow]
+    assert all(lengths.setdefault(v.length, v.length) is v.length for v in rows) and len(lengths) < len(rows) // 2
     for name, md in careful.state_dict_metadata.items():
         for c, r in zip(getattr(md, "chunks", ()), getattr(fast.state_dict_metadata[name], "chunks", ())):
             assert (r.offsets, r.sizes) == (c.offsets, c.sizes)

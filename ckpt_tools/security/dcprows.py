@@ -121,6 +121,7 @@ class Rows:
         self._names: dict[bytes, str] = {}  # one string per distinct name or path
         self._refs: dict[bytes, Any] = {}  # memo reference -> what it named
         self._dims: dict[bytes, tuple[int, ...]] = {}  # a Size's ints, as pickled -> the tuple
+        self._lengths: dict[bytes, int] = {}  # an item's length, as pickled -> the int
         # the references a record's field names were last found at, and the Size global's
         self._chunk_keys: tuple = ()
         self._storage_keys: tuple = ()
@@ -195,7 +196,7 @@ class Rows:
             k0, ref, k1, offset, k2, length = m.groups()
             path = self._refs.get(ref)
             if type(path) is str and (k0, k1, k2) == self._storage_keys:
-                row = StorageRow((path, _int(offset), _int(length)))
+                row = StorageRow((path, _int(offset), self._lengths.get(length) or self._length(length)))
                 memo += (row, UNREAD)
                 return row, m.end()
         path, new, p, key = self._head("relative_path", buf, pos, fend, memo)
@@ -207,9 +208,17 @@ class Rows:
         if ref(k1, memo) != "offset" or ref(k2, memo) != "length":
             return None
         self._storage_keys = (key, k1, k2)  # (where its fields' names are: the next one's, too)
-        row = StorageRow((path, _int(offset), _int(length)))
+        row = StorageRow((path, _int(offset), self._length(length)))
         memo += (row, UNREAD, *new)
         return row, m.end()
+
+    def _length(self, pickled: bytes) -> int:
+        """An item's length as pickled, as an int one object per value (a tensor's items share
+        theirs: the description keeps one per chunk)."""
+        n = self._lengths.get(pickled)
+        if n is None:
+            n = self._lengths[pickled] = _int(pickled)
+        return n
 
     def _head(self, field: str, buf: bytes, pos: int, fend: int, memo: list[Any]) -> tuple[Any, tuple, int, bytes]:
         """A record's first field, a string: it, the memo entries it adds, where the rest
