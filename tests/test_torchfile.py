@@ -728,6 +728,28 @@ def test_an_item_like_the_last_read_is_read_by_its_fixed_part():
     assert reader._item(recrc, 0, len(recrc)) == fresh(recrc) == (None, None, 0)
 
 
+def test_an_items_fixed_part_is_every_byte_but_its_datas_and_their_crcs():
+    """Flip any one byte of an item blob: it still matches the fixed part of the blob it was
+    taken from exactly where that byte is the data record's, or a CRC field of it (central
+    entry, data descriptor), read as bytes or through a view alike."""
+    blob = _saved(torch.arange(12, dtype=torch.float32))
+    records = zipdir.blob_records(blob)
+    data = next(n for n in records if n.endswith("/data/0"))
+    fixed = zipdir.fixed_part(blob, (data,))
+    start, size, _ = records[data]
+    central = [j for j in range(len(blob)) if blob.startswith(b"PK\x01\x02", j)]
+    crc_fields = {j + 16 + k for j in central for k in range(4)
+                  if blob[j + 46:j + 46 + len(data.encode())] == data.encode()}
+    descriptor = {start + size + 4 + k for k in range(4)} if blob[start + size:start + size + 4] == b"PK\x07\x08" else set()
+    free = set(range(start, start + size)) | crc_fields | descriptor
+    assert len(crc_fields) == 4
+    for j in range(len(blob)):
+        flipped = blob[:j] + bytes([blob[j] ^ 0x5A]) + blob[j + 1:]
+        got = zipdir.matches(flipped, fixed)
+        assert got == zipdir.matches(memoryview(flipped), fixed) == (j in free), j
+    assert zipdir.matches(blob, fixed) and zipdir.matches(memoryview(bytearray(blob)), fixed)
+
+
 @pytest.mark.parametrize("value", [torch.arange(7, dtype=torch.float32), torch.zeros(0), torch.ones(3, 5, dtype=torch.bfloat16),
                                    torch.tensor(3.5)])
 def test_blob_records_match_zipfile(value):

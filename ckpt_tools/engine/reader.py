@@ -393,13 +393,14 @@ _ITEM_TENSORS: dict[bytes, Any] = {}  # an item blob's pickle -> the tensor it h
 _ITEM_LAYOUTS: dict[int, tuple[tuple[int, int], Any, int, int]] = {}
 
 
-def _item(m: mmap.mmap, start: int, length: int) -> tuple[Any, int | None, int]:
+def _item(m: mmap.mmap | bytes, start: int, length: int) -> tuple[Any, int | None, int]:
     """The plain tensor a DCP item blob holds (None if anything else) and the absolute offset
     and size of its one storage record (``(None, 0)`` if not that simple). One tensor's items
     on every rank pickle the same bytes, so each distinct pickle is parsed once."""
+    whole = type(m) is bytes and start == 0 and len(m) == length  # (an item read: compared as bytes, faster)
     view = memoryview(m)[start:start + length]
     known = _ITEM_LAYOUTS.get(length)
-    if known is not None and matches(view, known[0]):
+    if known is not None and matches(m if whole else view, known[0]):
         return known[1], start + known[2], known[3]  # (an item of the last read of its length, its data aside)
     records = blob_records(view)
     pickles = [n for n in records or () if n.endswith("/data.pkl")]

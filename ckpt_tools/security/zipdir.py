@@ -74,26 +74,43 @@ def _read_bytes(blob: bytes | memoryview, regions: list[tuple[int, int]]) -> tup
     return tuple((a, b, bytes(blob[a:b])) for a, b in regions)
 
 
-def fixed_part(blob: bytes | memoryview, varying: tuple[str, ...]) -> tuple[int, int] | None:
-    """A mask over every byte of ``blob`` (a small zip :func:`blob_records` reads) but the
-    bytes and CRC fields (central entry, data descriptor) of the records named ``varying``, and
-    ``blob``'s masked value: a blob of its length with that value is this zip but for those
-    records' contents (their sizes, names and places too are where they are here). None for a
-    blob over 64 KiB or one it does not read."""
+def fixed_part(blob: bytes | memoryview, varying: tuple[str, ...]) -> tuple[tuple[int, bytes], ...] | None:
+    """Every byte of ``blob`` (a small zip :func:`blob_records` reads) but the bytes and CRC
+    fields (central entry, data descriptor) of the records named ``varying``, as ``(offset,
+    bytes)`` runs: a blob of its length with these bytes is this zip but for those records'
+    contents (their sizes, names and places too are where they are here). None for a blob over
+    64 KiB or one it does not read."""
     if len(blob) > _MASKED:
         return None
     records = _blob_records(blob, [])
     if records is None or not set(varying) <= records.keys():
         return None
-    mask = bytearray(b"\xff") * len(blob)
+    holes = []
     for name in varying:
         start, size, crc_at = records[name]
-        mask[start:start + size] = bytes(size)
-        mask[crc_at:crc_at + 4] = bytes(4)
+        holes += [(start, start + size), (crc_at, crc_at + 4)]
         end = start + size
         if size and bytes(blob[end:end + 4]) == b"PK\x07\x08":  # its data descriptor's CRC
-            mask[end + 4:end + 8] = bytes(4)
-    return _masked(blob, mask)
+            holes.append((end + 4, end + 8))
+    runs, at = [], 0
+    for a, b in sorted(holes):
+        if a > at:
+            runs.append((at, bytes(blob[at:a])))
+        at = max(at, b)
+    if at < len(blob):
+        runs.append((at, bytes(blob[at:])))
+    return tuple(runs)
+
+
+def matches(blob: bytes | memoryview, fixed: tuple[tuple[int, bytes], ...]) -> bool:
+    """Whether ``blob`` (of the length of the blob ``fixed`` was taken from) has the bytes of
+    :func:`fixed_part`'s runs: a compare at C speed each (a few: the zip around its data)."""
+    if type(blob) is not bytes:
+        return all(blob[at:at + len(want)] == want for at, want in fixed)
+    for at, want in fixed:
+        if not blob.startswith(want, at):
+            return False
+    return True
 
 
 def _masked(blob: bytes | memoryview, mask: bytearray) -> tuple[int, int]:
@@ -102,16 +119,10 @@ def _masked(blob: bytes | memoryview, mask: bytearray) -> tuple[int, int]:
     return value, int.from_bytes(blob, "little") & value
 
 
-def matches(blob: bytes | memoryview, masked: tuple[int, int]) -> bool:
-    """Whether ``blob`` has, under the mask of ``masked`` (:func:`fixed_part`'s), the bytes
-    the blob it was taken from had: one compare at C speed."""
-    return int.from_bytes(blob, "little") & masked[0] == masked[1]
-
-
 def _same(blob: bytes | memoryview, read: tuple) -> bool:
     """Whether ``blob`` has the bytes ``read`` (:func:`_read_bytes`) of a blob of its length."""
     if len(read) == 2 and type(read[0]) is int:
-        return matches(blob, read)
+        return int.from_bytes(blob, "little") & read[0] == read[1]
     return all(bytes(blob[a:b]) == want for a, b, want in read)
 
 
