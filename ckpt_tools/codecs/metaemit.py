@@ -415,8 +415,17 @@ class _Emitter:
 
 
 def _size_ops(dims: tuple) -> tuple[bytes, int]:
-    """What a torch.Size of ``dims`` pickles as after its global, and its memo entries."""
-    end = _DIMS_END.get(len(dims))
-    if end is not None:
-        return b"".join((*map(_int, dims), end[0])), end[1]
-    return b"(" + b"".join(map(_int, dims)) + b"t\x94" + _SIZE_END, 3
+    """What a torch.Size of ``dims`` pickles as after its global, and its memo entries (kept:
+    a many-rank plan's offsets and sizes are a few thousand values met 10^5 times; they are
+    ints, checked so where the source was described, so equal tuples pickle alike)."""
+    got = _SIZES_MET.get(dims)
+    if got is None:
+        if len(_SIZES_MET) >= 1 << 16:
+            _SIZES_MET.clear()
+        end = _DIMS_END.get(len(dims))
+        got = _SIZES_MET[dims] = ((b"".join((*map(_int, dims), end[0])), end[1]) if end is not None else
+                                  (b"(" + b"".join(map(_int, dims)) + b"t\x94" + _SIZE_END, 3))
+    return got
+
+
+_SIZES_MET: dict[tuple, tuple[bytes, int]] = {}

@@ -13,7 +13,7 @@ import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -58,10 +58,11 @@ class Target:
             raise BadInput(f"tensor {self.source.name!r} is {self.source.dtype}: its values are scaled codes, and "
                            f"casting them to {self.dtype} without their scales would write wrong weights; "
                            "a quantized Hugging Face checkpoint needs its config.json (quantization_config)")
+        # ``shape``: the computed result's, else the source's; a plain attribute, not a field
+        # (asked several times per piece of a many-rank plan: a property's call cost 2% of it)
+        self.__dict__["shape"] = self.computed.shape if self.computed is not None else self.source.shape
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.computed.shape if self.computed is not None else self.source.shape
+    shape: ClassVar[tuple[int, ...]]  # (set per target by __post_init__)
 
     @property
     def numel(self) -> int:
