@@ -346,8 +346,10 @@ def test_metadata_is_written_a_frame_at_a_time_and_whole_when_the_emitter_gives_
     not render), the file holds the pickler's pickle alone, nothing of the frames before."""
     from ckpt_tools.codecs import metaemit
 
-    files = [(f"__{r}_0.distcp", [("tensor", (("model", f"layers.{i}.w"), "float32", (64, 8), (r * 8, 0), (8, 8)),
-                                    1000 * i, 900) for i in range(800)]) for r in range(8)]
+    def files():
+        return [(f"__{r}_0.distcp", [("tensor", (("model", f"layers.{i}.w"), "float32", (64, 8), (r * 8, 0), (8, 8)),
+                                      1000 * i, 900) for i in range(800)]) for r in range(8)]
+
     writes, real_dump = [], metaemit.dump
 
     def dump(meta, write, protocol):
@@ -359,10 +361,12 @@ def test_metadata_is_written_a_frame_at_a_time_and_whole_when_the_emitter_gives_
             raise metaemit.Unsupported("a value the emitter does not render")
 
     monkeypatch.setattr(metaemit, "dump", dump)
-    dcpnative.Writer(root=tmp_path)._metadata(tmp_path, files)
+    given = files()
+    dcpnative.Writer(root=tmp_path)._metadata(tmp_path, given)
     written = (tmp_path / ".metadata").read_bytes()
     assert len(writes) > 10 and max(writes) < 2 * 65536  # a frame at a time (cut once it holds 64 KiB)
-    meta = dcpnative.metadata_of(files)[0]
+    assert all(records == [] for _, records in given)  # the engine's records let go as they were read
+    meta = dcpnative.metadata_of(files())[0]
     assert written == mp.dumps(metaemit.stand_ins(meta))  # the pickler's bytes, nothing before them
     from torch.distributed.checkpoint import FileSystemReader
     md = FileSystemReader(tmp_path).read_metadata()  # DCP's own reader

@@ -406,7 +406,8 @@ class Writer:
         # small objects and no cycles: the collector's passes over them were a third of the
         # step at 256 ranks with moments, 2.4 -> 1.5 s.)
         with bounded.gc_paused(), open(out / METADATA, "wb") as f:
-            meta, canon = metadata_of(files, top_level_model=self.top_level_model)
+            # (``files``: the engine's records, read here once: let go as the rows are made)
+            meta, canon = metadata_of(files, top_level_model=self.top_level_model, consume=True)
             if not self.keys:
                 try:
                     # a frame at a time as it is made (~20 MB at 256 ranks: never held whole)
@@ -421,12 +422,14 @@ class Writer:
             f.write(mp.dumps(meta))
 
 
-def metadata_of(files: list, *, top_level_model: bool = False) -> tuple[mp.Metadata, dict]:
+def metadata_of(files: list, *, top_level_model: bool = False, consume: bool = False) -> tuple[mp.Metadata, dict]:
     """The ``.metadata`` of the data files written (``(relative path, records)`` each, in the
     plan's order), and the strings its keys were made one object of (``canon``). The same steps
     as the torch writer's, so the pickle shares strings and tuples as that one does (the pickle
     memoizes by identity); chunks and storage entries kept as their fields
-    (:mod:`~ckpt_tools.codecs.metaemit` renders them), the rest as stand-ins of DCP's classes."""
+    (:mod:`~ckpt_tools.codecs.metaemit` renders them), the rest as stand-ins of DCP's classes.
+    ``consume``: each file's records list is emptied once read (at 256 ranks with moments, the
+    records and the rows made of them were ~50 MB together at the writer's peak)."""
     state: dict = {}
     planner: dict = {}
     storage = metaemit.Entries()
@@ -456,6 +459,8 @@ def metadata_of(files: list, *, top_level_model: bool = False) -> tuple[mp.Metad
                 state[fqn] = mp.BytesStorageMetadata()
                 storage.append((fqn, None, file, start, length))
             planner[fqn] = path_
+        if consume:
+            records.clear()
     meta = mp.Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage, version="1.0.0")
     return meta, canon
 
