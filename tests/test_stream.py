@@ -93,3 +93,36 @@ def test_a_stream_ended_early_leaves_nothing_running(ckpt, monkeypatch):
         it.close()
         assert pool.handed >= 2  # (one being waited on, more queued behind it)
         assert all(f.done() for f in pool.futures)
+
+
+@pytest.mark.parametrize("to", ["dcp", "hf"])
+def test_a_plan_handed_over_lets_each_files_pieces_go_once_written(ckpt, tmp_path_factory, to):
+    """With the plan handed over (``consume``), the engine lets each job's pieces go once its
+    file is written (a many-rank plan's pieces go file by file); a writer whose ``finish``
+    reads them (HF's index) keeps them. The output is the same either way, and the report taken
+    before still counts each file's tensors."""
+    from ckpt_tools.commands.report import planned_files
+    from ckpt_tools.core.plan import whole
+    from ckpt_tools.engine.execute import execute
+    from ckpt_tools.formats import hf, writers
+
+    src, tensors = ckpt
+    tmp_path = tmp_path_factory.mktemp("out")  # (outside the source's directory)
+    targets = targets_from(src.tensors)
+    out = {}
+    for consume in (False, True):
+        if to == "dcp":
+            writer, jobs = writers.dcp_dir(src, targets, (), 4, rank_local="drop", open_reader=lambda: Reader(src),
+                                           keep_parts=False)
+        else:
+            writer = hf.Writer(max_shard_size="40KB")
+            jobs = writer.plan([whole(t) for t in targets])
+        planned = planned_files(jobs)
+        execute(src, writer, jobs, tmp_path / f"{to}{consume}", progress=False, consume=consume)
+        kept = [len(j.pieces) for j in jobs]
+        assert (kept == [0] * len(jobs)) == (consume and to == "dcp") and [j.nbytes for j in jobs] == [
+            planned[j.path][1] for j in jobs]
+        assert sum(n for n, _ in planned.values()) >= len(tensors) and len(jobs) > 1
+        out[consume] = {p.name: p.read_bytes() for p in (tmp_path / f"{to}{consume}").iterdir()
+                        if p.name != ".ckpt-manifest.json"}
+    assert out[False] == out[True]

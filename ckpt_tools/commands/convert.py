@@ -30,7 +30,7 @@ from ..security import bounded
 from ..storage.atomic import check_destination, staged
 from .export import write_hf
 from .options import Options, note
-from .report import finish, recording_notes, summary
+from .report import finish, planned_files, recording_notes, summary
 from .urls import accepts_urls
 
 
@@ -172,10 +172,11 @@ def _run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) ->
     else:
         after = None
 
-    if not opts.dry_run:
+    planned = planned_files(jobs)
+    if not opts.dry_run:  # (the plan handed over: each file's pieces let go once it is written)
         execute(ckpt, writer, jobs, dst, overwrite=opts.overwrite, progress=opts.progress,
                 desc=f"{ckpt.format} → {opts.to}", fmt=opts.to, workers=opts.workers, after=after,
-                own_share=ranks is not None)
+                own_share=ranks is not None, consume=True)
     if left_out:
         note(f"note: left out {', '.join(left_out)} state (model only)")
     if opts.to == "sharded" and carry is None and writers.fsdp1_files(ckpt):
@@ -184,7 +185,8 @@ def _run(src: Path, dst: Path, opts: Options, ckpt: Checkpoint | None = None) ->
     if opts.to == "sharded" and ckpt.format != "sharded" and not (out_layout and out_layout.mesh_names):
         note(f"note: {layouts.unnamed_mesh_note()}")
     report.update(num_tensors=len(targets), total_bytes=sum(t.nbytes for t in targets), left_out=left_out)
-    report.update(summary(dst, jobs, targets, dry_run=opts.dry_run, cast=opts.cast, extra_files=extra))
+    report.update(summary(dst, jobs, targets, dry_run=opts.dry_run, cast=opts.cast, extra_files=extra,
+                          planned=planned))
     return report
 
 

@@ -90,11 +90,19 @@ def written_dtype(targets: Iterable[Target], cast: str | None = None) -> str | N
     return numel.most_common(1)[0][0] if numel else None
 
 
+def planned_files(jobs: Sequence[FileJob]) -> dict[str, tuple[int, int]]:
+    """Each file of a plan: its (tensors, tensor bytes), for the report (taken before the plan
+    is handed to the engine, which may let its pieces go as it writes)."""
+    return {j.path: (len({p.target.name for p in j.pieces}), j.nbytes) for j in jobs}
+
+
 def summary(dst: Path, jobs: Sequence[FileJob], targets: Sequence[Target], *, dry_run: bool,
-            cast: str | None = None, extra_files: Iterable[str] = ()) -> dict[str, Any]:
+            cast: str | None = None, extra_files: Iterable[str] = (),
+            planned: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
     """The report's ``files``, ``written_bytes``, ``dtypes`` and ``dtype`` for a plan of
-    ``jobs`` writing ``targets`` into ``dst`` (read from disk after a real run)."""
-    planned = {j.path: (len({p.target.name for p in j.pieces}), j.nbytes) for j in jobs}
+    ``jobs`` writing ``targets`` into ``dst`` (read from disk after a real run); ``planned``:
+    :func:`planned_files` of ``jobs``, taken before they were carried out."""
+    planned = planned_files(jobs) if planned is None else planned
     targets = list({(t.group, t.name): t for t in targets}.values())  # a tensor in several pieces: once
     return {**files_report(dst, planned, dry_run=dry_run, extra_files=extra_files),
             "dtypes": dict(sorted(Counter(str(t.dtype) for t in targets).items())),

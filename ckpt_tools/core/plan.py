@@ -146,6 +146,12 @@ class FileJob:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.pieces)
 
+    def release(self) -> None:
+        """Let this job's pieces go, its file written (its ``nbytes`` kept): for an engine the
+        plan was handed over to (:func:`~ckpt_tools.engine.execute.execute`'s ``consume``)."""
+        self.nbytes  # noqa: B018 (worked out while the pieces are here)
+        object.__setattr__(self, "pieces", ())
+
 
 def share_of(n: int, parts: int, i: int) -> range:
     """Part ``i`` of ``parts`` contiguous, near-equal parts of ``range(n)``: the output ranks a

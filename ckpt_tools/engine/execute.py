@@ -24,19 +24,23 @@ from .stream import Writer, run_jobs
 
 def execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path, *,
             overwrite: bool = False, progress: bool = True, desc: str = "writing", fmt: str = "",
-            workers: int = 1, after: Callable[[Path], None] | None = None, own_share: bool = False) -> None:
+            workers: int = 1, after: Callable[[Path], None] | None = None, own_share: bool = False,
+            consume: bool = False) -> None:
     """Carry out ``jobs`` into ``dst`` atomically: staged in a temporary sibling, fsynced,
     renamed into place. ``after(staging)`` adds files (HF assets, manifest) before the commit.
     ``own_share``: under torchrun, ``jobs`` are this process's files only (it planned no others);
-    otherwise each process takes its share of the whole plan."""
+    otherwise each process takes its share of the whole plan. ``consume``: the caller hands the
+    plan over; each job's pieces are let go once its file is written, where the writer's
+    ``finish`` needs none (a many-rank plan's 10^5 pieces go file by file, not at the end)."""
     with bounded.gc_frozen():  # the description and plan: live to the end, walked by no collector pass
         _execute(src, writer, jobs, Path(dst), overwrite=overwrite, progress=progress, desc=desc, fmt=fmt,
-                 workers=workers, after=after, own_share=own_share)
+                 workers=workers, after=after, own_share=own_share,
+                 consume=consume and not getattr(writer, "finish_reads_pieces", False))
 
 
 def _execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path, *, overwrite: bool,
              progress: bool, desc: str, fmt: str, workers: int, after: Callable[[Path], None] | None,
-             own_share: bool) -> None:
+             own_share: bool, consume: bool) -> None:
     sealed: dict[Path, tuple[int, str]] = {}
 
     def complete(tmp: Path, written: dict[str, Any], elsewhere: dict[str, tuple[int, str]] | None = None) -> None:
@@ -72,5 +76,6 @@ def _execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path
         else:
             # a remote DST: each file's parts are uploaded as it is written (nothing when local)
             written = run_jobs(src, writer, jobs, tmp, progress=progress, desc=desc,
-                               sealed=None if writer.single_file else sealed, upload=streamup.follower(dst))
+                               sealed=None if writer.single_file else sealed, upload=streamup.follower(dst),
+                               consume=consume)
         complete(tmp, written)

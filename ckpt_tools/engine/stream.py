@@ -43,6 +43,8 @@ class Writer(Protocol):
     describe the others (index, metadata), last."""
 
     single_file: bool
+    # (optional) ``finish_reads_pieces``: ``finish`` reads the jobs' pieces, so an engine the
+    # plan is handed to keeps them to the end
 
     def write(self, path: Path, job: FileJob, pieces: Iterator[tuple[Piece, torch.Tensor]],
               objects: Callable[[ObjectInfo], Any]) -> Any:
@@ -264,8 +266,10 @@ def progress_bar(total: int, desc: str, enabled: bool) -> tqdm | _NoBar:
 
 def run_jobs(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path, *,
              progress: bool, desc: str, sealed: dict[Path, tuple[int, str]] | None = None,
-             upload: Callable[[Path, str, int], AbstractContextManager] | None = None) -> dict[str, Any]:
-    """Write ``jobs`` under ``out`` (a staging directory, or the staging file itself).
+             upload: Callable[[Path, str, int], AbstractContextManager] | None = None,
+             consume: bool = False) -> dict[str, Any]:
+    """Write ``jobs`` under ``out`` (a staging directory, or the staging file itself);
+    ``consume``: each job's pieces let go once its file is written (:meth:`FileJob.release`).
 
     With ``sealed``, each file is hashed and fsynced in the background as soon as it is
     written, and its (size, digest) recorded there for the manifest. With ``upload`` (a
@@ -287,6 +291,8 @@ def run_jobs(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path
             with upload(path, "" if writer.single_file else job.path, job.nbytes) if upload else nullcontext():
                 written[job.path] = writer.write(path, job, pieces, reader.object)
             ahead.done(i)  # the stand-in's disk stays near what is fetched ahead of the writer
+            if consume:
+                job.release()
             if sealed is not None:
                 # a writer that hashed its file as it wrote it returns the digest
                 known = written[job.path] if isinstance(written[job.path], manifest.Digest) else None

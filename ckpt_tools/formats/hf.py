@@ -237,6 +237,7 @@ class Writer:
 
     accepts_spans = True
     accepts_casts = True
+    finish_reads_pieces = True  # (the index names each tensor's file)
 
     def __init__(self, *, single_file: bool = False, max_shard_size: int | str = "5GB") -> None:
         self.single_file = single_file
