@@ -17,7 +17,7 @@ from ..core.state import gather, param_groups_keyed
 from ..errors import BadInput, Damaged, brief
 from ..security import bounded, safefs
 from ..security.dcpmeta import load_dcp_metadata, BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
-from ..security.dcprows import ChunkRow, IndexKey
+from ..security.dcprows import ChunkRow, IndexKey, StorageRow
 from ..security.torchfile import Global, NewObj, Reduce, StorageRef, loads_blob
 
 if TYPE_CHECKING:
@@ -115,6 +115,10 @@ def _describe_one(path: Path, prefix: str):
                 else index[(fqn, offset) if offset is not None else MetadataIndex.key_of(fqn, None)]
         except KeyError:
             raise BadInput(f"{path / METADATA}: no storage entry for {fqn!r} at {offset}; the metadata is incomplete") from None
+        if type(info) is StorageRow:  # (the usual: a row, its ints read as ints, no transforms)
+            rel, offset, length = info
+            if rel in files and offset >= 0 and length >= 0:
+                return Location(prefix + rel, kind, offset, length)
         rel = info.relative_path
         if rel not in files:
             safefs.resolve_inside(path, rel, what=f"{where}: item {fqn!r}")
