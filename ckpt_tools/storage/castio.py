@@ -78,16 +78,17 @@ def _bf16_to_f16(np: Any, u: Any, out: Any, scratch: tuple) -> None:
     """bfloat16 bits → float16 bits. A bfloat16 whose value is a normal float16 converts exactly
     by moving its bits (exponent rebased from 127 to 15, mantissa shifted left 3); the rest
     (float16 subnormals and zeros, overflow, inf, NaN: a fraction of a percent of weights) is
-    looked up in the table of every value."""
-    mag, work, odd = (x[:len(u)] for x in scratch)
-    np.bitwise_and(u, 0x7FFF, out=mag)
-    np.left_shift(mag, 3, out=out)  # wraps in 16 bits: the exponent's 6 low bits remain
+    looked up in the table of every value. Shifts are products that wrap in 16 bits (numpy's
+    multiply runs at twice its shift's speed), which also drop the sign bit: no mask."""
+    work, odd = (x[:len(u)] for x in scratch)
+    np.multiply(u, 8, out=out)  # magnitude << 3: the exponent's 6 low bits remain
     np.subtract(out, (127 - 15) << 10 & 0xFFFF, out=out)  # (e - 112) << 10 for 0 < e - 112 < 31
     np.bitwise_and(u, 0x8000, out=work)
     np.bitwise_or(out, work, out=out)
-    # outside [lo, hi) ⇔ mag - lo (wrapping) ≥ hi - lo: one comparison, no temporary
-    np.subtract(mag, _BF16_IN_F16[0], out=work)
-    np.greater_equal(work, _BF16_IN_F16[1] - _BF16_IN_F16[0], out=odd)
+    # outside [lo, hi) ⇔ 2 (magnitude - lo), wrapping, ≥ 2 (hi - lo): one comparison, no temporary
+    np.multiply(u, 2, out=work)
+    np.subtract(work, 2 * _BF16_IN_F16[0], out=work)
+    np.greater_equal(work, 2 * (_BF16_IN_F16[1] - _BF16_IN_F16[0]), out=odd)
     if odd.any():
         at = np.flatnonzero(odd)
         out[at] = _tables()["bf16_to_f16"][u[at]]
@@ -129,7 +130,7 @@ def _tables() -> dict[str, Any]:
 
 # (src, dst) → (numpy view of the source, of the result, scratch dtypes, kernel)
 _NUMPY_PAIRS: dict[tuple[str, str], tuple[str, str, tuple[str, ...], Callable]] = {
-    ("bfloat16", "float16"): ("uint16", "uint16", ("uint16", "uint16", "bool"), _bf16_to_f16),
+    ("bfloat16", "float16"): ("uint16", "uint16", ("uint16", "bool"), _bf16_to_f16),
     ("float16", "bfloat16"): ("uint16", "uint16", (),
                               lambda np, a, b, s: np.take(_tables()["f16_to_bf16"], a, out=b)),
     ("bfloat16", "float32"): ("uint16", "uint32", (),
