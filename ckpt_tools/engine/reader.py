@@ -390,7 +390,7 @@ _WINDOW, _WINDOWS_KEPT = 64 << 10, 256
 _ITEM_TENSORS: dict[bytes, Any] = {}  # an item blob's pickle -> the tensor it holds (a few shapes a job)
 # a blob length -> the fixed part of the last item of that length read (zipdir.fixed_part), its
 # tensor, and its data record's offset and size
-_ITEM_LAYOUTS: dict[int, tuple[tuple[int, int], Any, int, int]] = {}
+_ITEM_LAYOUTS: dict[int, tuple[tuple[Any, tuple], Any, int, int]] = {}
 
 
 def _item(m: mmap.mmap | bytes, start: int, length: int) -> tuple[Any, int | None, int]:

@@ -196,7 +196,7 @@ class Rows:
             k0, ref, k1, offset, k2, length = m.groups()
             path = self._refs.get(ref)
             if type(path) is str and (k0, k1, k2) == self._storage_keys:
-                row = StorageRow((path, _int(offset), self._lengths.get(length) or self._length(length)))
+                row = StorageRow((path, _int(offset), self._length(length)))
                 memo += (row, UNREAD)
                 return row, m.end()
         path, new, p, key = self._head("relative_path", buf, pos, fend, memo)

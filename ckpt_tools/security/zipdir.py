@@ -19,9 +19,9 @@ import sys
 import zipfile
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from . import safefs
 from ..errors import BadInput, Damaged
@@ -32,7 +32,7 @@ _END = struct.Struct("<4s4H2IH")  # the end of central directory record (22 byte
 
 _U32 = struct.Struct("<I").unpack_from
 # a blob length -> the structure of the last blob of that length read (see blob_records)
-_BLOB_LAYOUTS: dict[int, tuple[tuple[tuple[int, int, bytes], ...], tuple[tuple[str, int, int, int], ...]]] = {}
+_BLOB_LAYOUTS: dict[int, tuple[tuple[Callable[[Any], tuple], tuple], tuple[tuple[str, int, int, int], ...]]] = {}
 
 
 def blob_records(blob: bytes | memoryview) -> dict[str, tuple[int, int, int]] | None:
@@ -44,43 +44,46 @@ def blob_records(blob: bytes | memoryview) -> dict[str, tuple[int, int, int]] | 
 
     One tensor's items on every rank are the same zip but for their data and CRCs: a blob
     whose every byte this reads, CRC fields aside, equals those of the last blob of its length
-    has that one's records (only its CRCs are read again), found by one masked compare (a
-    blob over 64 KiB: a slice compare per region read)."""
+    has that one's records (only its CRCs are read again), found by a compare at C speed per
+    run of those bytes (:func:`matches`)."""
     n = len(blob)
     known = _BLOB_LAYOUTS.get(n)
-    if known is not None and _same(blob, known[0]):
+    if known is not None and matches(blob, known[0]):
         return {name: (start, size, _U32(blob, crc_at)[0]) for name, start, size, crc_at in known[1]}
     regions: list[tuple[int, int]] = []
     records = _blob_records(blob, regions)
     if records is not None:
         if len(_BLOB_LAYOUTS) >= 1024:
             _BLOB_LAYOUTS.clear()
-        _BLOB_LAYOUTS[n] = (_read_bytes(blob, regions),
+        _BLOB_LAYOUTS[n] = (_picked(blob, regions),
                             tuple((name, start, size, crc_at) for name, (start, size, crc_at) in records.items()))
         records = {name: (start, size, _U32(blob, crc_at)[0]) for name, (start, size, crc_at) in records.items()}
     return records
 
 
-_MASKED = 64 << 10  # blobs up to this size are compared whole, under a mask, at C speed
+_MASKED = 64 << 10  # an item blob's fixed part is kept up to this size
 
 
-def _read_bytes(blob: bytes | memoryview, regions: list[tuple[int, int]]) -> tuple:
-    """What :func:`_same` compares another blob of this length with: the bytes of ``regions``,
-    as a mask and the masked value of the blob read (a small blob: one compare), or each."""
-    if len(blob) <= _MASKED:
-        mask = bytearray(len(blob))
-        for a, b in regions:
-            mask[a:b] = b"\xff" * (b - a)
-        return _masked(blob, mask)
-    return tuple((a, b, bytes(blob[a:b])) for a, b in regions)
+def _picked(blob: bytes | memoryview, spans: Sequence[tuple[int, int]]) -> tuple[Callable[[Any], tuple], tuple]:
+    """The bytes of ``spans`` (byte ranges, merged where they meet) as a picker of those runs
+    and what it picks from ``blob``: :func:`matches` compares another blob of its length by them."""
+    runs: list[slice] = []
+    for a, b in sorted(spans):
+        if runs and a <= runs[-1].stop:
+            runs[-1] = slice(runs[-1].start, max(b, runs[-1].stop))
+        elif b > a:
+            runs.append(slice(a, b))
+    # (in one call at C speed; a tuple however many runs: there is one at least)
+    pick = operator.itemgetter(*runs) if len(runs) > 1 else lambda b, run=runs[0]: (b[run],)
+    return pick, tuple(bytes(part) for part in pick(blob))  # (a view's parts copied: the blob may change)
 
 
-def fixed_part(blob: bytes | memoryview, varying: tuple[str, ...]) -> tuple[Callable[[Any], Any], Any] | None:
+def fixed_part(blob: bytes | memoryview, varying: tuple[str, ...]) -> tuple[Callable[[Any], tuple], tuple] | None:
     """Every byte of ``blob`` (a small zip :func:`blob_records` reads) but the bytes and CRC
-    fields (central entry, data descriptor) of the records named ``varying``, as a picker of
-    those runs of bytes and what it picks from ``blob``: a blob of its length with these bytes
-    is this zip but for those records' contents (their sizes, names and places too are where
-    they are here). None for a blob over 64 KiB or one it does not read."""
+    fields (central entry, data descriptor) of the records named ``varying``, as
+    :func:`_picked` gives them: a blob of its length with these bytes is this zip but for
+    those records' contents (their sizes, names and places too are where they are here). None
+    for a blob over 64 KiB or one it does not read."""
     if len(blob) > _MASKED:
         return None
     records = _blob_records(blob, [])
@@ -93,36 +96,18 @@ def fixed_part(blob: bytes | memoryview, varying: tuple[str, ...]) -> tuple[Call
         end = start + size
         if size and bytes(blob[end:end + 4]) == b"PK\x07\x08":  # its data descriptor's CRC
             holes.append((end + 4, end + 8))
-    runs, at = [], 0
+    spans, at = [], 0
     for a, b in sorted(holes):
-        if a > at:
-            runs.append(slice(at, a))
+        spans.append((at, a))
         at = max(at, b)
-    if at < len(blob):
-        runs.append(slice(at, len(blob)))
-    if not runs:
-        return None
-    pick = operator.itemgetter(*runs)  # (the runs of a blob, picked in one call at C speed)
-    return pick, pick(bytes(blob))
+    spans.append((at, len(blob)))
+    return _picked(blob, spans) if any(b > a for a, b in spans) else None
 
 
-def matches(blob: bytes | memoryview, fixed: tuple[Callable[[Any], Any], Any]) -> bool:
-    """Whether ``blob`` (of the length of the blob ``fixed`` was taken from) has the bytes of
-    :func:`fixed_part`'s runs (a few: the zip around its data)."""
-    return fixed[0](blob) == fixed[1]
-
-
-def _masked(blob: bytes | memoryview, mask: bytearray) -> tuple[int, int]:
-    """``mask`` (a byte per byte of ``blob``) as an int, and ``blob``'s value under it."""
-    value = int.from_bytes(mask, "little")
-    return value, int.from_bytes(blob, "little") & value
-
-
-def _same(blob: bytes | memoryview, read: tuple) -> bool:
-    """Whether ``blob`` has the bytes ``read`` (:func:`_read_bytes`) of a blob of its length."""
-    if len(read) == 2 and type(read[0]) is int:
-        return int.from_bytes(blob, "little") & read[0] == read[1]
-    return all(bytes(blob[a:b]) == want for a, b, want in read)
+def matches(blob: bytes | memoryview, picked: tuple[Callable[[Any], tuple], tuple]) -> bool:
+    """Whether ``blob`` (of the length of the blob ``picked`` was taken from) has the bytes
+    :func:`_picked` took from that one: a compare at C speed per run."""
+    return picked[0](blob) == picked[1]
 
 
 def _blob_records(blob: bytes | memoryview, regions: list[tuple[int, int]]) -> dict[str, tuple[int, int, int]] | None:
@@ -475,7 +460,8 @@ def _read_layout(fd: int, central: bytes, count: int) -> tuple[str, _ZipLayout] 
     mask = int.from_bytes(keep, "little")
     checks = _head_checks(headers, heads) if count <= _SMALL else None  # (~300 bytes a record)
     return prefix, _ZipLayout(mask, int.from_bytes(central, "little") & mask, tuple(name_at), folder_len, utf8,
-                              _Columns.of(records), tuple(slice(r[3], r[3] + 4) for r in records), headers, tuple(h[26:30] for h in heads), checks)
+                              _Columns.of(records), tuple(slice(r[3], r[3] + 4) for r in records), headers,
+                              tuple(h[26:30] for h in heads), checks)
 
 
 def records_of(path: Path) -> tuple[str, Records]:
