@@ -196,6 +196,13 @@ _SPARE: dict[tuple, list[_Buffers]] = {}  # the buffers of the last finished cas
 _SPARE_LOCK = threading.Lock()
 
 
+def _converters() -> int:
+    """Threads converting blocks: two at most, and one core left to the writer. On two cores a
+    second converter only takes turns at the GIL with the first and the writer (each numpy pass
+    hands it over): a 1.2 GiB bf16 → fp16 export 1.26 → 1.16 s with one."""
+    return max(1, min(2, (os.cpu_count() or 1) - 1))
+
+
 def blocks(cast: CastSpan, *, block: int = BLOCK_ELEMENTS, use_numpy: bool = True) -> Iterator[memoryview]:
     """The bytes of ``cast`` in ``dst``, in order, as views of at most ``WRITE_BYTES`` (what
     one write takes, see :mod:`ckpt_tools.storage.diskio`) into reused block buffers, each valid until
@@ -214,7 +221,7 @@ def blocks(cast: CastSpan, *, block: int = BLOCK_ELEMENTS, use_numpy: bool = Tru
     free += [_Buffers(*kind) for _ in range(AHEAD - len(free))]
     mine = list(free)
     fds: dict[Path, int] = {}
-    workers = max(1, min(2, os.cpu_count() or 1))
+    workers = _converters()
     try:
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ckpt-cast") as pool:
             pending: deque = deque()
