@@ -895,3 +895,31 @@ def test_zip_records_of_one_jobs_files_share_their_columns(tmp_path):
         assert records.crcs_by_place() == {(r.offset, r.size): r.crc32 for r in records.values()}
         with pytest.raises(KeyError):
             records.offset("data/99")
+
+
+def test_zip_layouts_kept_once_seen_twice_and_names_shared(tmp_path, monkeypatch):
+    """Rank files of one size whose records lie elsewhere (ranks holding other rows) keep no
+    layout: a layout is kept once a second zip of its size and place has it. Zips of other
+    layouts with the same record names share one index of names; each reads as zipfile does."""
+    monkeypatch.setattr(zipdir, "_SMALL", 0)  # (as for a 25k-record zip, with two records)
+    monkeypatch.setattr(zipdir, "_ZIP_LAYOUTS", {})
+    monkeypatch.setattr(zipdir, "_NAMES", {})
+
+    def save(name: str, a: int, b: int) -> Path:
+        torch.save({"x": torch.zeros(a), "y": torch.ones(b)}, p := tmp_path / f"{name}.pt")
+        return p
+
+    u0, v0, v1 = save("u0", 64, 16), save("v0", 16, 64), save("v1", 16, 64)
+    assert u0.stat().st_size == v0.stat().st_size  # one key: the same size and directory place
+    read = {}
+    for p in (u0, v0, v1):
+        read[p.stem] = zipdir.zip_records(p)[1]
+        with zipfile.ZipFile(p) as z:
+            want = {i.filename.split("/", 1)[1]: (i.file_size, i.CRC) for i in z.infolist()}
+        assert {n: (r.size, r.crc32) for n, r in read[p.stem].items()} == want
+        kept = [v for v in zipdir._ZIP_LAYOUTS.values() if type(v) is zipdir._ZipLayout]
+        assert len(kept) == (1 if p is v1 else 0), p.stem  # only v0's, once v1 repeated it
+    assert read["u0"].offset("data/1") != read["v0"].offset("data/1")  # two layouts
+    assert read["u0"]._cols.index is read["v0"]._cols.index  # one index of names
+    assert read["v1"]._cols is not read["v0"]._cols  # (v1 read its layout whole, then kept it)
+    assert zipdir.zip_records(tmp_path / "v1.pt")[1]._cols is zipdir.zip_records(v0)[1]._cols  # now from it

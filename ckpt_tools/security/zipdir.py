@@ -177,9 +177,21 @@ class _Columns:
 
     @classmethod
     def of(cls, entries: Sequence[tuple[str, int, int]]) -> _Columns:
-        """From ``(name, data offset, size)`` per record, in file order."""
-        return cls({e[0]: i for i, e in enumerate(entries)}, tuple([e[1] for e in entries]),
-                   array("q", [e[2] for e in entries]), max((e[1] + e[2] for e in entries), default=0))
+        """From ``(name, data offset, size)`` per record, in file order. The index is shared with
+        the last zip's of the same names (a job's rank files of other layouts: ~3 MB each at 25k
+        records)."""
+        names = [e[0] for e in entries]
+        index = _NAMES.get(len(names))
+        if index is None or list(index) != names:
+            index = {name: i for i, name in enumerate(names)}
+            if len(index) > _SMALL:
+                _NAMES.clear()  # one kept (a job's kinds of file take turns only at its first ranks)
+                _NAMES[len(index)] = index
+        return cls(index, tuple([e[1] for e in entries]), array("q", [e[2] for e in entries]),
+                   max((e[1] + e[2] for e in entries), default=0))
+
+
+_NAMES: dict[int, dict[str, int]] = {}  # record count -> the last large zip's index of names
 
 
 class Records(Mapping):
@@ -304,7 +316,7 @@ def _plain_records(fd: int, file_size: int) -> tuple[str, Records] | None:
         return None
     key = (file_size, cd_offset, cd_size, count)
     known = _ZIP_LAYOUTS.get(key)
-    if known is not None:
+    if type(known) is _ZipLayout:
         prefix = _same_layout(fd, central, known)
         if prefix is not None:
             return prefix, Records(known.columns, _crcs_at(central, known.crcs))
@@ -312,13 +324,12 @@ def _plain_records(fd: int, file_size: int) -> tuple[str, Records] | None:
     if read is None:
         return None
     prefix, layout = read
-    # kept from the second zip of its size and place on (the first is only noted): files that
-    # are all unlike (a job whose ranks hold different rows) keep no layout of 25k records each
-    if key in _ZIP_LAYOUTS or count <= _SMALL:
-        _ZIP_LAYOUTS.pop(key, None)
-        _ZIP_LAYOUTS[key] = layout
-    else:
-        _ZIP_LAYOUTS[key] = None
+    # kept once a second zip of its size and place has it too (the first is only noted, by a
+    # fingerprint): files that are all unlike (a job whose ranks hold different rows, of which
+    # many have one size) keep no layout of 25k records each (~10 MB)
+    mark = hash((layout.masked, layout.lens))
+    _ZIP_LAYOUTS.pop(key, None)
+    _ZIP_LAYOUTS[key] = layout if count <= _SMALL or known == mark else mark
     while len(_ZIP_LAYOUTS) > _LAYOUTS_KEPT:  # the oldest go (a job's kinds of file take turns)
         del _ZIP_LAYOUTS[next(iter(_ZIP_LAYOUTS))]
     return prefix, Records(layout.columns, _crcs_at(central, layout.crcs))
@@ -369,7 +380,9 @@ def _same_layout(fd: int, central: bytes, known: _ZipLayout) -> str | None:
         return None
 
 
-_ZIP_LAYOUTS: dict[tuple[int, int, int, int], _ZipLayout | None] = {}
+# (file size, central directory's place, size, records) -> the layout, or where the one zip of
+# that key read so far was not kept, its layout's fingerprint
+_ZIP_LAYOUTS: dict[tuple[int, int, int, int], _ZipLayout | int] = {}
 _LAYOUTS_KEPT = 8  # a layout of 25k records holds ~10 MB
 _SMALL = 4096  # records of a layout kept from the first zip of its kind
 _NEAR = 4096  # local headers at most this far apart are read by one pread (a page apiece at most)
