@@ -34,14 +34,21 @@ def _careful(data: bytes):
     return dcpmeta.MetadataUnpickler(io.BytesIO(data)).load()
 
 
-def _fast(data: bytes, rows: bool = True):
+def _fast(data: bytes, rows: bool = True, window: int | None = None):
     """The fast reader's tree, DCP's records read as rows in one step where they can be
-    (``rows``) and the rest as rows after; Decline where it refers back to what a row skipped."""
+    (``rows``) and the rest as rows after; Decline where it refers back to what a row skipped.
+    ``window``: read from a file that many bytes at a time, as load_dcp_metadata reads it."""
     u = dcpmeta.MetadataUnpickler(io.BytesIO(data))
     u.proto = 4
     readers = dcprows.Rows().readers(dcpmeta.ChunkStorageMetadata, dcpmeta.MetadataIndex,
                                      dcpmeta.StorageInfo) if rows else None
-    tree = fastpickle.load(data, u.find_class, readers)
+    if window is None:
+        tree = fastpickle.load(data, u.find_class, readers)
+    else:
+        f = io.BytesIO(data)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fastpickle, "WINDOW", window)
+            tree = fastpickle.load(f.read(window), u.find_class, readers, more=f.read)
     for _ in bounded.distinct_nodes(tree):  # (a part of a record read as a row, met again: declined)
         pass
     return tree
@@ -172,6 +179,55 @@ def test_frames_are_read_as_the_careful_reader_reads_them():
     assert _same(_careful(framed(size + 1)), _careful(data))
 
 
+def _many_frames() -> bytes:
+    """A ``.metadata`` of many frames, as dcp.save pickles a many-rank job's (4,000 chunks)."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    chunks = [ChunkStorageMetadata(offsets=torch.Size([i, 0]), sizes=torch.Size([1, 3])) for i in range(4000)]
+    data = pickle.dumps(Metadata(
+        state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4000, 3]),
+                                                        chunks)},
+        storage_data={MetadataIndex("w", [i, 0], i): _StorageInfo(f"__{i % 8}_0.distcp", 12 * i, 12)
+                      for i in range(4000)}), protocol=4)
+    assert sum(op.name == "FRAME" for op, _, _ in pickletools.genops(data)) > 5
+    return data
+
+
+@pytest.mark.parametrize("window", [1, 100, 5000, 1 << 20])
+def test_a_metadata_read_window_by_window_reads_the_same(window):
+    """Read a window at a time (frames larger and smaller than the window, a window ending
+    anywhere in an opcode), a real file gives the careful reader's tree, every byte read."""
+    for name, data in [*((n, (FIX / n / ".metadata").read_bytes()) for n in REAL), ("many frames", _many_frames())]:
+        assert _same(_fast(data, window=window), _careful(data)), name
+    # an unframed pickle past the first window: declined (the careful reader then reads it), never cut short
+    framed = pickle.dumps({"a" * 3000: [1, 2, 3]}, protocol=4)
+    data = framed[:2] + framed[11:]  # (its one frame's opcode taken out)
+    assert framed[2] == 0x95 and int.from_bytes(framed[3:11], "little") == len(framed) - 11
+    assert _careful(data) == {"a" * 3000: [1, 2, 3]}
+    with pytest.raises(fastpickle.Decline):
+        _fast(data, window=1000)
+    assert _fast(data, window=len(data)) == {"a" * 3000: [1, 2, 3]}
+
+
+def test_load_dcp_metadata_never_holds_the_file_whole(tmp_path, monkeypatch):
+    """The file is read a window at a time, each frame's bytes let go once read: the reads ask
+    for a window each, never the whole file; the tree is the careful reader's."""
+    data = _many_frames()
+    p = tmp_path / ".metadata"
+    p.write_bytes(data)
+    monkeypatch.setattr(fastpickle, "WINDOW", 1024)
+    asked: list[int] = []
+    load, rows = fastpickle.load, []
+    monkeypatch.setattr(fastpickle, "load", lambda buf, fc, records, more: rows.append(1) or load(
+        buf, fc, records, lambda n: asked.append(n) or more(n)))
+    got = load_dcp_metadata(p)
+    assert rows and len(asked) > len(data) // 70_000 and max(asked) < 70_000 < len(data) // 4  # (frames of 64 KiB)
+    assert _same(got, _careful(data))
+
+
 @pytest.mark.parametrize("name,seed", [("dcp_torch215", s) for s in range(4)] + [("llama_dcp", s) for s in range(2)])
 def test_mutated_metadata_reads_the_same_or_is_declined(name, seed):
     """Whatever the bytes, the fast reader gives the careful reader's tree or declines (then the
@@ -179,9 +235,9 @@ def test_mutated_metadata_reads_the_same_or_is_declined(name, seed):
     file is mostly records read as rows (146 chunks, 169 storage entries)."""
     data = (FIX / name / ".metadata").read_bytes()
     agreed = declined = 0
-    for m in mutations(data, seed, 400):
+    for i, m in enumerate(mutations(data, seed, 400)):
         try:
-            fast = _fast(m)
+            fast = _fast(m, window=(None, 1, 777)[i % 3])  # whole, or a window at a time
         except fastpickle.Decline:
             declined += 1
             continue

@@ -274,9 +274,9 @@ class MetadataUnpickler(pickle._Unpickler):
 bounded.register(_Record, lambda r: vars(r).values())
 
 
-# the fast reader holds the file's bytes while it builds the tree; over this, the file is
-# streamed through the careful reader instead, so memory stays what the tree needs
-FAST_MAX_BYTES = 128 * 1024 * 1024
+# over this, the careful reader only (the fast one reads a window at a time, whatever the size:
+# every file a DCP may hold; tests set it lower)
+FAST_MAX_BYTES = safefs.MAX_METADATA_BYTES
 
 
 def _unpickle(f: Any, size: int, fast: bool) -> Any:
@@ -285,14 +285,15 @@ def _unpickle(f: Any, size: int, fast: bool) -> Any:
     refusals are always its own) by :class:`MetadataUnpickler`."""
     if size > FAST_MAX_BYTES or not fast:
         return MetadataUnpickler(f).load()
-    data = f.read(size)
-    careful = MetadataUnpickler(io.BytesIO(data))
+    careful = MetadataUnpickler(io.BytesIO())
     careful.proto = 4  # what its find_class consults; fastpickle reads protocol 4 and 5 only
     try:
         rows = dcprows.Rows().readers(ChunkStorageMetadata, MetadataIndex, StorageInfo)
-        return fastpickle.load(data, careful.find_class, rows)
+        # read a window at a time: the file is never held whole
+        return fastpickle.load(f.read(fastpickle.WINDOW), careful.find_class, rows, more=f.read)
     except fastpickle.Decline:
-        return MetadataUnpickler(io.BytesIO(data)).load()
+        f.seek(0)
+        return MetadataUnpickler(f).load()
 
 
 def _read(path: Path, fast: bool) -> Any:

@@ -37,27 +37,40 @@ _U8 = struct.Struct("<Q").unpack_from
 _F8 = struct.Struct(">d").unpack_from
 
 
+WINDOW = 1 << 20  # bytes read at a time when the pickle is read frame by frame (``more``)
+
+
 class Decline(Exception):
     """The fast reader does not vouch for this pickle; read it the careful way."""
 
 
-def load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type, Callable] | None = None) -> Any:
+def load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type, Callable] | None = None,
+         more: Callable[[int], bytes] | None = None) -> Any:
     """The object pickled in ``buf`` (the whole pickle, STOP its last opcode read), exactly as
     the careful reader with ``find_class`` builds it; :class:`Decline` where it cannot say.
 
     ``records``: for a class ``find_class`` gives, a reader of one record of it (called as
     ``reader(buf, pos, frame_end, memo)`` at its EMPTY_TUPLE NEWOBJ, after the class) that
     returns ``(value, end)`` with the record's memo entries added, or None to read it opcode by
-    opcode; the value stands for the object built (:mod:`.dcprows`)."""
+    opcode; the value stands for the object built (:mod:`.dcprows`).
+
+    ``more``: where ``buf`` is the pickle's start only, ``more(n)`` gives up to ``n`` of its
+    next bytes (a file's ``read``): the pickle is read frame by frame, the bytes before the
+    current frame let go (a 256-rank ``.metadata`` with its optimizer is 39 MB, held whole
+    while its rows were built). An opcode outside every frame that reaches past what was
+    read declines, as one past the pickle's end does."""
     try:
-        return _load(buf, find_class, records or {})
+        return _load(buf, find_class, records or {}, more)
     except Decline:
         raise
     except Exception as e:  # what the careful reader would make of it is its own to say
         raise Decline(f"{type(e).__name__}: {e}") from None
 
 
-def _load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type, Callable]) -> Any:  # noqa: C901 (one loop on purpose)
+def _load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type, Callable],  # noqa: C901 (one loop on purpose)
+          more: Callable[[int], bytes] | None) -> Any:
+    if more is not None and len(buf) < 11:  # the protocol and the first FRAME opcode with its size
+        buf += more(11 - len(buf))
     n = len(buf)
     # the memo as a list: MEMOIZE numbers objects 0, 1, 2, ... (a dict of 1.2 million int keys,
     # as a 256-rank .metadata needs, is ~70 MB and slower); a BINPUT past its end declines
@@ -322,6 +335,9 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type,
         if op == 0x95:  # FRAME: the careful reader's framing, or decline
             if framed and pos != fend:  # a frame begun before the last one was read to its end
                 raise Decline("frame not at the end of the previous one")
+            if more is not None and (n - pos < 9 or n - pos < 18 + _U8(buf, pos + 1)[0]):
+                buf = _refill(buf[pos:], more)  # the frame is not all read: the bytes before it let go
+                n, pos = len(buf), 0
             size = _U8(buf, pos + 1)[0]
             pos += 9
             fend = pos + size
@@ -336,6 +352,17 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type,
                 raise Decline("opcode across a frame's end")
             return stack.pop()
         raise Decline(f"opcode {op:#04x}")
+
+
+def _refill(rest: bytes, more: Callable[[int], bytes]) -> bytes:
+    """``rest`` (from a FRAME opcode on) and the next window of the pickle, at least to that
+    frame's end and the next frame's opcode and size where the pickle goes that far: the loop
+    looks a few bytes past an opcode (a MEMOIZE after it, a run it starts) and sees there what
+    it sees when it reads the whole pickle."""
+    buf = rest + more(WINDOW)
+    if len(buf) >= 9 and len(buf) < (need := 18 + _U8(buf, 1)[0]):
+        buf += more(need - len(buf))
+    return buf
 
 
 # runs of opcodes a DCP record pickles as, taken in one turn of the loop (the same steps)
