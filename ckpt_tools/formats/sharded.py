@@ -180,8 +180,7 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
         if rank in found["extra_state"]:
             ename = found["extra_state"][rank]
             _extra_objects(rankread.tree_of(path / ename).tree, path / ename, rank, objects)
-        # this rank's trees let go before the next rank's are parsed (~50 MB each at 25k tensors)
-        zf = zo = entries = oentries = d = local = None
+        zf = zo = entries = oentries = d = local = None  # (let go before the next rank's: ~50 MB at 25k tensors)
     param_order = _check_flat_optimizer(path, pieces, details, param_order, objects)
     return Checkpoint("sharded", path, ws, _tensors(pieces), tuple(objects), tuple(_entries(path)), (ws,),
                       details, param_order)
