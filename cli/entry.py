@@ -34,7 +34,8 @@ def _is_the_program() -> bool:
 
 # The program does no linear algebra: numpy's OpenBLAS would start a thread per core that spins
 # after numpy is imported, on the cores a cast's converter and writer need (a 1.2 GiB fp16 cast
-# ~4% faster without). Only the program's own process: a script's numpy is left as it is.
+# ~4% faster without). Only the program's own process and those it starts: a script's numpy
+# is left as it is.
 if _is_the_program():
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 

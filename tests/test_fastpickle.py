@@ -212,6 +212,19 @@ def test_a_metadata_read_window_by_window_reads_the_same(window):
     assert _fast(data, window=len(data)) == {"a" * 3000: [1, 2, 3]}
 
 
+def test_a_frame_claiming_more_than_any_pickler_writes_is_declined_unread():
+    """Read by windows, a FRAME claiming 2**62 bytes is declined, not read for (the careful
+    reader then refuses the file); no read asks for more than a window."""
+    data = (FIX / "llama_dcp" / ".metadata").read_bytes()
+    data = data[:3] + (2 ** 62).to_bytes(8, "little") + data[11:]
+    f, asked = io.BytesIO(data), []
+    u = dcpmeta.MetadataUnpickler(io.BytesIO(data))
+    u.proto = 4
+    with pytest.raises(fastpickle.Decline):
+        fastpickle.load(f.read(100), u.find_class, None, more=lambda n: asked.append(n) or f.read(n))
+    assert asked and max(asked) <= fastpickle.WINDOW
+
+
 def test_load_dcp_metadata_never_holds_the_file_whole(tmp_path, monkeypatch):
     """The file is read a window at a time, each frame's bytes let go once read: the reads ask
     for a window each, never the whole file; the tree is the careful reader's."""

@@ -38,6 +38,7 @@ _F8 = struct.Struct(">d").unpack_from
 
 
 WINDOW = 1 << 20  # bytes read at a time when the pickle is read frame by frame (``more``)
+_FRAME_MAX = 64 << 20  # a frame's size read for at most (picklers frame ~64 KiB at a time)
 
 
 class Decline(Exception):
@@ -360,7 +361,8 @@ def _refill(rest: bytes, more: Callable[[int], bytes]) -> bytes:
     looks a few bytes past an opcode (a MEMOIZE after it, a run it starts) and sees there what
     it sees when it reads the whole pickle."""
     buf = rest + more(WINDOW)
-    if len(buf) >= 9 and len(buf) < (need := 18 + _U8(buf, 1)[0]):
+    # (a frame past any a pickler writes, ~64 KiB, is not read for: the loop then declines it)
+    if len(buf) >= 9 and len(buf) < (need := 18 + _U8(buf, 1)[0]) <= _FRAME_MAX:
         buf += more(need - len(buf))
     return buf
 
