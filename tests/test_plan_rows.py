@@ -85,6 +85,10 @@ def _coverage(t: TensorInfo) -> str | None:
     ([((0, 0), (4, 6)), ((0, 0), (4, 6)), ((4, 0), (4, 6))], None),  # replicas: the general check
     ([((0, 0), (4, 6)), ((2, 0), (6, 6))], "overlapping"),
     ([((0, 0), (3, 6)), ((4, 0), (4, 6))], "hole"),
+    ([((0, 0), (8, 6))], None),  # one chunk, the whole tensor (a safetensors file's)
+    ([((0,), (8, 6))], "outside"),  # ... its offset of too few dimensions
+    ([((1, 0), (8, 6))], "outside"),
+    ([((0, 0), (7, 6))], "hole"),
 ])
 def test_coverage_of_tiled_rows_is_the_general_check(boxes, refused, monkeypatch):
     """A tiling is accepted without the box-by-box check; anything else gets that check, and

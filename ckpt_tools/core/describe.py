@@ -247,6 +247,10 @@ def check_coverage(ckpt: Checkpoint) -> None:
     """Every tensor must be covered by its chunks exactly once (replicas, i.e. identical boxes,
     allowed): no hole, no partial overlap, no chunk outside the tensor."""
     for t in ckpt.tensors:
+        chunks = t.chunks
+        if len(chunks) == 1 and chunks[0].sizes == t.shape and len(chunks[0].offsets) == len(t.shape) \
+                and not any(chunks[0].offsets):
+            continue  # one chunk, the whole tensor (every tensor of a safetensors file)
         if _tiled(t):
             continue
         boxes = {}
