@@ -44,6 +44,27 @@ def test_tiled_rows_are_the_general_plan(seed):
     assert whole(target) == piece(target, (0, 0), (rows, 6))  # (a whole tensor, the same way)
 
 
+def test_a_tensor_in_one_whole_chunk_is_planned_as_the_general_plan(monkeypatch):
+    """A safetensors file's tensor (one chunk, all of it) takes the one-copy path, whose pieces
+    are the general plan's at every world size and rank; a chunk that is not all of it does not."""
+    from ckpt_tools.core import plan
+
+    taken = []
+    of_whole = plan._of_whole_chunk
+    monkeypatch.setattr(plan, "_of_whole_chunk", lambda *a: taken.append(a) or of_whole(*a))
+    for rows in (1, 5, 12):
+        t = _tensor(rows, [((0, 0), (rows, 6))])
+        assert t.whole_chunk() is t.chunks[0]
+        target = Target(t, "model", "w", t.dtype)
+        for world_size in (1, 2, 5, rows + 3):
+            for r in range(world_size):
+                assert rows_of(target, world_size, r) == _general(target, world_size, r)
+        assert whole(target) == piece(target, (0, 0), (rows, 6))
+    assert len(taken) == sum(1 + 2 + 5 + (rows + 3) + 1 for rows in (1, 5, 12))  # every piece by that path
+    for boxes in ([((0, 0), (4, 6))], [((0,), (5, 6))], [((1, 0), (5, 6))], [((0, 0), (5, 6)), ((0, 0), (5, 6))]):
+        assert _tensor(5, boxes).whole_chunk() is None
+
+
 @pytest.mark.parametrize("boxes,tiles", [
     ([((0, 0), (4, 6)), ((4, 0), (4, 6))], True),
     ([((0, 0), (4, 6)), ((0, 0), (4, 6)), ((4, 0), (4, 6)), ((4, 0), (4, 6))], False),  # replicas

@@ -93,6 +93,16 @@ class TensorInfo:
     def key(self) -> tuple[str, str]:
         return (self.group, self.name)
 
+    def whole_chunk(self) -> Chunk | None:
+        """Its one chunk, where that holds the whole tensor (every tensor of a safetensors file):
+        then it is covered, and a piece of it is a copy from that chunk."""
+        chunks = self.chunks
+        if len(chunks) == 1:
+            c = chunks[0]
+            if c.sizes == self.shape and len(c.offsets) == len(self.shape) and not any(c.offsets):
+                return c
+        return None
+
     def rows_index(self) -> tuple[list[int], list[int], int]:
         """The chunks with elements, as (first rows sorted, their indices in ``chunks``, most
         rows in one chunk): the chunks that meet rows [a, b) are found by bisection, so a plan
@@ -247,11 +257,7 @@ def check_coverage(ckpt: Checkpoint) -> None:
     """Every tensor must be covered by its chunks exactly once (replicas, i.e. identical boxes,
     allowed): no hole, no partial overlap, no chunk outside the tensor."""
     for t in ckpt.tensors:
-        chunks = t.chunks
-        if len(chunks) == 1 and chunks[0].sizes == t.shape and len(chunks[0].offsets) == len(t.shape) \
-                and not any(chunks[0].offsets):
-            continue  # one chunk, the whole tensor (every tensor of a safetensors file)
-        if _tiled(t):
+        if t.whole_chunk() is not None or _tiled(t):
             continue
         boxes = {}
         for c in t.chunks:

@@ -217,6 +217,8 @@ def piece(target: Target, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> P
 
 def whole(target: Target) -> Piece:
     shape = target.shape
+    if _in_one_chunk(target):
+        return _of_whole_chunk(target, 0, shape[0])
     if shape and target.computed is None and target.source.row_tiles():
         # (a many-rank source's tensor: its chunks met in row order, not each intersected)
         return _tiled_rows(target, 0, shape[0])
@@ -229,6 +231,8 @@ def rows_of(target: Target, world_size: int, rank: int) -> Piece:
     if not shape:
         return whole(target)
     start, stop = chunk_rows(shape[0], world_size, rank)
+    if _in_one_chunk(target):
+        return _of_whole_chunk(target, start, stop)
     if target.computed is None and target.source.row_tiles():
         return _tiled_rows(target, start, stop)
     return piece(target, (start, *([0] * (len(shape) - 1))), (stop - start, *shape[1:]))
@@ -264,6 +268,26 @@ def _tiled_rows(target: Target, a: int, b: int) -> Piece:
         return Piece(target, offsets, sizes, (a_copy, b_copy) if i < k else (b_copy, a_copy))
     copies.sort(key=_first)  # in the chunks' order, as piece() gives them
     return Piece(target, offsets, sizes, tuple([c for _, c in copies]))
+
+
+def _in_one_chunk(target: Target) -> bool:
+    """Whether ``target`` is its source's one chunk as it is, with elements (see
+    :meth:`TensorInfo.whole_chunk`)."""
+    shape = target.shape
+    return bool(shape) and target.computed is None and 0 not in shape and target.source.whole_chunk() is not None
+
+
+def _of_whole_chunk(target: Target, a: int, b: int) -> Piece:
+    """:func:`_tiled_rows` of a target whose source is one chunk holding it whole (a
+    safetensors file's tensor): rows [a, b) are one copy from that chunk."""
+    chunk = target.source.whole_chunk()
+    zeros = (0,) * (len(target.shape) - 1)
+    shared = sharing()
+    offsets, sizes = shared((a, *zeros), (a, *zeros)), shared((b - a, *target.shape[1:]), (b - a, *target.shape[1:]))
+    if a == b:  # (no rows: no copy, as the tiling's walk finds none)
+        return Piece(target, offsets, sizes, ())
+    dst = (0, *zeros)
+    return Piece(target, offsets, sizes, (Copy(chunk, offsets, shared(dst, dst), sizes),))
 
 
 def _first(pair: tuple) -> Any:
