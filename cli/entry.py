@@ -38,11 +38,10 @@ def _is_the_program() -> bool:
 # is left as it is.
 if _is_the_program():
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
-# A SIGINT the parent chose to ignore (a background job of a script) stays ignored.
-if _is_the_program() and threading.current_thread() is threading.main_thread() \
-        and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, _interrupted)
+    # A SIGINT the parent chose to ignore (a background job of a script) stays ignored.
+    if threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupted)
 
 
 def ready() -> None:

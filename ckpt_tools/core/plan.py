@@ -217,8 +217,8 @@ def piece(target: Target, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> P
 
 def whole(target: Target) -> Piece:
     shape = target.shape
-    if _in_one_chunk(target):
-        return _of_whole_chunk(target, 0, shape[0])
+    if (chunk := _whole_chunk(target)) is not None:
+        return _of_whole_chunk(target, chunk, 0, shape[0])
     if shape and target.computed is None and target.source.row_tiles():
         # (a many-rank source's tensor: its chunks met in row order, not each intersected)
         return _tiled_rows(target, 0, shape[0])
@@ -231,8 +231,8 @@ def rows_of(target: Target, world_size: int, rank: int) -> Piece:
     if not shape:
         return whole(target)
     start, stop = chunk_rows(shape[0], world_size, rank)
-    if _in_one_chunk(target):
-        return _of_whole_chunk(target, start, stop)
+    if (chunk := _whole_chunk(target)) is not None:
+        return _of_whole_chunk(target, chunk, start, stop)
     if target.computed is None and target.source.row_tiles():
         return _tiled_rows(target, start, stop)
     return piece(target, (start, *([0] * (len(shape) - 1))), (stop - start, *shape[1:]))
@@ -270,20 +270,22 @@ def _tiled_rows(target: Target, a: int, b: int) -> Piece:
     return Piece(target, offsets, sizes, tuple([c for _, c in copies]))
 
 
-def _in_one_chunk(target: Target) -> bool:
-    """Whether ``target`` is its source's one chunk as it is, with elements (see
-    :meth:`TensorInfo.whole_chunk`)."""
+def _whole_chunk(target: Target) -> Chunk | None:
+    """The source's one chunk where ``target`` is that chunk as it is, with elements (see
+    :meth:`TensorInfo.whole_chunk`); else None."""
     shape = target.shape
-    return bool(shape) and target.computed is None and 0 not in shape and target.source.whole_chunk() is not None
+    if not shape or target.computed is not None or 0 in shape:
+        return None
+    return target.source.whole_chunk()
 
 
-def _of_whole_chunk(target: Target, a: int, b: int) -> Piece:
-    """:func:`_tiled_rows` of a target whose source is one chunk holding it whole (a
+def _of_whole_chunk(target: Target, chunk: Chunk, a: int, b: int) -> Piece:
+    """:func:`_tiled_rows` of a target whose source is ``chunk``, one chunk holding it whole (a
     safetensors file's tensor): rows [a, b) are one copy from that chunk."""
-    chunk = target.source.whole_chunk()
     zeros = (0,) * (len(target.shape) - 1)
     shared = sharing()
-    offsets, sizes = shared((a, *zeros), (a, *zeros)), shared((b - a, *target.shape[1:]), (b - a, *target.shape[1:]))
+    start, size = (a, *zeros), (b - a, *target.shape[1:])
+    offsets, sizes = shared(start, start), shared(size, size)
     if a == b:  # (no rows: no copy, as the tiling's walk finds none)
         return Piece(target, offsets, sizes, ())
     dst = (0, *zeros)
