@@ -167,6 +167,17 @@ def dcp_metadata_overlap(tmp, canary):
     return Bad(_edit_dcp_metadata(tmp, overlap), "lm_head.weight")
 
 
+def dcp_metadata_chunk_named_twice(tmp, canary):
+    """A chunk listed twice (its storage entry once): each chunk's entry is taken as it is
+    described, so the second finds none; refused, never read as two copies of one place."""
+
+    def twice(meta):
+        chunks = meta.state_dict_metadata[KEY].chunks
+        chunks[-1] = chunks[0]
+
+    return Bad(_edit_dcp_metadata(tmp, twice), "lm_head.weight")
+
+
 def index_names_file_outside_dir(tmp, canary):
     d = _copy("llama_hf_sharded", tmp)
     index = json.loads((d / "model.safetensors.index.json").read_text())
@@ -329,6 +340,7 @@ def payload_accelerate_optimizer_metadata(tmp, canary):
 CASES = [missing_path, empty_dir, unrelated_files, hf_index_names_missing_shard, bin_index_names_missing_shard,
          missing_model_rank_file, missing_optim_rank_file, config_world_size_disagrees, names_say_1_but_mesh_says_2,
          two_world_sizes_mixed, rank_file_copied_from_another_rank, dcp_metadata_hole, dcp_metadata_overlap,
+         dcp_metadata_chunk_named_twice,
          index_names_file_outside_dir, truncated_safetensors, truncated_safetensors_in_header, truncated_safetensors_shard,
          garbage_safetensors_header, truncated_torch_bin, truncated_rank_file, random_bytes_pt, torchscript_archive,
          distcp_file_instead_of_dir, dcp_data_file_missing, dcp_garbage_metadata,

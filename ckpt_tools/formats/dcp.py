@@ -101,20 +101,22 @@ def _describe_one(path: Path, prefix: str):
     tensors, objects = [], []
     files: set[str] = set()  # the data files items are in, each resolved inside the root once
 
-    # the index by plain tuples: a many-rank save looks up one entry per item, and the records'
-    # own hash and compare cost more than the rest of describing it
-    # (as the reader gives it, keyed by rows that hash as those tuples: the index itself)
-    index = None
-    if type(storage) is dict and all(type(k) is IndexKey or type(k) is MetadataIndex for k in storage):
-        index = storage if all(type(k) is IndexKey for k in storage) else {k._key(): v for k, v in storage.items()}
+    # looked up by plain tuples: a many-rank save looks up one entry per item, and the records'
+    # own hash and compare cost more than the rest of describing it. Its keys (rows, or records
+    # where the reader built objects) hash and compare as those tuples, so it is its own index.
+    # Each entry is taken out as its item is described: a 256-rank save's rows are ~20 MB, let
+    # go while its description is built rather than held beside it (a second lookup of one
+    # entry, two chunks at one offset, finds it gone: refused as a missing entry)
+    by_tuple = type(storage) is dict and all(type(k) is IndexKey or type(k) is MetadataIndex for k in storage)
 
     def location(fqn: str, offset: tuple[int, ...] | None = None, kind: str = "torch_item") -> Location:
         # (``offset``: a chunk's, checked to be a tuple of ints: the index's key as it stands)
         try:
-            info = storage[MetadataIndex(fqn=fqn, offset=offset)] if index is None \
-                else index[(fqn, offset) if offset is not None else MetadataIndex.key_of(fqn, None)]
+            info = storage.pop((fqn, offset) if offset is not None else MetadataIndex.key_of(fqn, None)) if by_tuple \
+                else storage[MetadataIndex(fqn=fqn, offset=offset)]
         except KeyError:
-            raise BadInput(f"{path / METADATA}: no storage entry for {fqn!r} at {offset}; the metadata is incomplete") from None
+            raise BadInput(f"{path / METADATA}: no storage entry for {fqn!r} at {offset} (none, or one named "
+                           "twice); the metadata is incomplete") from None
         if type(info) is StorageRow:  # (the usual: a row, its ints read as ints, no transforms)
             rel, offset, length = info
             if rel in files and offset >= 0 and length >= 0:
@@ -157,6 +159,7 @@ def _describe_one(path: Path, prefix: str):
                           location(fqn, offsets), None)
                     for c in md.chunks
                 )
+                md.chunks = None  # (its rows let go: the chunks above hold what they said)
                 tensors.append(TensorInfo(group, name, shape, md.properties.dtype, chunks, param, state,
                                           path=tuple(paths.get(fqn) or (fqn,))))
             elif isinstance(md, BytesStorageMetadata):

@@ -123,8 +123,8 @@ class MetadataIndex(_Record):
     def __hash__(self) -> int:
         return hash(self._key())
 
-    def __eq__(self, other: object) -> bool:  # (equal to its row, which hashes alike: dcprows.IndexKey)
-        if type(other) is dcprows.IndexKey:
+    def __eq__(self, other: object) -> bool:  # (equal to its row and to the tuple it hashes as)
+        if type(other) is dcprows.IndexKey or type(other) is tuple:
             return self._key() == other
         return isinstance(other, MetadataIndex) and self._key() == other._key()
 
