@@ -462,3 +462,66 @@ def test_a_pickle_referring_back_into_a_row_is_read_the_careful_way(tmp_path):
     assert _same(got, _careful(data))
     assert got.planner_data["again"] == {"offsets": (2, 0), "sizes": (1, 3)}
     assert all(type(c) is dcpmeta.ChunkStorageMetadata for c in got.state_dict_metadata["w"].chunks)
+
+
+def test_the_memo_keeps_codes_and_each_distinct_part_once(monkeypatch):
+    """A many-record ``.metadata``'s memo (as a 64-rank save gathers it: every record's
+    ``torch.Size`` its own object): four bytes an entry, the records and their unbuilt parts
+    one code (UNREAD), each distinct Size value and name one object however many records
+    hold it; and the tree read is the careful reader's."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    ranks, state, storage = 64, {}, {}
+    for t in range(8):
+        fqn = f"layers.{t}.w"
+        chunks = [ChunkStorageMetadata(offsets=torch.Size([2 * r, 0]), sizes=torch.Size([2, 4])) for r in range(ranks)]
+        state[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2 * ranks, 4]), chunks)
+        for r in range(ranks):
+            storage[MetadataIndex(str(fqn), torch.Size([2 * r, 0]), r)] = _StorageInfo(f"__{r}_0.distcp", 1000 * t, 32)
+    data = pickle.dumps(Metadata(state_dict_metadata=state, storage_data=storage), protocol=4)
+
+    seen = []
+
+    class Spy(fastpickle.Memo):
+        __slots__ = ()
+
+        def __init__(self):
+            super().__init__()
+            seen.append(self)
+
+    monkeypatch.setattr(fastpickle, "Memo", Spy)
+    assert _same(_fast(data), _careful(data))
+    memo, = seen
+    assert memo.codes.itemsize == 4
+    assert len(memo.codes) > 12 * 8 * ranks  # (every MEMOIZE of the pickle has its entry)
+    assert memo.objs[0] is fastpickle.UNREAD and memo.codes.count(0) > len(memo.codes) // 2
+    assert len(memo.objs) < len(memo.codes) // 10
+    sizes = [x for x in memo.objs if type(x) is tuple and all(type(v) is int for v in x)]
+    # each offsets value once (and the tensors' sizes, the records read opcode by opcode): not one per record, 1,536
+    assert len(sizes) < 2 * ranks
+    assert not any(type(x) in ROWS for x in memo.objs)  # (a record read as a row is not kept there)
+
+
+def test_a_pickle_referring_back_to_a_record_read_as_a_row_is_read_the_careful_way(tmp_path):
+    """The memo does not keep a record read as a row (torch never refers to one again): a
+    pickle that does is declined and read by the careful reader, the same tree as its own."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    chunks = [ChunkStorageMetadata(offsets=torch.Size([i, 0]), sizes=torch.Size([1, 3])) for i in range(3)]
+    meta = Metadata(state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32),
+                                                                    torch.Size([3, 3]), chunks)},
+                    planner_data={"w": ("w",), "again": chunks[2]})
+    data = pickle.dumps(meta, protocol=4)
+    with pytest.raises(fastpickle.Decline, match="refers back"):
+        _fast(data)
+    p = tmp_path / ".metadata"
+    p.write_bytes(data)
+    got = load_dcp_metadata(p)
+    assert _same(got, _careful(data))
+    assert got.planner_data["again"] is got.state_dict_metadata["w"].chunks[2]
+    assert (got.planner_data["again"].offsets, got.planner_data["again"].sizes) == ((2, 0), (1, 3))

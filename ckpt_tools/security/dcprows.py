@@ -15,22 +15,24 @@ form of the record (another field, another order, a ``torch.Size`` of more than 
 string not read in one step) is read as an object as before; the careful reader builds objects
 only. Either tree, its records taken as the rows they stand for, is the other (tested).
 
-The memo keeps the row for the record and the values of its ``torch.Size`` tuples. Its state
-dict and the argument tuple of each ``torch.Size`` call are not built: their memo entries are
-:data:`UNREAD`, which :func:`~ckpt_tools.security.bounded.check_tree` turns into a
-:class:`~ckpt_tools.security.fastpickle.Decline` if the pickle ever put one into its tree (the
-file is then read again the careful way). torch never does.
+The memo keeps the values of its ``torch.Size`` tuples (each distinct one once: the
+:class:`~ckpt_tools.security.fastpickle.Memo` holds codes). Its state dict and the argument
+tuple of each ``torch.Size`` call are not built, and the record itself is not kept there: their
+memo entries are :data:`~ckpt_tools.security.fastpickle.UNREAD`, which :func:`~ckpt_tools.security.bounded.check_tree` turns
+into a :class:`~ckpt_tools.security.fastpickle.Decline` if the pickle ever put one into its
+tree (the file is then read again the careful way). torch never does.
 """
 
 from __future__ import annotations
 
 import re
 import struct
+from array import array
 from operator import itemgetter
 from typing import Any
 
 from . import bounded
-from .fastpickle import Decline
+from .fastpickle import Decline, Memo, _Unread
 
 _U4 = struct.Struct("<I").unpack_from
 _I4 = struct.Struct("<i").unpack_from
@@ -87,16 +89,6 @@ class StorageRow(tuple):
     transform_descriptors = None
 
 
-class _Unread:
-    """The memo entry of a part of a record that was not built (its state dict, a call's arguments)."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "<unread>"
-
-
-UNREAD = _Unread()
 
 
 def _refused(_: Any) -> None:
@@ -108,6 +100,13 @@ for _row in (ChunkRow, IndexKey, StorageRow):
 bounded.register(_Unread, _refused)
 
 _NO = object()
+_UNBUILT2 = array("I", (0, 0)).tobytes()  # the codes of two UNREAD memo entries: a record and its state dict
+# the codes of a chunk's (or index's) first five memo entries and of a chunk's last three, from
+# the code of its Size tuple
+# (native sizes: the memo's array of C unsigned ints, its frombytes native too)
+_HEAD5 = struct.Struct("5I").pack
+_TAIL3 = struct.Struct("3I").pack
+_ONE = struct.Struct("I").pack
 
 
 class Rows:
@@ -118,7 +117,6 @@ class Rows:
     changes a memo entry while it reads records so (a BINPUT over one is declined)."""
 
     def __init__(self) -> None:
-        self._names: dict[bytes, str] = {}  # one string per distinct name or path
         self._refs: dict[bytes, Any] = {}  # memo reference -> what it named
         self._dims: dict[bytes, tuple[int, ...]] = {}  # a Size's ints, as pickled -> the tuple
         self._lengths: dict[bytes, int] = {}  # an item's length, as pickled -> the int
@@ -127,6 +125,11 @@ class Rows:
         self._storage_keys: tuple = ()
         self._index_keys: tuple = ()
         self._sizes: set[bytes] = set()
+        # runs of memo codes by a Size's pickled ints, for the memo they were worked out in
+        self._memo: Memo | None = None
+        self._head_codes: dict[bytes, bytes] = {}
+        self._tail_codes: dict[bytes, bytes] = {}
+        self._named: dict[bytes, tuple[str, bytes]] = {}  # one string per distinct name or path, and its code
 
     def readers(self, chunk: type, index: type, storage: type) -> dict[type, Any]:
         return {chunk: self.chunk, index: self.index, storage: self.storage}
@@ -134,7 +137,7 @@ class Rows:
     # each reader: the record whose class is on the stack and whose ``)`` is at ``pos``, as
     # ``(row, end)`` with its memo entries added; or None (nothing added) to read it as an object
 
-    def chunk(self, buf: bytes, pos: int, fend: int, memo: list[Any]) -> tuple[ChunkRow, int] | None:
+    def chunk(self, buf: bytes, pos: int, fend: int, memo: Memo) -> tuple[ChunkRow, int] | None:
         m = _CHUNK(buf, pos, fend)
         if m is None:
             return None
@@ -150,18 +153,24 @@ class Rows:
             if offsets is None or sizes is None or len(offsets) != t1[0] - 0x84 or len(sizes) != len(offsets) or \
                     len(sizes) != t2[0] - 0x84:
                 return None
-            row = ChunkRow((offsets, sizes))
-            memo += (row, UNREAD, offsets, UNREAD, offsets, sizes, UNREAD, sizes)
-            return row, m.end()
+            # its memo entries: row, UNREAD, offsets, UNREAD, offsets, then sizes, UNREAD, sizes
+            if memo is not self._memo:
+                self._bind(memo)
+            head = self._head_codes.get(d1) or self._codes_of(d1, offsets, head=True)
+            tail = self._tail_codes.get(d2) or self._codes_of(d2, sizes, head=False)
+            memo.codes.frombytes(head)
+            memo.codes.frombytes(tail)
+            return ChunkRow((offsets, sizes)), m.end()
         offsets, m1 = self._size(c1, d1, t1, e1, memo)
         sizes, m2 = self._size(c2, d2, t2, e2, memo)
         if offsets is None or sizes is None or len(offsets) != len(sizes):
             return None
-        row = ChunkRow((offsets, sizes))
-        memo += (row, UNREAD, *m1, *m2)
-        return row, m.end()
+        memo.codes.extend((0, 0, *m1, *m2))
+        return ChunkRow((offsets, sizes)), m.end()
 
-    def index(self, buf: bytes, pos: int, fend: int, memo: list[Any]) -> tuple[IndexKey, int] | None:
+    def index(self, buf: bytes, pos: int, fend: int, memo: Memo) -> tuple[IndexKey, int] | None:
+        if memo is not self._memo:
+            self._bind(memo)
         fqn, new, p, key = self._head("fqn", buf, pos, fend, memo)
         m = None if p < 0 else _INDEX(buf, p, fend)
         if m is None:
@@ -172,9 +181,14 @@ class Rows:
             offsets = self._dims.get(d) or _ints_of(self._dims, d)
             if offsets is None or len(offsets) != t[0] - 0x84:
                 return None
-            row = IndexKey((fqn, offsets))
-            memo += (row, UNREAD, fqn, offsets, UNREAD, offsets) if new else (row, UNREAD, offsets, UNREAD, offsets)
-            return row, m.end()
+            # its memo entries: row, UNREAD, (its name, if new,) offsets, UNREAD, offsets
+            if new:
+                memo.codes.frombytes(_UNBUILT2)
+                memo.codes.frombytes(new)
+                memo.codes.frombytes(self._tail_codes.get(d) or self._codes_of(d, offsets, head=False))
+            else:
+                memo.codes.frombytes(self._head_codes.get(d) or self._codes_of(d, offsets, head=True))
+            return IndexKey((fqn, offsets)), m.end()
         ref = self._ref
         if ref(k1, memo) != "index":
             return None
@@ -186,19 +200,19 @@ class Rows:
             if offsets is None:
                 return None
             self._index_keys = (key, k1, k2)
-        row = IndexKey((fqn, offsets))
-        memo += (row, UNREAD, *new, *m1)
-        return row, m.end()
+        memo.codes.frombytes(_UNBUILT2)
+        memo.codes.frombytes(new)
+        memo.codes.extend(m1)
+        return IndexKey((fqn, offsets)), m.end()
 
-    def storage(self, buf: bytes, pos: int, fend: int, memo: list[Any]) -> tuple[StorageRow, int] | None:
+    def storage(self, buf: bytes, pos: int, fend: int, memo: Memo) -> tuple[StorageRow, int] | None:
         m = _STORAGE_OF_REF(buf, pos, fend)
         if m is not None:  # the usual: the path a reference, its fields where they were last
             k0, ref, k1, offset, k2, length = m.groups()
             path = self._refs.get(ref)
             if type(path) is str and (k0, k1, k2) == self._storage_keys:
-                row = StorageRow((path, _int(offset), self._length(length)))
-                memo += (row, UNREAD)
-                return row, m.end()
+                memo.codes.frombytes(_UNBUILT2)  # (row, UNREAD)
+                return StorageRow((path, _int(offset), self._length(length))), m.end()
         path, new, p, key = self._head("relative_path", buf, pos, fend, memo)
         m = None if p < 0 else _STORAGE(buf, p, fend)
         if m is None:
@@ -208,9 +222,23 @@ class Rows:
         if ref(k1, memo) != "offset" or ref(k2, memo) != "length":
             return None
         self._storage_keys = (key, k1, k2)  # (where its fields' names are: the next one's, too)
-        row = StorageRow((path, _int(offset), self._length(length)))
-        memo += (row, UNREAD, *new)
-        return row, m.end()
+        memo.codes.frombytes(_UNBUILT2)
+        memo.codes.frombytes(new)
+        return StorageRow((path, _int(offset), self._length(length))), m.end()
+
+    def _bind(self, memo: Memo) -> None:
+        self._memo = memo
+        self._head_codes, self._tail_codes, self._named = {}, {}, {}
+
+    def _codes_of(self, pickled: bytes, t: tuple, *, head: bool) -> bytes:
+        """The codes (as bytes) of the memo entries a record adds with the Size ``t``, pickled
+        as ``pickled``: with ``head``, a chunk's or index's first five, else a chunk's last three."""
+        c = self._memo.shared(t)
+        if head:
+            run = self._head_codes[pickled] = _HEAD5(0, 0, c, 0, c)
+        else:
+            run = self._tail_codes[pickled] = _TAIL3(c, 0, c)
+        return run
 
     def _length(self, pickled: bytes) -> int:
         """An item's length as pickled, as an int one object per value (a tensor's items share
@@ -220,28 +248,31 @@ class Rows:
             n = self._lengths[pickled] = _int(pickled)
         return n
 
-    def _head(self, field: str, buf: bytes, pos: int, fend: int, memo: list[Any]) -> tuple[Any, tuple, int, bytes]:
-        """A record's first field, a string: it, the memo entries it adds, where the rest
-        begins (-1: not this form) and the reference its name was found at."""
+    def _head(self, field: str, buf: bytes, pos: int, fend: int, memo: Memo) -> tuple[Any, bytes, int, bytes]:
+        """A record's first field, a string: it, the memo codes it adds (as bytes), where the
+        rest begins (-1: not this form) and the reference its name was found at."""
         m = _HEAD(buf, pos, fend)
         if m is None:
-            return None, (), -1, b""
+            return None, b"", -1, b""
         key, sref, short = m.groups()
         if self._ref(key, memo) != field:
-            return None, (), -1, b""
+            return None, b"", -1, b""
         if short is None:
             s = self._ref(sref, memo)
-            return (s, (), m.end(), key) if type(s) is str else (None, (), -1, b"")
+            return (s, b"", m.end(), key) if type(s) is str else (None, b"", -1, b"")
         end = m.end() + short[0]
         if end >= fend or buf[end] != 0x94:  # SHORT_BINUNICODE MEMOIZE
-            return None, (), -1, b""
+            return None, b"", -1, b""
+        if memo is not self._memo:
+            self._bind(memo)
         raw = buf[m.end():end]
-        s = self._names.get(raw)
-        if s is None:
-            s = self._names[raw] = str(raw, "utf-8", "surrogatepass")
-        return s, (s,), end + 1, key
+        got = self._named.get(raw)
+        if got is None:
+            s = str(raw, "utf-8", "surrogatepass")
+            got = self._named[raw] = (s, _ONE(memo.shared(s)))
+        return got[0], got[1], end + 1, key
 
-    def _ref(self, ref: bytes, memo: list[Any]) -> Any:
+    def _ref(self, ref: bytes, memo: Memo) -> Any:
         """What the memo reference ``ref`` names (only strings and ``tuple``, the Size global, and
         tuples are asked for: anything else compares unequal to what is asked)."""
         got = self._refs.get(ref, _NO)
@@ -256,10 +287,10 @@ class Rows:
         return got
 
     def _size(self, cls: bytes, dims: bytes | None, op: bytes | None, empty: bytes | None,
-              memo: list[Any]) -> tuple[tuple | None, tuple]:
+              memo: Memo) -> tuple[tuple | None, tuple]:
         """``torch.Size((...))`` of up to 3 non-negative ints, read as the careful reader reads
         it (its global is the ``tuple`` find_class gives for it), or a memo reference to such a
-        tuple (a Size pickled before): the tuple and the memo entries it adds; None for
+        tuple (a Size pickled before): the tuple and the memo codes it adds; None for
         anything else."""
         got = self._ref(cls, memo)
         if dims is not None:
@@ -267,9 +298,10 @@ class Rows:
             if t is None or got is not tuple or len(t) != op[0] - 0x84:  # TUPLE1..3 takes 1..3
                 return None, ()
             self._sizes.add(cls)  # (the Size global's reference: chunk() takes the next at once)
-            return t, (t, UNREAD, t)
+            c = memo.shared(t)
+            return t, (c, 0, c)
         if empty is not None:
-            return ((), (UNREAD, ())) if got is tuple else (None, ())
+            return ((), (0, memo.shared(()))) if got is tuple else (None, ())
         if type(got) is tuple and len(got) <= 64 and all(type(v) is int and v >= 0 for v in got):
             return got, ()
         return None, ()

@@ -26,6 +26,7 @@ passes the result through :func:`~ckpt_tools.security.bounded.check_tree`.
 from __future__ import annotations
 
 import struct
+from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +46,66 @@ class Decline(Exception):
     """The fast reader does not vouch for this pickle; read it the careful way."""
 
 
+class _Unread:
+    """The memo entry of a part of a record that was not built (its state dict, a call's
+    arguments, the record itself): met again, it is refused by the tree check."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<unread>"
+
+
+UNREAD = _Unread()
+
+
+class Memo:
+    """The memo of one :func:`load`: entry ``i`` is ``objs[codes[i]]``, four bytes an entry.
+
+    A 256-rank ``.metadata`` memoizes 1.2 million objects, nearly all of them parts of its
+    records: their unbuilt parts and the records themselves (never referred to again by torch:
+    :data:`UNREAD`, code 0) and a few hundred distinct ``torch.Size`` tuples and names, each
+    kept once (:meth:`shared`). As a list of references it was 9.4 MB, the read's largest
+    single allocation; as codes it is half that."""
+
+    __slots__ = ("codes", "objs", "_shared")
+
+    def __init__(self) -> None:
+        self.codes = array("I")
+        self.objs: list[Any] = [UNREAD]
+        self._shared: dict[int, int] = {}  # id of an object kept once -> its code
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.objs[self.codes[i]]
+
+    def append(self, x: Any) -> None:
+        self.codes.append(len(self.objs))
+        self.objs.append(x)
+
+    def shared(self, x: Any) -> int:
+        """The code of ``x``, an object entered many times (a Size's tuple, a name): one a value."""
+        code = self._shared.get(id(x))
+        if code is None:
+            code = self._shared[id(x)] = len(self.objs)
+            self.objs.append(x)  # (kept: its id stays its own)
+        return code
+
+    def put(self, i: int, x: Any, records: dict | None) -> None:
+        """BINPUT, as :func:`_put` takes it for a list."""
+        if i < len(self.codes):
+            if records:
+                raise Decline("BINPUT over a memo entry")
+            self.codes[i] = len(self.objs)
+            self.objs.append(x)
+        elif i == len(self.codes):
+            self.append(x)
+        else:
+            raise Decline("BINPUT past the memo's end")
+
+
 def load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type, Callable] | None = None,
          more: Callable[[int], bytes] | None = None) -> Any:
     """The object pickled in ``buf`` (the whole pickle, STOP its last opcode read), exactly as
@@ -52,8 +113,8 @@ def load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type, 
 
     ``records``: for a class ``find_class`` gives, a reader of one record of it (called as
     ``reader(buf, pos, frame_end, memo)`` at its EMPTY_TUPLE NEWOBJ, after the class) that
-    returns ``(value, end)`` with the record's memo entries added, or None to read it opcode by
-    opcode; the value stands for the object built (:mod:`.dcprows`).
+    returns ``(value, end)`` with the record's entries added to the :class:`Memo`, or None to
+    read it opcode by opcode; the value stands for the object built (:mod:`.dcprows`).
 
     ``more``: where ``buf`` is the pickle's start only, ``more(n)`` gives up to ``n`` of its
     next bytes (a file's ``read``): the pickle is read frame by frame, the bytes before the
@@ -73,9 +134,10 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type,
     if more is not None and len(buf) < 11:  # the protocol and the first FRAME opcode with its size
         buf += more(11 - len(buf))
     n = len(buf)
-    # the memo as a list: MEMOIZE numbers objects 0, 1, 2, ... (a dict of 1.2 million int keys,
+    # the memo as codes: MEMOIZE numbers objects 0, 1, 2, ... (a dict of 1.2 million int keys,
     # as a 256-rank .metadata needs, is ~70 MB and slower); a BINPUT past its end declines
-    memo: list[Any] = []
+    memo = Memo()
+    codes, objs = memo.codes, memo.objs
     memoize = memo.append
     stack: list[Any] = []
     metastack: list[list[Any]] = []
@@ -92,11 +154,17 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type,
         # most frequent first (in a many-rank .metadata, runs of opcodes taken together): a chain
         # of compares is cheaper than a call through a table
         if op == 0x6a:  # LONG_BINGET
-            append(memo[_U4(buf, pos + 1)[0]])
+            x = objs[codes[_U4(buf, pos + 1)[0]]]
             pos += 5
+            # a record's class, then EMPTY_TUPLE NEWOBJ: the record read in the same turn (as below)
+            if type(x) is type and buf[pos] == 0x29 and buf[pos + 1] == 0x81 and x in records:
+                got = records[x](buf, pos, fend, memo)
+                if got is not None:
+                    x, pos = got
+            append(x)
             continue
         if op == 0x68:  # BINGET
-            append(memo[buf[pos + 1]])
+            append(objs[codes[buf[pos + 1]]])
             pos += 2
             continue
         if op == 0x4b:  # BININT1
@@ -303,11 +371,11 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type,
             pos += 9
             continue
         if op == 0x71:  # BINPUT
-            _put(memo, buf[pos + 1], stack[-1], records)
+            memo.put(buf[pos + 1], stack[-1], records)
             pos += 2
             continue
         if op == 0x72:  # LONG_BINPUT
-            _put(memo, _U4(buf, pos + 1)[0], stack[-1], records)
+            memo.put(_U4(buf, pos + 1)[0], stack[-1], records)
             pos += 5
             continue
         if op == 0x73:  # SETITEM
@@ -384,13 +452,12 @@ def _build(stack: list[Any]) -> None:
     setstate(state)
 
 
-def _put(memo: list[Any], i: int, x: Any, records: dict | None = None) -> None:
-    """BINPUT: at ``i`` of the memo, as the careful reader's dict takes it, where a list can.
-    Not over an entry while records are read in one step: their readers may keep what they
-    looked up in the memo (protocols 4 and 5 never put twice; only a hand-made pickle does)."""
+def _put(memo: list[Any], i: int, x: Any) -> None:
+    """BINPUT: at ``i`` of the memo, as the careful reader's dict takes it, where a list can
+    (:meth:`Memo.put` is this for :func:`load`, which declines a put over an entry while
+    records are read in one step: their readers may keep what they looked up in the memo;
+    protocols 4 and 5 never put twice, only a hand-made pickle does)."""
     if i < len(memo):
-        if records:
-            raise Decline("BINPUT over a memo entry")
         memo[i] = x
     elif i == len(memo):
         memo.append(x)
