@@ -441,10 +441,12 @@ def test_every_form_of_a_record_reads_the_same(tmp_path):
     assert got.storage_data[("obj", None)].length == 8
 
 
-def test_a_pickle_referring_back_into_a_row_is_read_the_careful_way(tmp_path):
+@pytest.mark.parametrize("again", ["state", "record"])
+def test_a_pickle_referring_back_into_a_row_is_read_the_careful_way(tmp_path, again):
     """A chunk's state dict and a ``torch.Size`` call's arguments are not built when the chunk
-    is read as a row; a pickle that refers to either again (torch never does) is declined by
-    the tree check and read again by the careful reader: the same tree as the careful one."""
+    is read as a row, and the memo does not keep the record itself; a pickle that refers to
+    either again (torch never does) is declined by the tree check and read again by the careful
+    reader: the same tree as the careful one."""
     import torch
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
                                                        TensorStorageMetadata)
@@ -452,7 +454,7 @@ def test_a_pickle_referring_back_into_a_row_is_read_the_careful_way(tmp_path):
     chunks = [ChunkStorageMetadata(offsets=torch.Size([i, 0]), sizes=torch.Size([1, 3])) for i in range(3)]
     meta = Metadata(state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32),
                                                                     torch.Size([3, 3]), chunks)},
-                    planner_data={"w": ("w",), "again": chunks[2].__dict__})
+                    planner_data={"w": ("w",), "again": chunks[2].__dict__ if again == "state" else chunks[2]})
     data = pickle.dumps(meta, protocol=4)
     with pytest.raises(fastpickle.Decline, match="refers back"):
         _fast(data)
@@ -460,8 +462,11 @@ def test_a_pickle_referring_back_into_a_row_is_read_the_careful_way(tmp_path):
     p.write_bytes(data)
     got = load_dcp_metadata(p)
     assert _same(got, _careful(data))
-    assert got.planner_data["again"] == {"offsets": (2, 0), "sizes": (1, 3)}
     assert all(type(c) is dcpmeta.ChunkStorageMetadata for c in got.state_dict_metadata["w"].chunks)
+    if again == "state":
+        assert got.planner_data["again"] == {"offsets": (2, 0), "sizes": (1, 3)}
+    else:
+        assert got.planner_data["again"] is got.state_dict_metadata["w"].chunks[2]
 
 
 def test_the_memo_keeps_codes_and_each_distinct_part_once(monkeypatch):
@@ -503,25 +508,3 @@ def test_the_memo_keeps_codes_and_each_distinct_part_once(monkeypatch):
     # each offsets value once (and the tensors' sizes, the records read opcode by opcode): not one per record, 1,536
     assert len(sizes) < 2 * ranks
     assert not any(type(x) in ROWS for x in memo.objs)  # (a record read as a row is not kept there)
-
-
-def test_a_pickle_referring_back_to_a_record_read_as_a_row_is_read_the_careful_way(tmp_path):
-    """The memo does not keep a record read as a row (torch never refers to one again): a
-    pickle that does is declined and read by the careful reader, the same tree as its own."""
-    import torch
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
-                                                       TensorStorageMetadata)
-
-    chunks = [ChunkStorageMetadata(offsets=torch.Size([i, 0]), sizes=torch.Size([1, 3])) for i in range(3)]
-    meta = Metadata(state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32),
-                                                                    torch.Size([3, 3]), chunks)},
-                    planner_data={"w": ("w",), "again": chunks[2]})
-    data = pickle.dumps(meta, protocol=4)
-    with pytest.raises(fastpickle.Decline, match="refers back"):
-        _fast(data)
-    p = tmp_path / ".metadata"
-    p.write_bytes(data)
-    got = load_dcp_metadata(p)
-    assert _same(got, _careful(data))
-    assert got.planner_data["again"] is got.state_dict_metadata["w"].chunks[2]
-    assert (got.planner_data["again"].offsets, got.planner_data["again"].sizes) == ((2, 0), (1, 3))
