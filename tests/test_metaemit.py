@@ -95,6 +95,32 @@ def test_memo_references_past_256_and_shared_strings():
     assert strings.count("model.m1") == 8  # the key (its first entry's string) and one per other entry
 
 
+def test_an_items_name_is_held_once_per_tensor_and_pickled_as_its_own_string():
+    """The writer holds one name object per tensor, not one per item: a joined name's later
+    items are Anew rows (each pickled as a string of its own, as a join per item gave), a
+    one-name path's items refer to that very string; the bytes are those of the metadata built
+    with a join per item (torch's writer's objects, which test_dcpnative compares)."""
+    files = [(f"__{r}_0.distcp", [("tensor", (("model", f"m{k}"), "float32", (8, 2), (r, 0), (1, 2)), 64 * k, 8)
+                                  for k in range(40)] +
+              [("tensor", ((f"t{k}",), "float32", (8,), (r,), (1,)), 9999 + k, 4) for k in range(5)])
+             for r in range(8)]
+    meta, _ = metadata_of(files)
+    rows = list(meta.storage_data)
+    assert len(rows) == 8 * 45
+    assert len({id(row[0]) for row in rows}) == 45  # one name object a tensor
+    assert sum(type(row) is metaemit.Anew for row in rows) == 7 * 40  # the joined names' later items
+    assert all(row[0] in meta.state_dict_metadata for row in rows)
+    # the oracle: every item's name built by its own join, as rows of plain tuples
+    meta_joined, _ = metadata_of(files)
+    meta_joined.storage_data = metaemit.Entries(
+        (".".join(row[0].split(".")) if type(row) is metaemit.Anew else row[0], *row[1:])
+        for row in meta_joined.storage_data)
+    assert metaemit.dumps(meta, pickle.DEFAULT_PROTOCOL) == mp.dumps(metaemit.stand_ins(meta_joined))
+    text = [(op.name, arg) for op, arg, _ in pickletools.genops(metaemit.dumps(meta, pickle.DEFAULT_PROTOCOL))]
+    strings = [arg for name, arg in text if name == "SHORT_BINUNICODE"]
+    assert strings.count("model.m3") == 8 and strings.count("t3") == 1
+
+
 def test_what_it_cannot_render_is_left_to_the_pickler():
     meta, _ = metadata_of([("__0_0.distcp", [("tensor", (("x" * 70000,), "float32", (1,), (0,), (1,)), 0, 4)])])
     with pytest.raises(metaemit.Unsupported):

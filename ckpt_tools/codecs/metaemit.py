@@ -50,6 +50,9 @@ _PATH, _LENGTH = sys.intern("relative_path"), sys.intern("length")
 _PROPERTIES, _SIZE_KEY, _CHUNKS = sys.intern("properties"), sys.intern("size"), sys.intern("chunks")
 
 
+_NO_NAME = object()
+
+
 class Chunks(list):
     """A tensor's chunks as ``(offsets, sizes)`` pairs: pickled as the list of
     ``ChunkStorageMetadata(offsets=Size(offsets), sizes=Size(sizes))`` it stands for."""
@@ -60,6 +63,19 @@ class Entries(list):
     pickled as the dict ``{MetadataIndex(fqn, Size(offsets)): _StorageInfo(file, offset,
     length)}`` it stands for. ``fqn`` and ``file`` are the string objects the writer built
     (pickle memoizes by identity: which of them are one object decides the bytes)."""
+
+
+class Anew(tuple):
+    """An :class:`Entries` row whose ``fqn`` is pickled as a string object of its own, equal to
+    the one given (as torch's gathered write results each bring theirs): the writer need not
+    build and hold an object per item only for the pickle to see it once."""
+
+    __slots__ = ()
+
+
+def anew(s: str) -> str:
+    """A string equal to ``s`` and not ``s`` (an :class:`Anew` row's name, as a stand-in)."""
+    return s.encode("utf-8", "surrogatepass").decode("utf-8", "surrogatepass")
 
 
 def chunk(offsets: tuple, sizes: tuple) -> mp.ChunkStorageMetadata:
@@ -79,7 +95,7 @@ def stand_ins(meta: mp.Metadata) -> mp.Metadata:
         if type(getattr(md, "chunks", None)) is Chunks:
             md.chunks = [chunk(*c) for c in md.chunks]
     if type(meta.storage_data) is Entries:
-        meta.storage_data = dict(entry(*e) for e in meta.storage_data)
+        meta.storage_data = dict(entry(anew(e[0]), *e[1:]) if type(e) is Anew else entry(*e) for e in meta.storage_data)
     return meta
 
 
@@ -142,6 +158,7 @@ class _Emitter:
         self._entry: tuple | None = None
         self._tensor: tuple | None = None
         self.rendered: dict[int, Callable[[Any], None]] = {}
+        self._names: dict[str, tuple[bytes, int] | None] = {}  # a name's opcodes as a new string
 
     # -- pickle's framer and memo
 
@@ -308,7 +325,9 @@ class _Emitter:
     def _one_entry(self, row: tuple) -> None:
         fqn, offsets, file, start, length = row
         parts, memo = self._entry, self.memo
-        name = self._name(fqn) if parts is not None and offsets is not None and id(file) in memo else None
+        fresh = type(row) is Anew  # (its name a string of its own, met nowhere else: memoized, not kept)
+        name = None if parts is None or offsets is None or id(file) not in memo else \
+            self._new_name(fqn) if fresh else self._name(fqn)
         if name is not None:
             index_head, index_mid, info_head, offset_key, length_key = parts
             at, n = _size_ops(offsets)
@@ -316,12 +335,12 @@ class _Emitter:
                              offset_key, _int(start), length_key, _int(length), b"ub"))
             if self.n + len(data) < _FRAME:
                 self.write(data)
-                if name[1]:  # (memoized after the index and its state dict)
+                if name[1] and not fresh:  # (memoized after the index and its state dict)
                     memo[id(fqn)] = self.count + 2
                     self.keep.append(fqn)
                 self.count += 4 + n + name[1]  # (the index, its state, its Size's; the info, its state)
                 return
-        k, v = entry(fqn, offsets, file, start, length)
+        k, v = entry(anew(fqn) if fresh else fqn, offsets, file, start, length)
         self.save(k)
         self.save(v)
         if parts is None and offsets is not None:
@@ -403,6 +422,14 @@ class _Emitter:
                     self.count = count + 1
                     return
         self._item(kv)
+
+    def _new_name(self, s: str) -> tuple[bytes, int] | None:
+        """:meth:`_name` of a string object of its own equal to ``s`` (its opcodes kept by value)."""
+        got = self._names.get(s, _NO_NAME)
+        if got is _NO_NAME:
+            encoded = s.encode("utf-8", "surrogatepass")
+            got = self._names[s] = (b"\x8c" + bytes([len(encoded)]) + encoded + b"\x94", 1) if len(encoded) <= 0xFF else None
+        return got
 
     def _name(self, s: str) -> tuple[bytes, int] | None:
         """A string's opcodes where it is saved next (a reference, or the string and MEMOIZE) and
