@@ -424,21 +424,20 @@ class _Emitter:
         self._item(kv)
 
     def _new_name(self, s: str) -> tuple[bytes, int] | None:
-        """:meth:`_name` of a string object of its own equal to ``s`` (its opcodes kept by value)."""
+        """A string's opcodes where it is saved as a new object (the string and MEMOIZE, kept by
+        value) and that it is new; None for one of 256 bytes or more (as :meth:`_name`)."""
         got = self._names.get(s, _NO_NAME)
         if got is _NO_NAME:
             encoded = s.encode("utf-8", "surrogatepass")
-            got = self._names[s] = (b"\x8c" + bytes([len(encoded)]) + encoded + b"\x94", 1) if len(encoded) <= 0xFF else None
+            got = (b"\x8c" + bytes([len(encoded)]) + encoded + b"\x94", 1) if len(encoded) <= 0xFF else None
+            self._names[s] = got
         return got
 
     def _name(self, s: str) -> tuple[bytes, int] | None:
         """A string's opcodes where it is saved next (a reference, or the string and MEMOIZE) and
         whether it is new; None for one of 256 bytes or more (BINUNICODE: left to :meth:`save`)."""
         i = self.memo.get(id(s))
-        if i is not None:
-            return self.get(i), 0
-        encoded = s.encode("utf-8", "surrogatepass")
-        return (b"\x8c" + bytes([len(encoded)]) + encoded + b"\x94", 1) if len(encoded) <= 0xFF else None
+        return (self.get(i), 0) if i is not None else self._new_name(s)
 
 
 def _size_ops(dims: tuple) -> tuple[bytes, int]:

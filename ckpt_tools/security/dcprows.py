@@ -18,9 +18,10 @@ only. Either tree, its records taken as the rows they stand for, is the other (t
 The memo keeps the values of its ``torch.Size`` tuples (each distinct one once: the
 :class:`~ckpt_tools.security.fastpickle.Memo` holds codes). Its state dict and the argument
 tuple of each ``torch.Size`` call are not built, and the record itself is not kept there: their
-memo entries are :data:`~ckpt_tools.security.fastpickle.UNREAD`, which :func:`~ckpt_tools.security.bounded.check_tree` turns
-into a :class:`~ckpt_tools.security.fastpickle.Decline` if the pickle ever put one into its
-tree (the file is then read again the careful way). torch never does.
+memo entries are :data:`~ckpt_tools.security.fastpickle.UNREAD`, which
+:func:`~ckpt_tools.security.bounded.check_tree` turns into a
+:class:`~ckpt_tools.security.fastpickle.Decline` if the pickle ever put one into its tree (the
+file is then read again the careful way). torch never does.
 """
 
 from __future__ import annotations
@@ -87,8 +88,6 @@ class StorageRow(tuple):
     offset = property(itemgetter(1))
     length = property(itemgetter(2))
     transform_descriptors = None
-
-
 
 
 def _refused(_: Any) -> None:

@@ -85,6 +85,10 @@ class Memo:
         self.codes.append(len(self.objs))
         self.objs.append(x)
 
+    def __setitem__(self, i: int, x: Any) -> None:  # (a BINPUT over an entry: :func:`_put`)
+        self.codes[i] = len(self.objs)
+        self.objs.append(x)
+
     def shared(self, x: Any) -> int:
         """The code of ``x``, an object entered many times (a Size's tuple, a name): one a value."""
         code = self._shared.get(id(x))
@@ -92,18 +96,6 @@ class Memo:
             code = self._shared[id(x)] = len(self.objs)
             self.objs.append(x)  # (kept: its id stays its own)
         return code
-
-    def put(self, i: int, x: Any, records: dict | None) -> None:
-        """BINPUT, as :func:`_put` takes it for a list."""
-        if i < len(self.codes):
-            if records:
-                raise Decline("BINPUT over a memo entry")
-            self.codes[i] = len(self.objs)
-            self.objs.append(x)
-        elif i == len(self.codes):
-            self.append(x)
-        else:
-            raise Decline("BINPUT past the memo's end")
 
 
 def load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type, Callable] | None = None,
@@ -371,11 +363,11 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type,
             pos += 9
             continue
         if op == 0x71:  # BINPUT
-            memo.put(buf[pos + 1], stack[-1], records)
+            _put(memo, buf[pos + 1], stack[-1], records)
             pos += 2
             continue
         if op == 0x72:  # LONG_BINPUT
-            memo.put(_U4(buf, pos + 1)[0], stack[-1], records)
+            _put(memo, _U4(buf, pos + 1)[0], stack[-1], records)
             pos += 5
             continue
         if op == 0x73:  # SETITEM
@@ -452,12 +444,13 @@ def _build(stack: list[Any]) -> None:
     setstate(state)
 
 
-def _put(memo: list[Any], i: int, x: Any) -> None:
-    """BINPUT: at ``i`` of the memo, as the careful reader's dict takes it, where a list can
-    (:meth:`Memo.put` is this for :func:`load`, which declines a put over an entry while
-    records are read in one step: their readers may keep what they looked up in the memo;
-    protocols 4 and 5 never put twice, only a hand-made pickle does)."""
+def _put(memo: list[Any] | Memo, i: int, x: Any, records: dict | None = None) -> None:
+    """BINPUT: at ``i`` of the memo, as the careful reader's dict takes it, where a list can.
+    Not over an entry while records are read in one step: their readers may keep what they
+    looked up in the memo (protocols 4 and 5 never put twice; only a hand-made pickle does)."""
     if i < len(memo):
+        if records:
+            raise Decline("BINPUT over a memo entry")
         memo[i] = x
     elif i == len(memo):
         memo.append(x)
