@@ -441,6 +441,32 @@ def test_every_form_of_a_record_reads_the_same(tmp_path):
     assert got.storage_data[("obj", None)].length == 8
 
 
+@pytest.mark.parametrize("name", ["w.weight", "w\u2014w", "\u00e9" * 40])
+def test_an_index_named_again_is_read_in_one_step_or_the_careful_way(name):
+    """A tensor's storage entries after its first name it anew, as torch pickles each key: read
+    in one step by their name's bytes when that name was read before, and the same either way
+    when those bytes hold the byte of MEMOIZE (\u2014 is e2 80 94 in UTF-8: the one-step match
+    ends early, its length tells, and the entry is read the other way)."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    chunks = [ChunkStorageMetadata(offsets=torch.Size([2 * r, 0]), sizes=torch.Size([2, 4])) for r in range(6)]
+    state = {name: TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([12, 4]), chunks)}
+    # (each key its own string, as a many-rank save gathers them: pickled anew, not referred to)
+    storage = {MetadataIndex(name.encode().decode(), [2 * r, 0], 0): _StorageInfo(f"__{r}_0.distcp", 8, 32)
+               for r in range(6)}
+    data = pickle.dumps(Metadata(state_dict_metadata=state, storage_data=storage), protocol=4)
+    assert data.count(name.encode()) == 7
+    fast, careful = _fast(data), _careful(data)
+    assert _same(fast, careful)
+    keys = list(fast.storage_data)
+    assert [k.fqn for k in keys] == [name] * 6 and [k.offset for k in keys] == [(2 * r, 0) for r in range(6)]
+    # (all but the first, whose field names are new; with MEMOIZE's byte in the name, one step or not)
+    assert _rows_in(fast)[dcprows.IndexKey] == 5
+
+
 @pytest.mark.parametrize("again", ["state", "record"])
 def test_a_pickle_referring_back_into_a_row_is_read_the_careful_way(tmp_path, again):
     """A chunk's state dict and a ``torch.Size`` call's arguments are not built when the chunk

@@ -57,6 +57,9 @@ _INDEX = re.compile(_REF + rb"(N|" + _INT[1:-1] + rb")(?:" + _REF + _SIZE + rb")
 _STORAGE = re.compile(_REF + _BIG + _REF + _BIG + _END, re.S).match
 # the usual _StorageInfo whole: its path a reference to the file's name, pickled before
 _STORAGE_OF_REF = re.compile(_NEW + _REF + _REF + _REF + _BIG + _REF + _BIG + _END, re.S).match
+# the usual MetadataIndex whole: its name a new string (its length checked: a name holding the
+# byte of MEMOIZE is read the other way), a Size call
+_INDEX_NAMED = re.compile(_NEW + _REF + rb"\x8c(.)([^\x94]*)\x94" + _REF + _INT + _REF + _SIZE + _END, re.S).match
 
 
 class ChunkRow(tuple):
@@ -170,6 +173,20 @@ class Rows:
     def index(self, buf: bytes, pos: int, fend: int, memo: Memo) -> tuple[IndexKey, int] | None:
         if memo is not self._memo:
             self._bind(memo)
+        m = _INDEX_NAMED(buf, pos, fend)
+        if m is not None:  # the usual: a name read before, the fields where they were last
+            key, short, raw, k1, _, k2, c, d, t, _ = m.groups()
+            got = self._named.get(raw)
+            if got is not None and short[0] == len(raw) and d is not None and c in self._sizes \
+                    and (key, k1, k2) == self._index_keys:
+                offsets = self._dims.get(d) or _ints_of(self._dims, d)
+                if offsets is not None and len(offsets) == t[0] - 0x84:
+                    # its memo entries: row, UNREAD, its name, offsets, UNREAD, offsets
+                    codes = memo.codes
+                    codes.frombytes(_UNBUILT2)
+                    codes.frombytes(got[1])
+                    codes.frombytes(self._tail_codes.get(d) or self._codes_of(d, offsets, head=False))
+                    return IndexKey((got[0], offsets)), m.end()
         fqn, new, p, key = self._head("fqn", buf, pos, fend, memo)
         m = None if p < 0 else _INDEX(buf, p, fend)
         if m is None:
