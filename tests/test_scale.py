@@ -255,6 +255,30 @@ def test_dcp_item_spans_are_the_saved_bytes_read_or_mapped(tmp_path, monkeypatch
     assert seen == 2 * len(shapes)
 
 
+def test_reader_windows_of_many_files_hold_a_bounded_total(tmp_path, monkeypatch):
+    """A reader of many files reads small ranges by windows that shrink with the files, so the
+    windows left behind by a walk over every file (a many-rank job's) stay within their budget;
+    every range still reads as a plain read of it does."""
+    from ckpt_tools.engine import reader as reader_mod
+    from ckpt_tools.formats import describe
+
+    make_dcp(tmp_path / "dcp", 8, shapes={"w": (64, 64)})
+    monkeypatch.setattr(reader_mod, "_WINDOWS_BYTES", 4096)
+    monkeypatch.setattr(reader_mod, "_MIN_WINDOW", 128)
+    files = sorted(p.name for p in (tmp_path / "dcp").iterdir() if p.suffix == ".distcp")
+    data = {f: (tmp_path / "dcp" / f).read_bytes() for f in files}
+    ckpt = describe(tmp_path / "dcp")
+    with reader_mod.Reader(ckpt) as r:
+        assert r._window == 4096 // len(ckpt.files) < 2048 < min(len(d) for d in data.values())
+        for f in files:
+            for at in range(0, len(data[f]), 50):
+                assert r._pread(f, at, 50) == data[f][at:at + 50]
+        assert len(r._windows) == len(files)
+        assert sum(len(w) for _, w in r._windows.values()) <= 4096
+    monkeypatch.undo()  # as shipped: 64 KiB at 16 ranks, 8 KiB at 256, never under 4 KiB
+    assert [reader_mod._window_for(n) for n in (1, 17, 256, 10**6)] == [64 << 10, 64 << 10, 8 << 10, 4 << 10]
+
+
 def test_reader_reads_small_ranges_through_windows_as_pread_does(tmp_path, monkeypatch):
     """Small ranges of source files read through the reader's windows (forward, backward, past
     a window, at a file's end, over more files than windows and open files kept) are each the

@@ -49,6 +49,7 @@ class Reader:
         self._maps: dict[str, mmap.mmap] = {}
         self._fds: dict[str, tuple[int, bool]] = {}  # files read by pread (small DCP items): fd, windowed
         self._windows: dict[str, tuple[int, bytes]] = {}  # by file: (offset, the bytes last read there)
+        self._window = _window_for(len(ckpt.files))
         self._loaded: OrderedDict[str, Any] = OrderedDict()
         self._cache_files = cache_files
         # the engine's prefetch thread reads chunks while the writer reads objects
@@ -115,9 +116,9 @@ class Reader:
 
     def _pread(self, file: str, offset: int, length: int) -> bytes:
         """``length`` bytes at ``offset`` of ``file`` (fewer where it ends first), read: from
-        the window last read of that file where they lie in it, else with a window of
-        :data:`_WINDOW` bytes read from there (a job's items lie one after the other in each
-        file, and a read each cost a hand-off of the interpreter's lock: 10 µs an item). A
+        the window last read of that file where they lie in it, else with a window read from
+        there (a job's items lie one after the other in each file, and a read each cost a
+        hand-off of the interpreter's lock: 10 µs an item; its size: :func:`_window_for`). A
         remote source's stand-in is read range by range. Up to :data:`_OPEN_FILES` files are
         kept open and :data:`_WINDOWS_KEPT` windows (the oldest go); read under the lock, so no
         file closes mid-read."""
@@ -139,9 +140,9 @@ class Reader:
                     # read past the one asked for (a window would keep bytes not there yet)
                     opened = self._fds[file] = (os.dup(f.fileno()), not remote.is_standin(path))
             fd, windowed = opened
-            if length >= _WINDOW or not windowed:
+            if length >= self._window or not windowed:
                 return os.pread(fd, length, offset)
-            data = os.pread(fd, _WINDOW, offset)
+            data = os.pread(fd, self._window, offset)
             if file not in self._windows and len(self._windows) >= _WINDOWS_KEPT:
                 del self._windows[next(iter(self._windows))]
             self._windows[file] = (offset, data)
@@ -385,12 +386,23 @@ class _MapSlice(io.RawIOBase):
 _READ_ITEMS = 256 << 10
 
 _OPEN_FILES = diskio.open_files_cap()  # files a reader keeps open for reading items
-# small items are read in windows of this size, the last of each of up to so many files kept (16 MB)
+# small items are read in windows of at most this size, the last of each of up to so many files
+# kept, all of them within about _WINDOWS_BYTES (see _window_for)
 _WINDOW, _WINDOWS_KEPT = 64 << 10, 256
+_WINDOWS_BYTES, _MIN_WINDOW = 2 << 20, 4 << 10
 _ITEM_TENSORS: dict[bytes, Any] = {}  # an item blob's pickle -> the tensor it holds (a few shapes a job)
 # a blob length -> the fixed part of the last item of that length read (zipdir.fixed_part), its
 # tensor, and its data record's offset and size
 _ITEM_LAYOUTS: dict[int, tuple[tuple[Any, tuple], Any, int, int]] = {}
+
+
+def _window_for(files: int) -> int:
+    """The window a reader of a checkpoint of ``files`` files reads small items by: the windows
+    of all its files within :data:`_WINDOWS_BYTES`, none over :data:`_WINDOW` nor (many-file
+    sources aside) under :data:`_MIN_WINDOW`. A many-rank job visits every source file and
+    each one's window stays: at 64 KiB each, a 256-rank reshard held ~8 MB of them and an
+    export ~14 MB, where at 8 KiB the same reads hold 2 MB (at 16 ranks, 64 KiB as before)."""
+    return min(_WINDOW, max(_MIN_WINDOW, _WINDOWS_BYTES // max(files, 1)))
 
 
 def _item(m: mmap.mmap | bytes, start: int, length: int) -> tuple[Any, int | None, int]:
