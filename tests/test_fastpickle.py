@@ -234,8 +234,8 @@ def test_load_dcp_metadata_never_holds_the_file_whole(tmp_path, monkeypatch):
     monkeypatch.setattr(fastpickle, "WINDOW", 1024)
     asked: list[int] = []
     load, rows = fastpickle.load, []
-    monkeypatch.setattr(fastpickle, "load", lambda buf, fc, records, more: rows.append(1) or load(
-        buf, fc, records, lambda n: asked.append(n) or more(n)))
+    monkeypatch.setattr(fastpickle, "load", lambda buf, fc, records, more, pairs=None: rows.append(1) or load(
+        buf, fc, records, lambda n: asked.append(n) or more(n), pairs))
     got = load_dcp_metadata(p)
     assert rows and len(asked) > len(data) // 70_000 and max(asked) < 70_000 < len(data) // 4  # (frames of 64 KiB)
     assert _same(got, _careful(data))
@@ -534,3 +534,103 @@ def test_the_memo_keeps_codes_and_each_distinct_part_once(monkeypatch):
     # each offsets value once (and the tensors' sizes, the records read opcode by opcode): not one per record, 1,536
     assert len(sizes) < 2 * ranks
     assert not any(type(x) in ROWS for x in memo.objs)  # (a record read as a row is not kept there)
+
+
+def _many_rank_metadata(ranks: int = 64, tensors: int = 8, share: bool = False, backwards: bool = False) -> bytes:
+    """A ``.metadata`` as a many-rank save gathers it, pickled by torch's own classes: every
+    key's name its own string, every Size its own object. ``share``: the first two tensors
+    hold one chunks list (which torch never writes: a pickle's memo can); ``backwards``: the
+    entries listed from the last rank to the first, against their chunks' order."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    state, storage, first = {}, {}, None
+    for t in range(tensors):
+        fqn = f"layers.{t}.w"
+        chunks = [ChunkStorageMetadata(offsets=torch.Size([2 * r, 0]), sizes=torch.Size([2, 4])) for r in range(ranks)]
+        if share:
+            chunks = first = first or chunks
+        state[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2 * ranks, 4]), chunks)
+    for r in range(ranks)[::-1 if backwards else 1]:  # (rank by rank, as torch gathers the entries)
+        for t in range(tensors):
+            storage[MetadataIndex(f"layers.{t}.w", torch.Size([2 * r, 0]), r)] = \
+                _StorageInfo(f"__{r}_0.distcp", 1000 * t, 32 + t)
+    return pickle.dumps(Metadata(state_dict_metadata=state, storage_data=storage), protocol=4)
+
+
+def _entries(meta) -> dict:
+    """Every chunk's storage entry, as ``(name, offsets) -> (file, offset, length)``, whether the
+    reader joined it to its chunk or left it in ``storage_data``."""
+    out = {k._key() if hasattr(k, "_key") else tuple(k): (v.relative_path, v.offset, v.length)
+           for k, v in meta.storage_data.items()}
+    for md in meta.state_dict_metadata.values():
+        for c in getattr(md, "chunks", None) or ():
+            if type(c) is dcprows.StoredChunk:
+                assert (c[2], c[0]) not in out
+                out[(c[2], c[0])] = c[3:]
+    return out
+
+
+@pytest.mark.parametrize("name", ["many", "backwards", "llama_dcp", "dcp_torch215"])
+def test_a_joined_read_moves_each_entry_to_its_chunk_and_nothing_else(tmp_path, name):
+    """Read ``joined``, a chunk and its storage entry read as rows are one row in the chunks
+    list, the entry gone from the dict: every chunk and every entry as the plain read has them,
+    in order, and (torch lists both rank by rank) all but the first few joined; entries in
+    another order than their chunks are left in the dict, each where it was."""
+    if name in ("many", "backwards"):
+        p = tmp_path / ".metadata"
+        p.write_bytes(_many_rank_metadata(backwards=name == "backwards"))
+    else:
+        p = FIX / name / ".metadata"
+    plain, joined = load_dcp_metadata(p), load_dcp_metadata(p, joined=True)
+    assert list(plain.state_dict_metadata) == list(joined.state_dict_metadata)
+    n = 0
+    for fqn, md in plain.state_dict_metadata.items():
+        got = joined.state_dict_metadata[fqn]
+        if not hasattr(md, "chunks"):
+            continue
+        assert [(c.offsets, c.sizes) for c in md.chunks] == [(c.offsets, c.sizes) for c in got.chunks]
+        n += sum(type(c) is dcprows.StoredChunk for c in got.chunks)
+    assert _entries(plain) == _entries(joined)
+    assert n == len(plain.storage_data) - len(joined.storage_data)
+    if name == "backwards":  # (each tensor's rank-0 entry, last, meets the cursor still at its first chunk)
+        assert n <= len(plain.state_dict_metadata)
+    else:
+        assert n >= len(plain.storage_data) - 2 * len(plain.state_dict_metadata)
+
+
+def test_a_chunks_list_two_tensors_share_gives_each_its_own_entries(tmp_path):
+    """A pickle may hand two tensors one chunks list: the first tensor's entries join it, and
+    the second's chunks, finding rows of another name, take their own entries from the dict
+    (a joined row is never read as another tensor's)."""
+    from ckpt_tools.formats import dcp as dcp_format
+
+    (tmp_path / ".metadata").write_bytes(_many_rank_metadata(ranks=4, tensors=2, share=True))
+    for r in range(4):
+        (tmp_path / f"__{r}_0.distcp").write_bytes(b"\0" * 2048)
+    joined = load_dcp_metadata(tmp_path / ".metadata", joined=True)
+    a, b = joined.state_dict_metadata.values()
+    rows = [c for c in a.chunks if type(c) is dcprows.StoredChunk]
+    assert a.chunks is b.chunks and len(rows) == 3 and all(c[2] == "layers.0.w" for c in rows)
+    tensors = {t.name: t for t in dcp_format._describe_one(tmp_path, "")[0]}
+    for t, length in (("layers.0.w", 32), ("layers.1.w", 33)):
+        locs = [c.location for c in tensors[t].chunks]
+        assert [(loc.file, loc.length) for loc in locs] == [(f"__{r}_0.distcp", length) for r in range(4)]
+
+
+def test_describe_is_the_same_joined_or_not(monkeypatch, tmp_path):
+    """A DCP described from a joined read is the one described from the plain read."""
+    from ckpt_tools.formats import dcp as dcp_format
+    from ckpt_tools.formats import describe
+
+    (tmp_path / ".metadata").write_bytes(_many_rank_metadata())
+    for r in range(64):
+        (tmp_path / f"__{r}_0.distcp").write_bytes(b"\0" * 8192)
+    for path in (tmp_path, FIX / "llama_dcp"):
+        joined = describe(path)
+        monkeypatch.setattr(dcp_format, "load_dcp_metadata", lambda p, joined=False: load_dcp_metadata(p))
+        plain = describe(path)
+        monkeypatch.undo()
+        assert joined.tensors == plain.tensors and joined.objects == plain.objects

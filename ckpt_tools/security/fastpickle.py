@@ -99,7 +99,7 @@ class Memo:
 
 
 def load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type, Callable] | None = None,
-         more: Callable[[int], bytes] | None = None) -> Any:
+         more: Callable[[int], bytes] | None = None, pairs: Callable[[dict, list], list] | None = None) -> Any:
     """The object pickled in ``buf`` (the whole pickle, STOP its last opcode read), exactly as
     the careful reader with ``find_class`` builds it; :class:`Decline` where it cannot say.
 
@@ -112,9 +112,13 @@ def load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type, 
     next bytes (a file's ``read``): the pickle is read frame by frame, the bytes before the
     current frame let go (a 256-rank ``.metadata`` with its optimizer is 39 MB, held whole
     while its rows were built). An opcode outside every frame that reaches past what was
-    read declines, as one past the pickle's end does."""
+    read declines, as one past the pickle's end does.
+
+    ``pairs``: called with each dict a SETITEMS fills and its keys and values (flat, as on the
+    stack), it returns those the dict is to take (the rest it kept elsewhere: :mod:`.dcprows`
+    joins a DCP's storage entries to their chunks). The tree is then not the careful reader's."""
     try:
-        return _load(buf, find_class, records or {}, more)
+        return _load(buf, find_class, records or {}, more, pairs)
     except Decline:
         raise
     except Exception as e:  # what the careful reader would make of it is its own to say
@@ -122,7 +126,7 @@ def load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type, 
 
 
 def _load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type, Callable],  # noqa: C901 (one loop on purpose)
-          more: Callable[[int], bytes] | None) -> Any:
+          more: Callable[[int], bytes] | None, pairs: Callable[[dict, list], list] | None = None) -> Any:
     if more is not None and len(buf) < 11:  # the protocol and the first FRAME opcode with its size
         buf += more(11 - len(buf))
     n = len(buf)
@@ -211,6 +215,8 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type,
             stack = metastack.pop()
             append = stack.append
             target = stack[-1]
+            if pairs is not None:
+                items = pairs(target, items)
             for i in range(0, len(items) - 1, 2):
                 check_key(items[i])
                 target[items[i]] = items[i + 1]
