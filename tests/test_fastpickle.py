@@ -495,47 +495,6 @@ def test_a_pickle_referring_back_into_a_row_is_read_the_careful_way(tmp_path, ag
         assert got.planner_data["again"] is got.state_dict_metadata["w"].chunks[2]
 
 
-def test_the_memo_keeps_codes_and_each_distinct_part_once(monkeypatch):
-    """A many-record ``.metadata``'s memo (as a 64-rank save gathers it: every record's
-    ``torch.Size`` its own object): four bytes an entry, the records and their unbuilt parts
-    one code (UNREAD), each distinct Size value and name one object however many records
-    hold it; and the tree read is the careful reader's."""
-    import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                       TensorProperties, TensorStorageMetadata)
-
-    ranks, state, storage = 64, {}, {}
-    for t in range(8):
-        fqn = f"layers.{t}.w"
-        chunks = [ChunkStorageMetadata(offsets=torch.Size([2 * r, 0]), sizes=torch.Size([2, 4])) for r in range(ranks)]
-        state[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2 * ranks, 4]), chunks)
-        for r in range(ranks):
-            storage[MetadataIndex(str(fqn), torch.Size([2 * r, 0]), r)] = _StorageInfo(f"__{r}_0.distcp", 1000 * t, 32)
-    data = pickle.dumps(Metadata(state_dict_metadata=state, storage_data=storage), protocol=4)
-
-    seen = []
-
-    class Spy(fastpickle.Memo):
-        __slots__ = ()
-
-        def __init__(self):
-            super().__init__()
-            seen.append(self)
-
-    monkeypatch.setattr(fastpickle, "Memo", Spy)
-    assert _same(_fast(data), _careful(data))
-    memo, = seen
-    assert memo.codes.itemsize == 4
-    assert len(memo.codes) > 12 * 8 * ranks  # (every MEMOIZE of the pickle has its entry)
-    assert memo.objs[0] is fastpickle.UNREAD and memo.codes.count(0) > len(memo.codes) // 2
-    assert len(memo.objs) < len(memo.codes) // 10
-    sizes = [x for x in memo.objs if type(x) is tuple and all(type(v) is int for v in x)]
-    # each offsets value once (and the tensors' sizes, the records read opcode by opcode): not one per record, 1,536
-    assert len(sizes) < 2 * ranks
-    assert not any(type(x) in ROWS for x in memo.objs)  # (a record read as a row is not kept there)
-
-
 def _many_rank_metadata(ranks: int = 64, tensors: int = 8, share: bool = False, backwards: bool = False) -> bytes:
     """A ``.metadata`` as a many-rank save gathers it, pickled by torch's own classes: every
     key's name its own string, every Size its own object. ``share``: the first two tensors
@@ -558,6 +517,36 @@ def _many_rank_metadata(ranks: int = 64, tensors: int = 8, share: bool = False, 
             storage[MetadataIndex(f"layers.{t}.w", torch.Size([2 * r, 0]), r)] = \
                 _StorageInfo(f"__{r}_0.distcp", 1000 * t, 32 + t)
     return pickle.dumps(Metadata(state_dict_metadata=state, storage_data=storage), protocol=4)
+
+
+def test_the_memo_keeps_codes_and_each_distinct_part_once(monkeypatch):
+    """A many-record ``.metadata``'s memo (as a 64-rank save gathers it: every record's
+    ``torch.Size`` its own object): four bytes an entry, the records and their unbuilt parts
+    one code (UNREAD), each distinct Size value and name one object however many records
+    hold it; and the tree read is the careful reader's."""
+    ranks = 64
+    data = _many_rank_metadata(ranks=ranks, tensors=8)
+
+    seen = []
+
+    class Spy(fastpickle.Memo):
+        __slots__ = ()
+
+        def __init__(self):
+            super().__init__()
+            seen.append(self)
+
+    monkeypatch.setattr(fastpickle, "Memo", Spy)
+    assert _same(_fast(data), _careful(data))
+    memo, = seen
+    assert memo.codes.itemsize == 4
+    assert len(memo.codes) > 12 * 8 * ranks  # (every MEMOIZE of the pickle has its entry)
+    assert memo.objs[0] is fastpickle.UNREAD and memo.codes.count(0) > len(memo.codes) // 2
+    assert len(memo.objs) < len(memo.codes) // 10
+    sizes = [x for x in memo.objs if type(x) is tuple and all(type(v) is int for v in x)]
+    # each offsets value once (and the tensors' sizes, the records read opcode by opcode): not one per record, 1,536
+    assert len(sizes) < 2 * ranks
+    assert not any(type(x) in ROWS for x in memo.objs)  # (a record read as a row is not kept there)
 
 
 def _entries(meta) -> dict:

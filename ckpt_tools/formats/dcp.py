@@ -111,6 +111,10 @@ def _describe_one(path: Path, prefix: str):
     # entry, two chunks at one offset, finds it gone: refused as a missing entry)
     by_tuple = type(storage) is dict and all(type(k) is IndexKey or type(k) is MetadataIndex for k in storage)
 
+    def known(rel: str, offset: int, length: int, kind: str = "torch_item") -> Location | None:
+        # an entry read as a row, its file met before and its ints in range (the usual); else None
+        return Location(prefix + rel, kind, offset, length) if rel in files and offset >= 0 and length >= 0 else None
+
     def location(fqn: str, offset: tuple[int, ...] | None = None, kind: str = "torch_item",
                  info: Any = None) -> Location:
         # (``offset``: a chunk's, checked to be a tuple of ints: the index's key as it stands;
@@ -122,10 +126,10 @@ def _describe_one(path: Path, prefix: str):
             except KeyError:
                 raise BadInput(f"{path / METADATA}: no storage entry for {fqn!r} at {offset} (none, or one named "
                                "twice); the metadata is incomplete") from None
-        if type(info) is StorageRow:  # (the usual: a row, its ints read as ints, no transforms)
-            rel, offset, length = info
-            if rel in files and offset >= 0 and length >= 0:
-                return Location(prefix + rel, kind, offset, length)
+        if type(info) is StorageRow:  # (a row: its ints read as ints, no transforms)
+            got = known(*info, kind)
+            if got is not None:
+                return got
         rel = info.relative_path
         if rel not in files:
             safefs.resolve_inside(path, rel, what=f"{where}: item {fqn!r}")
@@ -135,12 +139,6 @@ def _describe_one(path: Path, prefix: str):
                            f"{brief(info.transform_descriptors)}, which ckpt cannot read yet")
         offset, length = safefs.check_span(info.offset, info.length, None, what=f"{where}: item {fqn!r}")
         return Location(prefix + rel, kind, offset, length)
-
-    def stored(fqn: str, c: StoredChunk) -> Location:
-        rel, offset, length = c[3], c[4], c[5]
-        if rel in files and offset >= 0 and length >= 0:  # (the usual: its file met before)
-            return Location(prefix + rel, "torch_item", offset, length)
-        return location(fqn, info=StorageRow((rel, offset, length)))
 
     try:
         items = list(meta.state_dict_metadata.items())
@@ -167,7 +165,7 @@ def _describe_one(path: Path, prefix: str):
                     Chunk(c[0], c[1], location(fqn, c[0]), None) if type(c) is ChunkRow and len(c[0]) == rank else
                     # joined to its entry, under this tensor's name (a chunks list that two
                     # tensors share holds one's joins only: the other's chunks look theirs up)
-                    Chunk(c[0], c[1], stored(fqn, c), None)
+                    Chunk(c[0], c[1], known(c[3], c[4], c[5]) or location(fqn, info=StorageRow(c[3:])), None)
                     if type(c) is StoredChunk and len(c[0]) == rank and c[2] == fqn else
                     Chunk(offsets := safefs.check_dims(c.offsets, what=f"{what} chunk offsets", rank=rank),
                           safefs.check_dims(c.sizes, what=f"{what} chunk sizes", rank=rank),

@@ -239,37 +239,21 @@ class Rows:
         if memo is not self._memo:
             self._bind(memo)
         m = _INDEX_NAMED(buf, pos, fend)
-        if m is not None:  # the usual: a name read before, the fields where they were last
+        if m is not None:  # whole in one match: its name new, that name read before
             key, short, raw, k1, _, k2, c, d, t, _ = m.groups()
             got = self._named.get(raw)
-            if got is not None and short[0] == len(raw) and d is not None and c in self._sizes \
-                    and (key, k1, k2) == self._index_keys:
-                offsets = self._dims.get(d) or _ints_of(self._dims, d)
-                if offsets is not None and len(offsets) == t[0] - 0x84:
-                    # its memo entries: row, UNREAD, its name, offsets, UNREAD, offsets
-                    codes = memo.codes
-                    codes.frombytes(_UNBUILT2)
-                    codes.frombytes(got[1])
-                    codes.frombytes(self._tail_codes.get(d) or self._codes_of(d, offsets, head=False))
-                    return IndexKey((got[0], offsets)), m.end()
+            if got is not None and short[0] == len(raw):
+                row = self._usual_index(got[0], got[1], (key, k1, k2), c, d, t, m.end(), memo)
+                if row is not None:
+                    return row
         fqn, new, p, key = self._head("fqn", buf, pos, fend, memo)
         m = None if p < 0 else _INDEX(buf, p, fend)
         if m is None:
             return None
         k1, _, k2, c, d, t, e = m.groups()
-        if d is not None and c in self._sizes and (key, k1, k2) == self._index_keys:
-            # the usual entry: its fields where the last one's were, a Size call of 1 to 3 ints
-            offsets = self._dims.get(d) or _ints_of(self._dims, d)
-            if offsets is None or len(offsets) != t[0] - 0x84:
-                return None
-            # its memo entries: row, UNREAD, (its name, if new,) offsets, UNREAD, offsets
-            if new:
-                memo.codes.frombytes(_UNBUILT2)
-                memo.codes.frombytes(new)
-                memo.codes.frombytes(self._tail_codes.get(d) or self._codes_of(d, offsets, head=False))
-            else:
-                memo.codes.frombytes(self._head_codes.get(d) or self._codes_of(d, offsets, head=True))
-            return IndexKey((fqn, offsets)), m.end()
+        row = self._usual_index(fqn, new, (key, k1, k2), c, d, t, m.end(), memo)
+        if row is not None:
+            return row
         ref = self._ref
         if ref(k1, memo) != "index":
             return None
@@ -285,6 +269,25 @@ class Rows:
         memo.codes.frombytes(new)
         memo.codes.extend(m1)
         return IndexKey((fqn, offsets)), m.end()
+
+    def _usual_index(self, fqn: str, new: bytes, keys: tuple, c: bytes, d: bytes | None, t: bytes | None,
+                     end: int, memo: Memo) -> tuple[IndexKey, int] | None:
+        """The usual entry (its fields where the last one's were, its offset a Size call of 1 to
+        3 ints) as ``(row, end)``, its memo entries added: row, UNREAD, (its name, if ``new``,)
+        offsets, UNREAD, offsets. None (nothing added) for any other."""
+        if d is None or c not in self._sizes or keys != self._index_keys:
+            return None
+        offsets = self._dims.get(d) or _ints_of(self._dims, d)
+        if offsets is None or len(offsets) != t[0] - 0x84:
+            return None
+        codes = memo.codes
+        if new:
+            codes.frombytes(_UNBUILT2)
+            codes.frombytes(new)
+            codes.frombytes(self._tail_codes.get(d) or self._codes_of(d, offsets, head=False))
+        else:
+            codes.frombytes(self._head_codes.get(d) or self._codes_of(d, offsets, head=True))
+        return IndexKey((fqn, offsets)), end
 
     def storage(self, buf: bytes, pos: int, fend: int, memo: Memo) -> tuple[StorageRow, int] | None:
         m = _STORAGE_OF_REF(buf, pos, fend)
