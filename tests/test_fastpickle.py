@@ -549,23 +549,29 @@ def test_the_memo_keeps_codes_and_each_distinct_part_once(monkeypatch):
     assert not any(type(x) in ROWS for x in memo.objs)  # (a record read as a row is not kept there)
 
 
-def _entries(meta) -> dict:
+def _entries(meta, stored=None) -> dict:
     """Every chunk's storage entry, as ``(name, offsets) -> (file, offset, length)``, whether the
-    reader joined it to its chunk or left it in ``storage_data``."""
+    reader joined it to its chunk (in ``stored``'s tables) or left it in ``storage_data``."""
     out = {k._key() if hasattr(k, "_key") else tuple(k): (v.relative_path, v.offset, v.length)
            for k, v in meta.storage_data.items()}
-    for md in meta.state_dict_metadata.values():
-        for c in getattr(md, "chunks", None) or ():
-            if type(c) is dcprows.StoredChunk:
-                assert (c[2], c[0]) not in out
-                out[(c[2], c[0])] = c[3:]
+    for fqn, table in (stored.tables if stored else {}).items():
+        chunks = meta.state_dict_metadata[fqn].chunks
+        assert len(table) % 3 == 0 and len(table) <= 3 * len(chunks)
+        for c, at in zip(chunks, range(0, len(table), 3)):
+            if table[at] >= 0:
+                assert (fqn, c.offsets) not in out
+                out[(fqn, c.offsets)] = (stored.files[table[at]], table[at + 1], table[at + 2])
     return out
+
+
+def _joined(stored) -> int:
+    return sum(table[at] >= 0 for table in stored.tables.values() for at in range(0, len(table), 3))
 
 
 @pytest.mark.parametrize("name", ["many", "backwards", "llama_dcp", "dcp_torch215"])
 def test_a_joined_read_moves_each_entry_to_its_chunk_and_nothing_else(tmp_path, name):
-    """Read ``joined``, a chunk and its storage entry read as rows are one row in the chunks
-    list, the entry gone from the dict: every chunk and every entry as the plain read has them,
+    """Read with ``stored``, the storage entry of a chunk, both read as rows, is in the tables
+    at its chunk's place, gone from the dict: every chunk and every entry as the plain read has them,
     in order, and (torch lists both rank by rank) all but the first few joined; entries in
     another order than their chunks are left in the dict, each where it was."""
     if name in ("many", "backwards"):
@@ -573,16 +579,16 @@ def test_a_joined_read_moves_each_entry_to_its_chunk_and_nothing_else(tmp_path, 
         p.write_bytes(_many_rank_metadata(backwards=name == "backwards"))
     else:
         p = FIX / name / ".metadata"
-    plain, joined = load_dcp_metadata(p), load_dcp_metadata(p, joined=True)
+    stored = dcprows.Stored()
+    plain, joined = load_dcp_metadata(p), load_dcp_metadata(p, stored=stored)
     assert list(plain.state_dict_metadata) == list(joined.state_dict_metadata)
-    n = 0
     for fqn, md in plain.state_dict_metadata.items():
         got = joined.state_dict_metadata[fqn]
         if not hasattr(md, "chunks"):
             continue
         assert [(c.offsets, c.sizes) for c in md.chunks] == [(c.offsets, c.sizes) for c in got.chunks]
-        n += sum(type(c) is dcprows.StoredChunk for c in got.chunks)
-    assert _entries(plain) == _entries(joined)
+    n = _joined(stored)
+    assert _entries(plain) == _entries(joined, stored)
     assert n == len(plain.storage_data) - len(joined.storage_data)
     if name == "backwards":  # (each tensor's rank-0 entry, last, meets the cursor still at its first chunk)
         assert n <= len(plain.state_dict_metadata)
@@ -591,18 +597,20 @@ def test_a_joined_read_moves_each_entry_to_its_chunk_and_nothing_else(tmp_path, 
 
 
 def test_a_chunks_list_two_tensors_share_gives_each_its_own_entries(tmp_path):
-    """A pickle may hand two tensors one chunks list: the first tensor's entries join it, and
-    the second's chunks, finding rows of another name, take their own entries from the dict
-    (a joined row is never read as another tensor's)."""
+    """A pickle may hand two tensors one chunks list: each name keeps its own cursor and table,
+    so each tensor's chunks are described by its own entries (never by the other's)."""
     from ckpt_tools.formats import dcp as dcp_format
 
     (tmp_path / ".metadata").write_bytes(_many_rank_metadata(ranks=4, tensors=2, share=True))
     for r in range(4):
         (tmp_path / f"__{r}_0.distcp").write_bytes(b"\0" * 2048)
-    joined = load_dcp_metadata(tmp_path / ".metadata", joined=True)
+    stored = dcprows.Stored()
+    joined = load_dcp_metadata(tmp_path / ".metadata", stored=stored)
     a, b = joined.state_dict_metadata.values()
-    rows = [c for c in a.chunks if type(c) is dcprows.StoredChunk]
-    assert a.chunks is b.chunks and len(rows) == 3 and all(c[2] == "layers.0.w" for c in rows)
+    assert a.chunks is b.chunks and sorted(stored.tables) == ["layers.0.w", "layers.1.w"]
+    for t, length in (("layers.0.w", 32), ("layers.1.w", 33)):  # (rank 0's, read as records, stay in the dict)
+        table = stored.tables[t]
+        assert [table[at + 2] for at in range(3, len(table), 3)] == [length] * 3 and table[0] == -1
     tensors = {t.name: t for t in dcp_format._describe_one(tmp_path, "")[0]}
     for t, length in (("layers.0.w", 32), ("layers.1.w", 33)):
         locs = [c.location for c in tensors[t].chunks]
@@ -619,7 +627,7 @@ def test_describe_is_the_same_joined_or_not(monkeypatch, tmp_path):
         (tmp_path / f"__{r}_0.distcp").write_bytes(b"\0" * 8192)
     for path in (tmp_path, FIX / "llama_dcp"):
         joined = describe(path)
-        monkeypatch.setattr(dcp_format, "load_dcp_metadata", lambda p, joined=False: load_dcp_metadata(p))
+        monkeypatch.setattr(dcp_format, "load_dcp_metadata", lambda p, stored=None: load_dcp_metadata(p))
         plain = describe(path)
         monkeypatch.undo()
         assert joined.tensors == plain.tensors and joined.objects == plain.objects

@@ -17,7 +17,7 @@ from ..core.state import gather, param_groups_keyed
 from ..errors import BadInput, Damaged, brief
 from ..security import bounded, safefs
 from ..security.dcpmeta import load_dcp_metadata, BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
-from ..security.dcprows import ChunkRow, IndexKey, StorageRow, StoredChunk
+from ..security.dcprows import ChunkRow, IndexKey, Stored, StorageRow
 from ..security.torchfile import Global, NewObj, Reduce, StorageRef, loads_blob
 
 if TYPE_CHECKING:
@@ -94,9 +94,10 @@ def _param_order(path: Path, tensors: list[TensorInfo], objects: list[ObjectInfo
 
 
 def _describe_one(path: Path, prefix: str):
-    # (a chunk and its storage entry as one row where the fast reader joined them: ~100 bytes
-    # a chunk, not ~260 of rows and dict, at the read's peak)
-    meta = load_dcp_metadata(path / METADATA, joined=True)
+    # (a chunk's storage entry in a table where the fast reader joined them: a row and 24
+    # bytes a chunk, not ~260 of rows and dict, at the read's peak)
+    stored = Stored()
+    meta = load_dcp_metadata(path / METADATA, stored=stored)
     storage = meta.storage_data or {}
     paths = meta.planner_data if isinstance(meta.planner_data, dict) else {}
     where = str(path / METADATA)
@@ -111,25 +112,34 @@ def _describe_one(path: Path, prefix: str):
     # entry, two chunks at one offset, finds it gone: refused as a missing entry)
     by_tuple = type(storage) is dict and all(type(k) is IndexKey or type(k) is MetadataIndex for k in storage)
 
-    def known(rel: str, offset: int, length: int, kind: str = "torch_item") -> Location | None:
-        # an entry read as a row, its file met before and its ints in range (the usual); else None
-        return Location(prefix + rel, kind, offset, length) if rel in files and offset >= 0 and length >= 0 else None
+    joined_files: list[str | None] = [None] * len(stored.files)  # a joined entry's file, once resolved
+    lengths: dict[int, int] = {}  # one int per distinct length (most chunks share a few)
 
-    def location(fqn: str, offset: tuple[int, ...] | None = None, kind: str = "torch_item",
-                 info: Any = None) -> Location:
-        # (``offset``: a chunk's, checked to be a tuple of ints: the index's key as it stands;
-        # ``info``: its entry's (path, offset, length) where the reader joined it to the chunk)
-        if info is None:
-            try:
-                info = storage.pop((fqn, offset) if offset is not None else MetadataIndex.key_of(fqn, None)) \
-                    if by_tuple else storage[MetadataIndex(fqn=fqn, offset=offset)]
-            except KeyError:
-                raise BadInput(f"{path / METADATA}: no storage entry for {fqn!r} at {offset} (none, or one named "
-                               "twice); the metadata is incomplete") from None
+    def joined(fqn: str, table: Any, at: int) -> Location:
+        # the storage entry joined to a tensor's chunk, ``table[at:at + 3]`` (ints in range)
+        f = table[at]
+        name = joined_files[f]
+        if name is None:
+            rel = stored.files[f]
+            if rel not in files:
+                safefs.resolve_inside(path, rel, what=f"{where}: item {fqn!r}")
+                files.add(rel)
+            name = joined_files[f] = prefix + rel
+        length = table[at + 2]
+        return Location(name, "torch_item", table[at + 1], lengths.setdefault(length, length))
+
+    def location(fqn: str, offset: tuple[int, ...] | None = None, kind: str = "torch_item") -> Location:
+        # (``offset``: a chunk's, checked to be a tuple of ints: the index's key as it stands)
+        try:
+            info = storage.pop((fqn, offset) if offset is not None else MetadataIndex.key_of(fqn, None)) \
+                if by_tuple else storage[MetadataIndex(fqn=fqn, offset=offset)]
+        except KeyError:
+            raise BadInput(f"{path / METADATA}: no storage entry for {fqn!r} at {offset} (none, or one named "
+                           "twice); the metadata is incomplete") from None
         if type(info) is StorageRow:  # (a row: its ints read as ints, no transforms)
-            got = known(*info, kind)
-            if got is not None:
-                return got
+            rel, offset, length = info
+            if rel in files and offset >= 0 and length >= 0:  # (the usual: its file met before)
+                return Location(prefix + rel, kind, offset, length)
         rel = info.relative_path
         if rel not in files:
             safefs.resolve_inside(path, rel, what=f"{where}: item {fqn!r}")
@@ -160,17 +170,16 @@ def _describe_one(path: Path, prefix: str):
                 what = f"{where}: tensor {fqn!r}"
                 shape = safefs.check_dims(md.size, what=f"{what} size")
                 rank = len(shape)
+                table = stored.tables.get(fqn)  # (its chunks' joined entries, by place; else none joined)
+                n = 0 if table is None else len(table)
                 chunks = tuple(
                     # a row's offsets and sizes are non-negative ints of one length already
-                    Chunk(c[0], c[1], location(fqn, c[0]), None) if type(c) is ChunkRow and len(c[0]) == rank else
-                    # joined to its entry, under this tensor's name (a chunks list that two
-                    # tensors share holds one's joins only: the other's chunks look theirs up)
-                    Chunk(c[0], c[1], known(c[3], c[4], c[5]) or location(fqn, info=StorageRow(c[3:])), None)
-                    if type(c) is StoredChunk and len(c[0]) == rank and c[2] == fqn else
+                    (Chunk(c[0], c[1], joined(fqn, table, at), None) if at < n and table[at] >= 0 else
+                     Chunk(c[0], c[1], location(fqn, c[0]), None)) if type(c) is ChunkRow and len(c[0]) == rank else
                     Chunk(offsets := safefs.check_dims(c.offsets, what=f"{what} chunk offsets", rank=rank),
                           safefs.check_dims(c.sizes, what=f"{what} chunk sizes", rank=rank),
                           location(fqn, offsets), None)
-                    for c in md.chunks
+                    for at, c in zip(range(0, 3 * len(md.chunks), 3), md.chunks)
                 )
                 md.chunks = None  # (its rows let go: the chunks above hold what they said)
                 tensors.append(TensorInfo(group, name, shape, md.properties.dtype, chunks, param, state,

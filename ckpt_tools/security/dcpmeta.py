@@ -279,7 +279,7 @@ bounded.register(_Record, lambda r: vars(r).values())
 FAST_MAX_BYTES = safefs.MAX_METADATA_BYTES
 
 
-def _unpickle(f: Any, size: int, fast: bool, joined: bool = False) -> Any:
+def _unpickle(f: Any, size: int, fast: bool, stored: dcprows.Stored | None = None) -> Any:
     """The pickle in ``f``: by :func:`fastpickle.load` (DCP's many-rank records read as rows,
     :mod:`.dcprows`) when ``fast`` and it vouches for the whole file, else (from the start, so
     refusals are always its own) by :class:`MetadataUnpickler`."""
@@ -290,15 +290,17 @@ def _unpickle(f: Any, size: int, fast: bool, joined: bool = False) -> Any:
     try:
         reader = dcprows.Rows()
         rows = reader.readers(ChunkStorageMetadata, MetadataIndex, StorageInfo)
-        pairs = reader.joiner(TensorStorageMetadata, MetadataIndex) if joined else None
+        pairs = reader.joiner(TensorStorageMetadata, MetadataIndex, stored) if stored is not None else None
         # read a window at a time: the file is never held whole
         return fastpickle.load(f.read(fastpickle.WINDOW), careful.find_class, rows, more=f.read, pairs=pairs)
     except fastpickle.Decline:
+        if stored is not None:
+            stored.clear()
         f.seek(0)
         return MetadataUnpickler(f).load()
 
 
-def _read(path: Path, fast: bool, joined: bool = False) -> Any:
+def _read(path: Path, fast: bool, stored: dcprows.Stored | None = None) -> Any:
     try:
         with safefs.open_file(path) as f:
             # the size is checked before reading: a sparse multi-GB file is refused, not read
@@ -307,7 +309,7 @@ def _read(path: Path, fast: bool, joined: bool = False) -> Any:
                 raise BadInput(f"{path}: {size} bytes, over the {safefs.MAX_METADATA_BYTES >> 20} MiB a DCP "
                                ".metadata may hold; corrupt or not a checkpoint")
             with bounded.gc_paused():
-                return _unpickle(f, size, fast, joined)
+                return _unpickle(f, size, fast, stored)
     except NewerTorch as e:
         raise NewerFormat(f"{path}: written by a newer torch ({first_line(e)}) than this ckpt-tools reads; "
                        "upgrade ckpt-tools (pip install -U ckpt-tools)") from e
@@ -323,20 +325,22 @@ def _read(path: Path, fast: bool, joined: bool = False) -> Any:
         raise Damaged(f"{path}: corrupt or truncated DCP metadata ({first_line(e)}); copy the checkpoint again") from e
 
 
-def load_dcp_metadata(path: Path, *, joined: bool = False) -> Any:
+def load_dcp_metadata(path: Path, *, stored: dcprows.Stored | None = None) -> Any:
     """Read a DCP ``.metadata`` file as :class:`MetadataUnpickler` reads it: refused unless a
     regular file under :data:`~ckpt_tools.security.safefs.MAX_METADATA_BYTES`, and its objects must pass
     :func:`~ckpt_tools.security.bounded.check_tree` (no runaway depth or sharing) before anything uses them.
     Chunks and storage entries come as rows (:mod:`.dcprows`) where the fast reader read them so,
-    else as records: the same attributes either way. ``joined``: where the fast reader reads
-    the file, a chunk and its storage entry read as rows come as one
-    :class:`~ckpt_tools.security.dcprows.StoredChunk` in the tensor's chunks, the entry not in
-    ``storage_data`` (:meth:`~ckpt_tools.security.dcprows.Rows.joiner`)."""
-    meta = _read(path, fast=True, joined=joined)
+    else as records: the same attributes either way. ``stored`` (empty): where the fast reader
+    reads the file, the storage entry of a chunk, both read as rows, goes into its tables, not
+    into ``storage_data`` (:meth:`~ckpt_tools.security.dcprows.Rows.joiner`); emptied again
+    where the file is read as records."""
+    meta = _read(path, fast=True, stored=stored)
     with bounded.gc_paused():
         try:
             bounded.check_tree(meta, where=str(path))
         except fastpickle.Decline:  # it refers back to a part of a record read as a row: read it all as objects
+            if stored is not None:
+                stored.clear()
             meta = _read(path, fast=False)
             bounded.check_tree(meta, where=str(path))
     if not isinstance(meta, Metadata):

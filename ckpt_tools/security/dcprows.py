@@ -93,22 +93,39 @@ class StorageRow(tuple):
     transform_descriptors = None
 
 
-class StoredChunk(tuple):
-    """A chunk joined to its storage entry while the file was read (:meth:`Rows.joiner`):
-    ``(offsets, sizes, fqn, relative_path, offset, length)``, the fields of a :class:`ChunkRow`
-    and of its :class:`StorageRow`, and the name of the tensor whose key it was stored under."""
+class Stored:
+    """The storage entries :meth:`Rows.joiner` joined to their chunks while a file was read:
+    ``tables[fqn]``, an ``array('q')`` of ``(file, offset, length)`` per chunk of that tensor's
+    list, in its order (``file`` an index into ``files``; -1 where that chunk's entry was not
+    joined and stays in the storage dict; chunks past its end not joined either). 24 bytes a
+    chunk, where a row of its own and its offset's int were ~130."""
 
-    __slots__ = ()
-    offsets = property(itemgetter(0))
-    sizes = property(itemgetter(1))
-    fqn = property(itemgetter(2))
+    __slots__ = ("files", "tables", "_ids")
+
+    def __init__(self) -> None:
+        self.files: list[str] = []
+        self.tables: dict[str, array] = {}
+        self._ids: dict[str, int] = {}
+
+    def file_id(self, rel: str) -> int:
+        got = self._ids.get(rel)
+        if got is None:
+            got = self._ids[rel] = len(self.files)
+            self.files.append(rel)
+        return got
+
+    def clear(self) -> None:
+        """Forget every join (the file is read again, as records: its entries all in the dict)."""
+        self.files.clear()
+        self.tables.clear()
+        self._ids.clear()
 
 
 def _refused(_: Any) -> None:
     raise Decline("a pickle refers back to part of a DCP record read as a row")
 
 
-for _row in (ChunkRow, IndexKey, StorageRow, StoredChunk):
+for _row in (ChunkRow, IndexKey, StorageRow):
     bounded.inert(_row)
 bounded.register(_Unread, _refused)
 
@@ -148,16 +165,20 @@ class Rows:
         return {chunk: self.chunk, index: self.index, storage: self.storage}
 
     @staticmethod
-    def joiner(tensor: type, index: type) -> Any:
+    def joiner(tensor: type, index: type, into: Stored) -> Any:
         """``pairs`` for :func:`~ckpt_tools.security.fastpickle.load`: a storage entry read as
-        rows (an :class:`IndexKey` and its :class:`StorageRow`) is joined to the chunk it names,
-        the :class:`ChunkRow` at its tensor's cursor (torch lists a tensor's chunks and their
-        entries alike, rank by rank), which becomes a :class:`StoredChunk` in its list; the
-        entry is not put in the dict. Any other entry goes in as read (an ``index`` record, as
-        the first of its kind is read, moves its tensor's cursor on). The tensors are those a
-        dict maps a name to (``tensor`` records: the ``state_dict_metadata``, pickled before the
-        entries). At 256 ranks a chunk and its entry were ~260 bytes of rows and dict; joined, ~100."""
-        tensors: dict[str, list] = {}  # name -> [its chunk rows' list, the cursor]
+        rows (an :class:`IndexKey` and its :class:`StorageRow`, its ints in range) is joined to
+        the chunk it names, the :class:`ChunkRow` at its tensor's cursor (torch lists a tensor's
+        chunks and their entries alike, rank by rank): its file, offset and length go into
+        ``into``'s table for that tensor, at that chunk's place, and the entry is not put in the
+        dict. Any other entry goes in as read (an ``index`` record, as the first of its kind is
+        read, moves its tensor's cursor on). The tensors are those a dict maps a name to
+        (``tensor`` records: the ``state_dict_metadata``, pickled before the entries); each name
+        has its own cursor and table, a chunks list two of them share included. At 256 ranks a
+        chunk and its entry were ~260 bytes of rows and dict; joined, a ``ChunkRow`` and 24."""
+        tensors: dict[str, list] = {}  # name -> [its chunk rows' list, the cursor, its table or None]
+        tables, file_id = into.tables, into.file_id
+        unjoined = array("q", (-1, 0, 0))
 
         def pairs(_: dict, items: list) -> list:
             if not items:
@@ -169,34 +190,46 @@ class Rows:
                     if type(md) is tensor and type(items[i - 1]) is str:
                         chunks = getattr(md, "chunks", None)
                         if type(chunks) is list:
-                            tensors[items[i - 1]] = [chunks, 0]
+                            tensors[items[i - 1]] = [chunks, 0, None]
+                            tables.pop(items[i - 1], None)  # (a name met again: its new list's)
                 return items
             if type(key) is not IndexKey and type(key) is not index:
                 return items
             left = []
             for i in range(0, len(items) - 1, 2):
                 k, v = items[i], items[i + 1]
-                left += (k, v)
                 if type(k) is IndexKey:
                     fqn, offsets = k
                 elif type(k) is index:
                     fqn, offsets = k._key()
                 else:
+                    left += (k, v)
                     continue
                 t = tensors.get(fqn)
                 if t is None or t[1] >= len(t[0]):
+                    left += (k, v)
                     continue
-                chunks, at = t
+                chunks, at, table = t
                 c = chunks[at]
                 if type(c) is ChunkRow:
                     if not (c[0] is offsets or c[0] == offsets):
+                        left += (k, v)
                         continue
-                    if type(k) is IndexKey and type(v) is StorageRow:
-                        chunks[at] = StoredChunk((c[0], c[1], fqn, v[0], v[1], v[2]))
-                        del left[-2:]
+                    if type(k) is IndexKey and type(v) is StorageRow and 0 <= v[1] < 1 << 63 and \
+                            0 <= v[2] < 1 << 63:
+                        if table is None:
+                            table = t[2] = tables[fqn] = unjoined * at
+                        table.extend((file_id(v[0]), v[1], v[2]))
+                        t[1] = at + 1
+                        continue
                 elif getattr(c, "offsets", None) != offsets:
+                    left += (k, v)
                     continue
-                t[1] = at + 1  # (an entry not joined: its chunk finds it in the dict)
+                # (an entry not joined: its chunk finds it in the dict)
+                left += (k, v)
+                if table is not None:
+                    table.extend(unjoined)
+                t[1] = at + 1
             return left
 
         return pairs
