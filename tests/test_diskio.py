@@ -147,3 +147,31 @@ def test_copy_range_steps_falls_back_and_refuses_a_short_source(tmp_path, monkey
     monkeypatch.setattr(os, "copy_file_range", full_disk)  # not a reason to fall back: raised
     with open(tmp_path / "src", "rb") as s, open(tmp_path / "d", "wb") as d, pytest.raises(OSError, match="No space"):
         diskio.copy_range(s.fileno(), d.fileno(), 0, 5000, what="src")
+
+
+def test_a_digest_maps_at_most_a_window_of_the_file_at_a_time(tmp_path, monkeypatch):
+    """Hashing maps the file a window at a time (its pages count in the process's RSS while
+    mapped: a 64 MiB window raised a 256-rank reshard's peak by its .metadata's size), and the
+    digest, from any start, is xxh3 of those bytes."""
+    import mmap
+
+    import xxhash
+
+    from ckpt_tools.storage import manifest
+
+    assert manifest.WINDOW <= 2 << 20
+    step = mmap.ALLOCATIONGRANULARITY
+    monkeypatch.setattr(manifest, "WINDOW", 2 * step)
+    data = os.urandom(7 * step + 123)
+    (tmp_path / "f").write_bytes(data)
+    mapped, real = [], mmap.mmap
+
+    def mapping(fd, length, *args, **kwargs):
+        mapped.append(length)
+        return real(fd, length, *args, **kwargs)
+
+    monkeypatch.setattr(mmap, "mmap", mapping)
+    for start in (0, 1, step + 5, len(data) - 1):
+        mapped.clear()
+        assert manifest.range_digest(tmp_path / "f", start) == xxhash.xxh3_64(data[start:]).hexdigest()
+        assert mapped and max(mapped) <= 2 * step

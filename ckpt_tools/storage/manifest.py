@@ -19,7 +19,10 @@ from ..security import safefs
 from .diskio import Flusher, durable
 
 NAME = ".ckpt-manifest.json"
-WINDOW = 64 * 1024 * 1024
+# the most of a file mapped at once: its pages count in this process's RSS while mapped (at
+# 64 MiB, hashing a 256-rank reshard's .metadata raised its peak by ~5 MB; 2 MiB hashes 1 GB
+# as fast, and 1 MiB 25% slower)
+WINDOW = 2 * 1024 * 1024
 
 
 def file_digest(path: Path) -> str:
