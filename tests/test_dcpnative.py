@@ -371,3 +371,59 @@ def test_metadata_is_written_a_frame_at_a_time_and_whole_when_the_emitter_gives_
     from torch.distributed.checkpoint import FileSystemReader
     md = FileSystemReader(tmp_path).read_metadata()  # DCP's own reader
     assert len(md.state_dict_metadata) == 800 and len(md.storage_data) == 6400
+
+
+def test_records_read_as_the_list_of_them_and_cross_to_the_parent_as_data(tmp_path):
+    """A file's ``Records`` iterate as the ``(kind, what, start, length)`` list they were made
+    from (a tensor's head one tuple however many files hold it), give the same ``.metadata``,
+    and go through the workers' hand-over pickle (ckpt's own globals only) unchanged."""
+    from ckpt_tools.runtime import private
+
+    def rows(r: int) -> list:
+        return [("tensor", (("model", f"layers.{i}.w"), "float32", (64, 8), (r * 8, 0), (8, 8)), 1000 * i + r, 900 + i)
+                for i in range(5)] + [("object", ("model", "step"), 9000, 3 + r), ("bytes", ("extra", ("extra",)), 9100, 1 << 40)]
+
+    lists = [(f"__{r}_0.distcp", rows(r)) for r in range(4)]
+    compact = []
+    for rel, records in lists:
+        got = dcp.Records()
+        for record in records:
+            got.append(record)
+        assert list(got) == records and len(got) == len(records)
+        compact.append((rel, got))
+    heads = {id(got._refs[3 * i]) for _, got in compact for i in range(5)}
+    assert len(heads) == 4 * 5  # (append's heads are its own; a writer's are shared: below)
+    handed = private.load(io.BytesIO(pickle.dumps(compact)))
+    assert [(rel, list(got)) for rel, got in handed] == lists
+    a, _ = dcpnative.metadata_of(lists)
+    b, _ = dcpnative.metadata_of(handed, consume=True)
+    assert mp.dumps(a) == mp.dumps(b) and all(len(got) == 0 for _, got in handed)
+
+
+def test_the_native_writer_holds_one_head_per_tensor_for_all_its_files(tmp_path):
+    """Each file's records name a tensor by one ``(path, dtype, shape)`` tuple, the same object
+    in every file (one per tensor, not one per item), and hold no tuple per item."""
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({f"layers.{i}.w": torch.arange(64.0).reshape(16, 4) + i for i in range(3)}, src / "model.safetensors")
+    seen = []
+    real = dcpnative.Writer._write_items
+
+    def spy(self, *args):
+        order, records = real(self, *args)
+        seen.append((type(records), records._refs[:]))  # (as written: the .metadata's making empties them)
+        return order, records
+
+    import unittest.mock
+    with unittest.mock.patch.object(dcpnative.Writer, "_write_items", spy):
+        ckpt_tools.convert(src, tmp_path / "out", to="dcp", world_size=4, progress=False)
+    assert len(seen) == 4 and all(kind is dcp.Records for kind, _ in seen)
+    heads = {}
+    for _, refs in seen:
+        assert len(refs) == 3 * 3
+        for head in refs[::3]:
+            assert heads.setdefault(head[0], head) is head
+    assert len(heads) == 3
+    from torch.distributed.checkpoint import FileSystemReader
+    md = FileSystemReader(tmp_path / "out").read_metadata()
+    assert sum(len(m.chunks) for m in md.state_dict_metadata.values()) == 12

@@ -42,7 +42,7 @@ from ..security import bounded
 from ..security.torchfile import Global, NewObj, Reduce, StorageRef, loads_blob
 from ..storage.castio import CastSpan, blocks
 from ..storage.diskio import Flusher, copy_range, write_all
-from .dcp import METADATA, by_part, canonical, renamed_keys, tensor_record
+from .dcp import METADATA, Records, by_part, canonical, dcp_key, renamed_keys
 from .hf import tensor_bytes
 from .shardtree import parsed
 
@@ -226,6 +226,13 @@ class Writer:
         # torchtitan's layout: model keys at the top level, no "model." prefix
         self.top_level_model = top_level_model
         self.keys = dict(keys or {})
+        self._heads: dict[int, tuple] = {}  # id(target) -> (target, its (path, dtype, shape)): one for all files
+
+    def _head(self, target: Any) -> tuple:
+        got = self._heads.get(id(target))
+        if got is None or got[0] is not target:
+            got = self._heads[id(target)] = (target, (dcp_key(target), target.dtype, target.shape))
+        return got[1]
 
     def _as_saved(self, o: ObjectInfo) -> bool:
         return self.verbatim and o.location.kind == "bytes_item" and bool(o.path)
@@ -344,7 +351,7 @@ class Writer:
     def _write_items(self, path: Path, fd: int, flusher: Flusher, sources: Sources, job, pieces) -> list:
         """Each item, written at ``fd``'s position: ``(kind, which, offset, length)`` each."""
 
-        records = []
+        records = Records()
         it = iter(pieces)
         batch = _Batch(fd, flusher)  # small items' zips, rendered from a template per dtype and shape
         for i, p in enumerate(job.pieces):
@@ -356,7 +363,7 @@ class Writer:
                 if size <= SMALL_RECORD:
                     data, crc = sources.small(values.parts, size)
                     blob = _item_template(str(p.target.dtype), tuple(p.sizes), size).render(data, crc)
-                    records.append(("tensor", tensor_record(p), batch.add(blob), len(blob)))
+                    records.tensor(self._head(p.target), p.offsets, p.sizes, batch.add(blob), len(blob))
                     continue
             batch.flush()
             start = os.lseek(fd, 0, os.SEEK_CUR)
@@ -371,7 +378,7 @@ class Writer:
                 else:
                     z.write_record("data/0", tensor_bytes(values))
                 z.close(name_hash=TENSOR_NAME_HASH)
-            records.append(("tensor", tensor_record(p), start, os.lseek(fd, 0, os.SEEK_CUR) - start))
+            records.tensor(self._head(p.target), p.offsets, p.sizes, start, os.lseek(fd, 0, os.SEEK_CUR) - start)
         batch.flush()
         for i, o in enumerate(job.objects):
             if self._as_saved(o):
