@@ -149,29 +149,31 @@ def test_copy_range_steps_falls_back_and_refuses_a_short_source(tmp_path, monkey
         diskio.copy_range(s.fileno(), d.fileno(), 0, 5000, what="src")
 
 
-def test_a_digest_maps_at_most_a_window_of_the_file_at_a_time(tmp_path, monkeypatch):
-    """Hashing maps the file a window at a time (its pages count in the process's RSS while
-    mapped: a 64 MiB window raised a 256-rank reshard's peak by its .metadata's size), and the
-    digest, from any start, is xxh3 of those bytes."""
-    import mmap
-
+def test_a_digest_reads_a_chunk_at_a_time_through_one_buffer(tmp_path, monkeypatch):
+    """Hashing reads the file a small chunk at a time into one buffer (a mapping's pages
+    counted in the process's RSS: a 64 MiB window raised a 256-rank reshard's peak by its
+    .metadata's size), and the digest, from any start, is xxh3 of those bytes; a file cut
+    short while it is hashed raises."""
     import xxhash
 
     from ckpt_tools.storage import manifest
 
-    assert manifest.WINDOW <= 2 << 20
-    step = mmap.ALLOCATIONGRANULARITY
-    monkeypatch.setattr(manifest, "WINDOW", 2 * step)
-    data = os.urandom(7 * step + 123)
+    assert manifest.CHUNK <= 1 << 20
+    monkeypatch.setattr(manifest, "CHUNK", 4096)
+    data = os.urandom(7 * 4096 + 123)
     (tmp_path / "f").write_bytes(data)
-    mapped, real = [], mmap.mmap
+    reads, buffers, real = [], set(), os.preadv
 
-    def mapping(fd, length, *args, **kwargs):
-        mapped.append(length)
-        return real(fd, length, *args, **kwargs)
+    def preadv(fd, views, offset):
+        reads.append(len(views[0]))
+        buffers.add(id(views[0].obj))
+        return real(fd, views, offset)
 
-    monkeypatch.setattr(mmap, "mmap", mapping)
-    for start in (0, 1, step + 5, len(data) - 1):
-        mapped.clear()
+    monkeypatch.setattr(os, "preadv", preadv)
+    for start in (0, 1, 4096 + 5, len(data) - 1):
+        reads.clear()
+        buffers.clear()
         assert manifest.range_digest(tmp_path / "f", start) == xxhash.xxh3_64(data[start:]).hexdigest()
-        assert mapped and max(mapped) <= 2 * step
+        assert reads and max(reads) <= 4096 and len(buffers) == 1
+    with open(tmp_path / "f", "rb") as f, pytest.raises(OSError, match="ends at"):
+        manifest._hash_range(f.fileno(), xxhash.xxh3_64(), 0, len(data) + 10)

@@ -177,7 +177,7 @@ def _check_files(path: Path, progress: bool) -> FileCheck:
                                   f"{entry['size']}; truncated or overwritten")
         else:
             todo.append((full, entry["xxh3_64"]))
-    # files hashed in parallel (xxh3 over the mapped page cache releases the GIL): the check
+    # files hashed in parallel (xxh3 and the reads release the GIL): the check
     # runs at the speed of reading the bytes once
     workers = max(1, min(len(todo), os.cpu_count() or 1, 8))
     with progress_bar(sum(f.stat().st_size for f, _ in todo), f"checksums {path.name}", progress) as bar, \
