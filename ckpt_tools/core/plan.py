@@ -96,6 +96,9 @@ class LowRank:
     transposed: bool = False  # an embedding's update: scale * (b @ a).T
 
 
+_NBYTES: dict[int, int] = {}  # Piece.nbytes's ints, each value once
+
+
 # not frozen, for a cheaper __init__: built per (tensor, rank) (see core.describe.Location);
 # slots: a many-rank plan holds hundreds of thousands (a __dict__ each was ~100 bytes more)
 @dataclass(slots=True)
@@ -122,7 +125,12 @@ class Piece:
     def nbytes(self) -> int:  # (asked several times per piece: progress, balance, each job's total)
         n = self._nbytes
         if n < 0:
-            n = self._nbytes = self.numel * dtype_size(self.target.dtype)
+            n = self.numel * dtype_size(self.target.dtype)
+            if len(_NBYTES) >= 1 << 16:
+                _NBYTES.clear()
+            # (one int per distinct size: a many-rank plan's pieces are a few sizes, and each
+            # int over 256 is 32 bytes of its own, 1.8 MB of a 256-rank plan)
+            n = self._nbytes = _NBYTES.setdefault(n, n)
         return n
 
     @property
