@@ -117,15 +117,19 @@ def _describe_one(path: Path, prefix: str):
     joined_files: list[str | None] = [None] * len(stored.files)  # a joined entry's file, once resolved
     lengths: dict[int, int] = {}  # one int per distinct length (most chunks share a few)
 
+    def met(rel: str, fqn: str) -> None:
+        # a data file an item is in, resolved inside the root the first time it is met
+        if rel not in files:
+            safefs.resolve_inside(path, rel, what=f"{where}: item {fqn!r}")
+            files.add(rel)
+
     def joined(fqn: str, table: Any, at: int) -> Location:
         # the storage entry joined to a tensor's chunk, ``table[at:at + 3]`` (ints in range)
         f = table[at]
         name = joined_files[f]
         if name is None:
             rel = stored.files[f]
-            if rel not in files:
-                safefs.resolve_inside(path, rel, what=f"{where}: item {fqn!r}")
-                files.add(rel)
+            met(rel, fqn)
             name = joined_files[f] = prefix + rel
         length = table[at + 2]
         return Location(name, "torch_item", table[at + 1], lengths.setdefault(length, length))
@@ -143,9 +147,7 @@ def _describe_one(path: Path, prefix: str):
             if rel in files and offset >= 0 and length >= 0:  # (the usual: its file met before)
                 return Location(prefix + rel, kind, offset, length)
         rel = info.relative_path
-        if rel not in files:
-            safefs.resolve_inside(path, rel, what=f"{where}: item {fqn!r}")
-            files.add(rel)
+        met(rel, fqn)
         if getattr(info, "transform_descriptors", None):
             raise BadInput(f"{where}: item {fqn!r} is stored with transforms "
                            f"{brief(info.transform_descriptors)}, which ckpt cannot read yet")

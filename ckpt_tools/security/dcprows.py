@@ -198,22 +198,20 @@ class Rows:
             left = []
             for i in range(0, len(items) - 1, 2):
                 k, v = items[i], items[i + 1]
+                left += (k, v)
                 if type(k) is IndexKey:
                     fqn, offsets = k
                 elif type(k) is index:
                     fqn, offsets = k._key()
                 else:
-                    left += (k, v)
                     continue
                 t = tensors.get(fqn)
                 if t is None or t[1] >= len(t[0]):
-                    left += (k, v)
                     continue
                 chunks, at, table = t
                 c = chunks[at]
                 if type(c) is ChunkRow:
                     if not (c[0] is offsets or c[0] == offsets):
-                        left += (k, v)
                         continue
                     if type(k) is IndexKey and type(v) is StorageRow and 0 <= v[1] < 1 << 63 and \
                             0 <= v[2] < 1 << 63:
@@ -221,13 +219,11 @@ class Rows:
                             table = t[2] = tables[fqn] = unjoined * at
                         table.extend((file_id(v[0]), v[1], v[2]))
                         t[1] = at + 1
+                        del left[-2:]
                         continue
                 elif getattr(c, "offsets", None) != offsets:
-                    left += (k, v)
                     continue
-                # (an entry not joined: its chunk finds it in the dict)
-                left += (k, v)
-                if table is not None:
+                if table is not None:  # (an entry not joined: its chunk finds it in the dict)
                     table.extend(unjoined)
                 t[1] = at + 1
             return left
