@@ -55,7 +55,7 @@ def side_files(src: Checkpoint) -> None:
     files = remote.standin_files(src.base_dir())
     if not files:
         return
-    named = {src.base_dir() / c.location.file for t in src.tensors for c in t.chunks}
+    named = {src.base_dir() / c.file for t in src.tensors for c in t.chunks}
     named |= {src.base_dir() / o.location.file for o in src.objects}
     remote.present_whole(p for p in files if p not in named)
 

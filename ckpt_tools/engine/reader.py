@@ -235,32 +235,34 @@ class Reader:
         """``(file, offset, length)`` when the chunk's values are exactly one contiguous,
         row-major byte range of a file (safetensors, simple DCP items; with ``pickled``, a plain
         tensor of a ``torch.save`` file too); else None."""
-        loc = chunk.location
-        path = self._paths.get(loc.file)
+        # (the chunk's own fields, no Location built: asked once per copy of a many-rank plan)
+        file, kind, offset, length = chunk.file, chunk.kind, chunk.byte_offset, chunk.length
+        path = self._paths.get(file)
         if path is None:
-            path = self.path(loc.file)
-        self._need(loc)
+            path = self.path(file)
+        if not self.planned and remote.any_standins():  # (_need's own test, before a Location is made)
+            self._need(chunk.location)
         nbytes = chunk.numel * tensor.dtype.itemsize
-        if loc.kind == "raw":  # (asked per piece of a many-rank plan: the usual case first)
-            return (path, loc.offset, loc.length) if loc.length == nbytes else None
-        if loc.kind == "pickled" and pickled:
+        if kind == "raw":  # (asked per piece of a many-rank plan: the usual case first)
+            return (path, offset, length) if length == nbytes else None
+        if kind == "pickled" and pickled:
             with self._lock:
                 if self._torch is None:
                     self._torch = TorchRanges(self.ckpt.base_dir())
-            found = self._torch.local(loc.file, loc.key)
+            found = self._torch.local(file, chunk.key)
             if found is not None and found[1].size == tuple(chunk.sizes) and found[1].dtype == tensor.dtype:
                 return path, found[0], nbytes
             return None
-        if loc.kind == "torch_item":
-            if loc.length <= _READ_ITEMS:
+        if kind == "torch_item":
+            if length <= _READ_ITEMS:
                 # read, not mapped: a mapped file's pages near every byte parsed count in the
                 # process's memory while it is mapped (a 256-rank DCP's small items, parsed
                 # item by item, added the whole source, 196 MB, to a reshard's peak)
-                blob = self._pread(loc.file, loc.offset, loc.length)
+                blob = self._pread(file, offset, length)
                 local, start, size = _item(blob, 0, len(blob))
-                start = None if start is None else loc.offset + start
+                start = None if start is None else offset + start
             else:
-                local, start, size = _item(self._map(loc.file), loc.offset, loc.length)
+                local, start, size = _item(self._map(file), offset, length)
             if (start is not None and local is not None and local.size == tuple(chunk.sizes)
                     and local.dtype == tensor.dtype and local.offset * local.dtype.itemsize + nbytes <= size):
                 return path, start + local.offset * local.dtype.itemsize, nbytes

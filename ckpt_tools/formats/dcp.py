@@ -123,8 +123,8 @@ def _describe_one(path: Path, prefix: str):
             safefs.resolve_inside(path, rel, what=f"{where}: item {fqn!r}")
             files.add(rel)
 
-    def joined(fqn: str, table: Any, at: int) -> Location:
-        # the storage entry joined to a tensor's chunk, ``table[at:at + 3]`` (ints in range)
+    def joined(fqn: str, table: Any, at: int, offsets: tuple, sizes: tuple) -> Chunk:
+        # the chunk whose storage entry was joined to it, ``table[at:at + 3]`` (ints in range)
         f = table[at]
         name = joined_files[f]
         if name is None:
@@ -132,7 +132,7 @@ def _describe_one(path: Path, prefix: str):
             met(rel, fqn)
             name = joined_files[f] = prefix + rel
         length = table[at + 2]
-        return Location(name, "torch_item", table[at + 1], lengths.setdefault(length, length))
+        return Chunk.at(offsets, sizes, name, "torch_item", table[at + 1], lengths.setdefault(length, length))
 
     def location(fqn: str, offset: tuple[int, ...] | None = None, kind: str = "torch_item") -> Location:
         # (``offset``: a chunk's, checked to be a tuple of ints: the index's key as it stands)
@@ -178,7 +178,7 @@ def _describe_one(path: Path, prefix: str):
                 n = 0 if table is None else len(table)
                 chunks = tuple(
                     # a row's offsets and sizes are non-negative ints of one length already
-                    (Chunk(c[0], c[1], joined(fqn, table, at), None) if at < n and table[at] >= 0 else
+                    (joined(fqn, table, at, c[0], c[1]) if at < n and table[at] >= 0 else
                      Chunk(c[0], c[1], location(fqn, c[0]), None)) if type(c) is ChunkRow and len(c[0]) == rank else
                     Chunk(offsets := safefs.check_dims(c.offsets, what=f"{what} chunk offsets", rank=rank),
                           safefs.check_dims(c.sizes, what=f"{what} chunk sizes", rank=rank),
@@ -219,11 +219,12 @@ def _describe_one(path: Path, prefix: str):
     for t in tensors:
         itemsize = t.dtype.itemsize
         for c in t.chunks:
-            within(loc := c.location, t.name)
+            if c.byte_offset + c.length > sizes[c.file]:  # (the chunk's fields: no Location per chunk)
+                within(c.location, t.name)
             # refuse declared sizes the stored bytes cannot hold, before anything is allocated
-            if loc.length < math.prod(c.sizes) * itemsize:
+            if c.length < math.prod(c.sizes) * itemsize:
                 raise BadInput(f"{path / METADATA}: tensor {t.name!r} declares a chunk of {c.sizes} "
-                               f"({c.numel * itemsize} bytes) stored in {loc.length} bytes")
+                               f"({c.numel * itemsize} bytes) stored in {c.length} bytes")
     for o in objects:
         within(o.location, o.name)
     # non-tensor items are small: load each now (weights_only), so one carrying code is refused

@@ -39,7 +39,7 @@ def collect(pieces: dict, param_order: tuple[str, ...]) -> tuple[TensorInfo, ...
                                f"({p['param']}) shape nor an FSDP1 flat shard; the optimizer files do not match "
                                "the model files")
             size = shape[0]
-            chunks = tuple(replace(c, offsets=(c.rank * size,)) for c in chunks)
+            chunks = tuple(c.replaced(offsets=(c.rank * size,)) for c in chunks)
             shape = (size * len(chunks),)
         out.append(TensorInfo("optimizer", f"state.{k}.{p['state']}", shape, p["dtype"], chunks, str(k), p["state"]))
     return tuple(out)

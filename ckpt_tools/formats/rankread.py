@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..core.describe import Chunk, Location, chunk_rows
+from ..core.describe import Chunk, chunk_rows
 from ..errors import BadInput
 from ..security import bounded
 from ..security.torchfile import TorchZip
@@ -135,7 +135,7 @@ def repeat(table: list, rank: int, ws: int, zf: TorchZip, file: str) -> None:
     offset = zf.records.offset
     placed: dict = {}  # (rows, the base's sizes and offsets) -> this rank's offsets: checked once, shared
     for chunks, rows, name, chunk, record, delta in table:
-        offsets, sizes, loc = chunk.offsets, chunk.sizes, chunk.location
+        offsets, sizes = chunk.offsets, chunk.sizes
         if rows is not None:
             key = (rows, sizes, offsets)
             mine = placed.get(key)
@@ -146,8 +146,8 @@ def repeat(table: list, rank: int, ws: int, zf: TorchZip, file: str) -> None:
                                    f"on world size {ws} gives {(stop - start, *sizes[1:])}")
                 mine = placed[key] = (start, *offsets[1:])
             offsets = mine
-        at = Location(file, "raw", offset(record) + delta if delta else offset(record), loc.length, loc.key)
-        chunks.append(Chunk(offsets, sizes, at, rank))
+        at = offset(record) + delta if delta else offset(record)
+        chunks.append(Chunk.at(offsets, sizes, file, "raw", at, chunk.length, chunk.key, rank))
 
 
 def model_entries(sd: Any, file: Path) -> list[tuple[str, shardtree.DTensorNode | None, shardtree.Local]]:

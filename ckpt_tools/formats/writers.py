@@ -295,7 +295,7 @@ def _entry(o: ObjectInfo) -> shardtree.Entry:
 
 def _all_raw(ckpt: Checkpoint) -> bool:
     """Every tensor chunk a raw byte range (read without torch)."""
-    return all(c.location.kind == "raw" for t in ckpt.tensors for c in t.chunks)
+    return all(c.kind == "raw" for t in ckpt.tensors for c in t.chunks)
 
 
 def _dry_run(writer: sharded.Writer, jobs: list[FileJob], extras: list[dict] | None = None) -> list[FileJob]:

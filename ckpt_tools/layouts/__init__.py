@@ -127,7 +127,7 @@ def side_files(ckpt: Checkpoint, adapter=plain) -> list[str]:
 
 def _format_files(ckpt: Checkpoint) -> set[str]:
     """The files the format's reader takes as tensors or metadata."""
-    files = {c.location.file for t in ckpt.tensors for c in t.chunks}
+    files = {c.file for t in ckpt.tensors for c in t.chunks}
     files |= {o.location.file for o in ckpt.objects if o.location.kind != "pickled" or "/" in o.location.file}
     if ckpt.format == "dcp":
         # every file of a DCP part directory belongs to it, and so does every data file there

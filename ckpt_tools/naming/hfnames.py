@@ -149,7 +149,7 @@ def _with_base_weights(ckpt: Checkpoint, base: str) -> tuple[Checkpoint, dict[st
     if other.format != "hf":
         raise BadInput(f"--base {base}: is {other.format!r}; merging an adapter-only save needs HF safetensors weights")
     root = other.base_dir().resolve()
-    moved = tuple(replace(t, chunks=tuple(replace(c, location=replace(c.location, file=str(root / c.location.file)))
+    moved = tuple(replace(t, chunks=tuple(c.replaced(location=replace(c.location, file=str(root / c.location.file)))
                                           for c in t.chunks)) for t in other.tensors)
 
     return replace(ckpt, tensors=ckpt.tensors + moved), {normalize_name(t.name): t for t in moved}

@@ -201,7 +201,7 @@ def _compressed_tensors(by_name: dict[str, TensorInfo], q: dict, where: Any) -> 
 def _as_2d(t: TensorInfo) -> TensorInfo:
     from dataclasses import replace
 
-    return replace(t, shape=(1, 1), chunks=tuple(replace(c, offsets=(0, 0), sizes=(1, 1)) for c in t.chunks))
+    return replace(t, shape=(1, 1), chunks=tuple(c.replaced(offsets=(0, 0), sizes=(1, 1)) for c in t.chunks))
 
 
 def _mxfp4(by_name: dict[str, TensorInfo], where: Any) -> Quantized:
