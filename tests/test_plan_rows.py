@@ -132,3 +132,54 @@ def test_by_piece_gives_each_piece_its_value_in_any_order():
     assert [values(pieces[2]), values(pieces[1]), values(pieces[4])] == ["v2", "v1", "v4"]
     with pytest.raises(StopIteration):  # asked twice: it was given once
         values(pieces[1])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_tiled_piece_holds_no_copies_and_reads_as_the_tuple_of_them(seed):
+    """A row-tiled piece keeps its source and rows only (its copies are worked out when read:
+    a many-rank plan holds one piece per tensor and output rank); read in every way a writer
+    reads copies, and handed to a worker process, it is the general plan's tuple."""
+    import io
+    import pickle
+
+    from ckpt_tools.core.plan import Copy, Tiled, copies_of
+    from ckpt_tools.runtime import private
+
+    rng = random.Random(seed)
+    rows = rng.randrange(2, 40)
+    boxes = _split(rows, rng.randrange(2, 20), rng)
+    rng.shuffle(boxes)
+    t = _tensor(rows, boxes)
+    target = Target(t, "model", "w", t.dtype)
+    for world_size in (1, 3, rows + 2):
+        for r in range(world_size):
+            got, want = rows_of(target, world_size, r), _general(target, world_size, r).copies
+            assert type(got.copies) is Tiled
+            assert not any(isinstance(v, Copy) for v in (got.target, got.offsets, got.sizes))
+            assert copies_of(got) == tuple(got.copies) == tuple(iter(got.copies)) == want
+            assert len(got.copies) == len(want) and bool(got.copies) == bool(want)
+            assert [got.copies[i] for i in range(len(want))] == list(want)
+            back = private.load(io.BytesIO(pickle.dumps(got)))
+            assert back == got and copies_of(back) == want
+
+
+def test_a_chunk_keeps_its_location_s_fields_and_is_the_value_it_was():
+    """A chunk holds its location's fields (no Location of its own); made either way, it is
+    equal, hashes alike, gives back the same Location, and crosses to a worker by value."""
+    import io
+    import pickle
+
+    from ckpt_tools.runtime import private
+
+    loc = Location("__3_0.distcp", "torch_item", 1 << 40, 96, ("k", 1))
+    a = Chunk((4, 0), (2, 6), loc, 3)
+    b = Chunk.at((4, 0), (2, 6), "__3_0.distcp", "torch_item", 1 << 40, 96, ("k", 1), 3)
+    assert a == b and hash(a) == hash(b) and a.location == loc
+    assert (a.file, a.kind, a.byte_offset, a.length, a.key) == ("__3_0.distcp", "torch_item", 1 << 40, 96, ("k", 1))
+    assert not hasattr(a, "__dict__")
+    for other in (a.replaced(rank=2), a.replaced(offsets=(0, 0)), a.replaced(location=Location("x", "raw"))):
+        assert other != a
+    assert a.replaced(location=Location("x", "raw", 5, 6)).location == Location("x", "raw", 5, 6)
+    back = private.load(io.BytesIO(pickle.dumps(a)))
+    assert back == a and back.location == loc and back.rank == 3
+    assert repr(a) == f"Chunk(offsets=(4, 0), sizes=(2, 6), location={loc!r}, rank=3)"

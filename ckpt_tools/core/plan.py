@@ -109,7 +109,7 @@ class Piece:
     target: Target
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    copies: tuple[Copy, ...]
+    copies: tuple[Copy, ...] | Tiled  # (Tiled: a tuple worked out when read)
     add: LowRank | None = None
     _nbytes: int = field(default=-1, init=False, repr=False, compare=False)
 
@@ -248,34 +248,86 @@ def rows_of(target: Target, world_size: int, rank: int) -> Piece:
 
 def _tiled_rows(target: Target, a: int, b: int) -> Piece:
     """:func:`piece` of rows [a, b) of a target whose source chunks tile its rows
-    (:meth:`TensorInfo.row_tiles`): the chunks from the one holding row ``a``, each met in one
-    row interval (a many-rank reshard plans one such piece per tensor and rank)."""
-    source = target.source
-    starts, order, _ = source.rows_index()
-    rest = target.shape[1:]
-    zeros = (0,) * len(rest)
-    chunks, n = source.chunks, len(starts)
+    (:meth:`TensorInfo.row_tiles`): its copies are :class:`Tiled`, worked out from the rows
+    when asked (a many-rank reshard plans one such piece per tensor and rank)."""
+    zeros = (0,) * (len(target.shape) - 1)
     # equal offsets and sizes as one tuple each: a many-rank plan's are a few distinct values
     # met hundreds of thousands of times
     shared = sharing()
-    copies = []
-    j = bisect_right(starts, a) - 1
-    while a < b and j < n and starts[j] < b:
-        c0, i = starts[j], order[j]
-        chunk = chunks[i]
-        lo, hi = max(a, c0), min(b, c0 + chunk.sizes[0])
-        src, dst, size = (lo - c0, *zeros), (lo - a, *zeros), (hi - lo, *rest)
-        copies.append((i, Copy(chunk, shared(src, src), shared(dst, dst), shared(size, size))))
-        j += 1
-    offsets, sizes = (a, *zeros), (b - a, *rest)
+    offsets, sizes = (a, *zeros), (b - a, *target.shape[1:])
     offsets, sizes = shared(offsets, offsets), shared(sizes, sizes)
-    if len(copies) == 1:
-        return Piece(target, offsets, sizes, (copies[0][1],))
-    if len(copies) == 2:  # (the usual piece of a reshard to fewer ranks)
-        (i, a_copy), (k, b_copy) = copies
-        return Piece(target, offsets, sizes, (a_copy, b_copy) if i < k else (b_copy, a_copy))
-    copies.sort(key=_first)  # in the chunks' order, as piece() gives them
-    return Piece(target, offsets, sizes, tuple([c for _, c in copies]))
+    return Piece(target, offsets, sizes, Tiled(target.source, offsets, sizes))
+
+
+class Tiled:
+    """The copies that fill rows ``[offsets[0], offsets[0] + sizes[0])`` of a tensor whose
+    chunks tile its rows (:meth:`TensorInfo.row_tiles`), as the tuple of them it stands for: the
+    chunks from the one holding the first row, each met in one row interval, in the chunks'
+    order as :func:`piece` gives them. Worked out each time they are read, not kept: a
+    many-rank plan holds one piece per tensor and output rank until its file is written, and
+    a tuple with its ``Copy`` objects was ~230 bytes of each (10 MB of a 256-rank reshard)."""
+
+    __slots__ = ("source", "offsets", "sizes")
+
+    def __init__(self, source: TensorInfo, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> None:
+        self.source, self.offsets, self.sizes = source, offsets, sizes
+
+    def copies(self) -> tuple[Copy, ...]:
+        n = self.sizes[0]
+        if not n:
+            return ()
+        source, a = self.source, self.offsets[0]
+        starts, order, _ = source.rows_index()
+        j = bisect_right(starts, a) - 1  # (the chunk holding row a: the first starts at row 0)
+        stop = bisect_left(starts, a + n, j)
+        chunks, zeros = source.chunks, self.offsets[1:]
+        if stop - j == 1:  # (one chunk holds the rows: the piece is its rows from a on)
+            return (Copy(chunks[order[j]], (a - starts[j], *zeros), (0, *zeros), self.sizes),)
+        b, rest = a + n, self.sizes[1:]
+        got = []
+        for k in range(j, stop):
+            c0, i = starts[k], order[k]
+            chunk = chunks[i]
+            lo, hi = max(a, c0), min(b, c0 + chunk.sizes[0])
+            got.append((i, Copy(chunk, (lo - c0, *zeros), (lo - a, *zeros), (hi - lo, *rest))))
+        got.sort(key=_first)  # in the chunks' order, as piece() gives them
+        return tuple([c for _, c in got])
+
+    def __iter__(self) -> Iterator[Copy]:
+        return iter(self.copies())
+
+    def __len__(self) -> int:  # (tiling: each chunk from the first row's on meets the rows)
+        n = self.sizes[0]
+        if not n:
+            return 0
+        starts, a = self.source.rows_index()[0], self.offsets[0]
+        j = bisect_right(starts, a) - 1
+        return bisect_left(starts, a + n, j) - j
+
+    def __bool__(self) -> bool:
+        return self.sizes[0] > 0
+
+    def __getitem__(self, i):
+        return self.copies()[i]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Tiled):
+            other = other.copies()
+        return self.copies() == other if isinstance(other, tuple) else NotImplemented
+
+    __hash__ = None  # (as the tuple it stands for would not be hashed: a piece's hash leaves its copies out)
+
+    def __repr__(self) -> str:
+        return repr(self.copies())
+
+    def __reduce__(self) -> tuple:
+        return Tiled, (self.source, self.offsets, self.sizes)
+
+
+def copies_of(piece: Piece) -> tuple[Copy, ...]:
+    """``piece``'s copies as a tuple (a :class:`Tiled` worked out once: no length asked first)."""
+    copies = piece.copies
+    return copies if type(copies) is tuple else copies.copies()
 
 
 def _whole_chunk(target: Target) -> Chunk | None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core.describe import Checkpoint, ObjectInfo
 from ..core.dtypes import as_torch
-from ..core.plan import FileJob, Piece, Span
+from ..core.plan import FileJob, Piece, Span, copies_of
 from ..errors import BadInput
 from ..storage import manifest
 from ..storage.castio import CastSpan
@@ -74,7 +74,7 @@ def spans_of(reader: Reader, piece: Piece, *, casts: bool = False) -> Span | Cas
     itemsize = src_dtype.itemsize
     tail = piece.sizes[1:]
     row = math.prod(tail) * itemsize
-    copies = piece.copies
+    copies = copies_of(piece)  # (once: a plan's Tiled copies are worked out when read)
     if len(copies) > 2 or len(copies) == 2 and copies[1].dst_start < copies[0].dst_start:
         copies = sorted(copies, key=_dst_start)
     found: dict[int, tuple | None] = {}  # a row-permuted piece copies from each chunk many times
@@ -115,15 +115,16 @@ def materialize(reader: Reader, piece: Piece, *, spans: bool = False,
         found = spans_of(reader, piece, casts=casts)
         if found is not None:
             return found
-    if len(piece.copies) == 1:
-        c = piece.copies[0]
+    copies = copies_of(piece)
+    if len(copies) == 1:
+        c = copies[0]
         if c.sizes == c.chunk.sizes == piece.sizes:
             src = reader.chunk(target.source, c.chunk)
             return src if src.dtype == target.dtype else src.to(as_torch(target.dtype))
     import torch
 
     out = torch.empty(piece.sizes, dtype=as_torch(target.dtype))
-    for c in piece.copies:
+    for c in copies:
         src = reader.chunk(target.source, c.chunk)
         narrow(out, c.dst_start, c.sizes).copy_(narrow(src, c.src_start, c.sizes))
     return out
