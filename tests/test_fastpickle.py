@@ -631,3 +631,39 @@ def test_describe_is_the_same_joined_or_not(monkeypatch, tmp_path):
         plain = describe(path)
         monkeypatch.undo()
         assert joined.tensors == plain.tensors and joined.objects == plain.objects
+
+
+def test_a_many_rank_tensor_is_described_as_columns_that_read_as_its_chunks(monkeypatch, tmp_path):
+    """A tensor of many chunks is kept as a ChunkTable: read in every way (index, slice,
+    iteration, its columns, its files and extents, handed to a worker), it is the tuple of
+    Chunks the per-chunk description gives, joined read or plain."""
+    import io
+    import pickle
+
+    from ckpt_tools.core.describe import ChunkTable, columns, extents, files_of
+    from ckpt_tools.formats import dcp as dcp_format
+    from ckpt_tools.formats import describe
+    from ckpt_tools.runtime import private
+
+    (tmp_path / ".metadata").write_bytes(_many_rank_metadata())
+    for r in range(64):
+        (tmp_path / f"__{r}_0.distcp").write_bytes(b"\0" * 8192)
+    tables = describe(tmp_path)
+    monkeypatch.setattr(dcp_format, "_TABLE_MIN", 1 << 30)
+    chunked = describe(tmp_path)
+    monkeypatch.setattr(dcp_format, "load_dcp_metadata", lambda p, stored=None: load_dcp_metadata(p))
+    plain = describe(tmp_path)
+    many = [t for t in tables.tensors if len(t.chunks) >= 8]
+    assert many and all(type(t.chunks) is ChunkTable for t in many)
+    assert all(type(t.chunks) is tuple for t in chunked.tensors)
+    assert tables.tensors == chunked.tensors == plain.tensors
+    for t, twin in zip(tables.tensors, chunked.tensors):
+        got, want = t.chunks, twin.chunks
+        assert tuple(got) == want and len(got) == len(want) and got[-1] == want[-1] and got[1::3] == want[1::3]
+        assert [got[i] for i in range(len(want))] == list(want)
+        assert columns(got) == ([c.offsets for c in want], [c.sizes for c in want])
+        assert list(extents(got)) == [(c.sizes, c.file, c.byte_offset, c.length) for c in want]
+        assert files_of(got) == {c.file for c in want}
+        assert t.rows_index() == twin.rows_index() and t.row_tiles() == twin.row_tiles()
+    back = private.load(io.BytesIO(pickle.dumps(many[0])))
+    assert back == many[0] and type(back.chunks) is tuple

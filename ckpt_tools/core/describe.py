@@ -9,8 +9,9 @@ needed until the engine carries a plan out.
 from __future__ import annotations
 
 import math
+import operator
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -114,6 +115,85 @@ def _chunk_at(offsets, sizes, file, kind, offset, length, key, rank) -> Chunk:
     return Chunk.at(offsets, sizes, file, kind, offset, length, key, rank)
 
 
+class ChunkTable:
+    """A tensor's chunks as columns, read as the tuple of :class:`Chunk` s it stands for (each
+    made when read): offsets and sizes (lists of shared tuples), and ``(file, byte offset,
+    length)`` per chunk in one ``array('q')``, ``file`` an index into ``files`` (names shared by
+    a description's tensors); every chunk of one ``kind``, with no key and no rank.
+
+    A many-rank DCP's tensors (a chunk per rank, each in its own item): 40 bytes a chunk held
+    for the whole command, where a ``Chunk`` with its offset's int was ~130 (9 MB of a 256-rank
+    save's 72k chunks). A plan takes what it reads and keeps none (:class:`~.plan.Tiled`)."""
+
+    __slots__ = ("offsets", "sizes", "spans", "files", "kind")
+
+    def __init__(self, offsets: list[tuple[int, ...]], sizes: list[tuple[int, ...]], spans: array,
+                 files: list[str], kind: str) -> None:
+        if not (len(offsets) == len(sizes) and len(spans) == 3 * len(offsets)):
+            raise ValueError("a chunk table's columns differ in length")
+        self.offsets, self.sizes, self.spans, self.files, self.kind = offsets, sizes, spans, files, kind
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, i):
+        if type(i) is not int:
+            if isinstance(i, slice):
+                return tuple([self[k] for k in range(*i.indices(len(self.offsets)))])
+            i = operator.index(i)
+        offsets = self.offsets[i]  # (an IndexError past the end, as a tuple's; a negative i as a tuple's)
+        at = 3 * i if i >= 0 else 3 * (i + len(self.offsets))
+        spans = self.spans
+        return Chunk.at(offsets, self.sizes[i], self.files[spans[at]], self.kind, spans[at + 1], spans[at + 2])
+
+    def __iter__(self) -> Iterator[Chunk]:
+        at, files, kind, spans = Chunk.at, self.files, self.kind, self.spans
+        for k, (offsets, sizes) in enumerate(zip(self.offsets, self.sizes)):
+            j = 3 * k
+            yield at(offsets, sizes, files[spans[j]], kind, spans[j + 1], spans[j + 2])
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ChunkTable):
+            other = tuple(other)
+        return tuple(self) == other if isinstance(other, tuple) else NotImplemented
+
+    __hash__ = None  # (as a tuple of them is never hashed here: a tensor's hash leaves its chunks out)
+
+    def __repr__(self) -> str:
+        return f"ChunkTable({len(self)} chunks)"
+
+    def __reduce__(self) -> tuple:  # (for --workers: the chunks, each by value; arrays do not cross)
+        return _chunks, (list(self),)
+
+
+def _chunks(chunks: list[Chunk]) -> tuple[Chunk, ...]:
+    return tuple(chunks)
+
+
+def extents(chunks: tuple[Chunk, ...] | ChunkTable) -> Iterator[tuple[tuple[int, ...], str, int, int]]:
+    """Each chunk's ``(sizes, file, byte offset, length)``, in order: a table's columns (no
+    chunk made), else the chunks' fields."""
+    if type(chunks) is ChunkTable:
+        files, spans = chunks.files, chunks.spans
+        return ((z, files[spans[j]], spans[j + 1], spans[j + 2]) for j, z in zip(range(0, len(spans), 3), chunks.sizes))
+    return ((c.sizes, c.file, c.byte_offset, c.length) for c in chunks)
+
+
+def files_of(chunks: tuple[Chunk, ...] | ChunkTable) -> set[str]:
+    """The files the chunks are stored in (a table's from its columns: no chunk made)."""
+    if type(chunks) is ChunkTable:
+        return set(map(chunks.files.__getitem__, set(chunks.spans[0::3])))
+    return {c.file for c in chunks}
+
+
+def columns(chunks: tuple[Chunk, ...] | ChunkTable) -> tuple[Sequence[tuple[int, ...]], Sequence[tuple[int, ...]]]:
+    """The chunks' offsets and sizes, each in the chunks' order: a table's own columns (no
+    chunk made), else gathered from the chunks."""
+    if type(chunks) is ChunkTable:
+        return chunks.offsets, chunks.sizes
+    return [c.offsets for c in chunks], [c.sizes for c in chunks]
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """A logical tensor: its group, its name as its state dict spells it, shape, dtype, chunks.
@@ -125,7 +205,7 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]
     dtype: DType
-    chunks: tuple[Chunk, ...]
+    chunks: tuple[Chunk, ...] | ChunkTable  # (a table: read as the tuple, see ChunkTable)
     param: str | None = None
     state: str | None = None
     # Where a DCP source keeps the tensor: its nesting path as ``dcp.save`` recorded it
@@ -163,10 +243,15 @@ class TensorInfo:
         for one destination piece touches only the source chunks that overlap it. Built once."""
         got = self.__dict__.get("_rows_index")
         if got is None:
-            live = sorted((c.offsets[0], i) for i, c in enumerate(self.chunks) if c.offsets and 0 not in c.sizes)
+            live, most = [], 0
+            for i, (o, z) in enumerate(zip(*columns(self.chunks))):
+                if o and 0 not in z:
+                    live.append((o[0], i))
+                    if z[0] > most:
+                        most = z[0]
+            live.sort()
             # (as arrays: 8 bytes an entry, kept for the command; lists of ints were ~50)
-            got = (array("q", [o for o, _ in live]), array("q", [i for _, i in live]),
-                   max((self.chunks[i].sizes[0] for _, i in live), default=0))
+            got = (array("q", [o for o, _ in live]), array("q", [i for _, i in live]), most)
             object.__setattr__(self, "_rows_index", got)
         return got
 
@@ -177,13 +262,14 @@ class TensorInfo:
         got = self.__dict__.get("_row_tiles")
         if got is None:
             starts, order, _ = self.rows_index()
+            offsets, sizes = columns(self.chunks)
             rest, end, got = self.shape[1:], 0, bool(self.shape)
             for start, i in zip(starts, order):
-                c = self.chunks[i]
-                if start != end or c.sizes[1:] != rest or any(c.offsets[1:]):
+                z = sizes[i]
+                if start != end or z[1:] != rest or any(offsets[i][1:]):
                     got = False
                     break
-                end += c.sizes[0]
+                end += z[0]
             got = got and end == self.shape[0]
             object.__setattr__(self, "_row_tiles", got)
         return got
@@ -344,10 +430,10 @@ def _tiled(t: TensorInfo) -> bool:
     nd = len(t.shape)
     if not nd or not t.row_tiles():
         return False
-    for c in t.chunks:
-        if len(c.offsets) != nd or len(c.sizes) != nd or c.sizes[0] < 0:
+    for offsets, sizes in zip(*columns(t.chunks)):
+        if len(offsets) != nd or len(sizes) != nd or sizes[0] < 0:
             return False
-        if 0 in c.sizes and any(o < 0 or s < 0 or o + s > d for o, s, d in zip(c.offsets, c.sizes, t.shape)):
+        if 0 in sizes and any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, t.shape)):
             return False
     return True
 

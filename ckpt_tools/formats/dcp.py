@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo
+from ..core.describe import Checkpoint, Chunk, ChunkTable, FileEntry, Location, ObjectInfo, TensorInfo, extents
 from ..core.groups import Roots, find_roots
 from ..core.dtypes import as_torch
 from ..core.state import gather, param_groups_keyed
@@ -29,6 +29,9 @@ METADATA = ".metadata"
 ACCELERATE_MODEL = re.compile(r"^pytorch_model_fsdp_(\d+)$")
 ACCELERATE_OPTIM = re.compile(r"^optimizer_(\d+)$")
 RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+# a tensor with this many chunks or more is described as columns (core.describe.ChunkTable,
+# ~40 bytes a chunk); fewer, as Chunk objects (a table's lists and array cost ~300 bytes of their own)
+_TABLE_MIN = 8
 
 
 def detect(path: Path) -> bool:
@@ -123,16 +126,55 @@ def _describe_one(path: Path, prefix: str):
             safefs.resolve_inside(path, rel, what=f"{where}: item {fqn!r}")
             files.add(rel)
 
-    def joined(fqn: str, table: Any, at: int, offsets: tuple, sizes: tuple) -> Chunk:
-        # the chunk whose storage entry was joined to it, ``table[at:at + 3]`` (ints in range)
-        f = table[at]
+    def name_of(fqn: str, f: int) -> str:
+        # a joined entry's file, by its id in ``stored.files``: resolved once
         name = joined_files[f]
         if name is None:
             rel = stored.files[f]
             met(rel, fqn)
             name = joined_files[f] = prefix + rel
+        return name
+
+    def joined(fqn: str, table: Any, at: int, offsets: tuple, sizes: tuple) -> Chunk:
+        # the chunk whose storage entry was joined to it, ``table[at:at + 3]`` (ints in range)
         length = table[at + 2]
-        return Chunk.at(offsets, sizes, name, "torch_item", table[at + 1], lengths.setdefault(length, length))
+        return Chunk.at(offsets, sizes, name_of(fqn, table[at]), "torch_item", table[at + 1],
+                        lengths.setdefault(length, length))
+
+    table_files: list[str] = []  # the files of this part's chunk tables, by index (one list for all)
+    table_ids: dict[str, int] = {}
+    via = [-1] * len(stored.files)  # a joined entry's file id -> its index in table_files
+
+    def table_of(fqn: str, rows: list, table: Any, n: int, rank: int, what: str) -> ChunkTable:
+        # a tensor's chunks as columns: what the tuple of them holds, the same entries checked
+        offsets, sizes, spans = [], [], array("q")
+        for at, c in zip(range(0, 3 * len(rows), 3), rows):
+            if type(c) is ChunkRow and len(c[0]) == rank:  # (non-negative ints of one length already)
+                o, z = c
+                if at < n and table[at] >= 0:
+                    f = table[at]
+                    i = via[f]
+                    if i < 0:
+                        i = via[f] = table_index(name_of(fqn, f))
+                    spans.extend((i, table[at + 1], table[at + 2]))
+                    offsets.append(o)
+                    sizes.append(z)
+                    continue
+            else:
+                o = safefs.check_dims(c.offsets, what=f"{what} chunk offsets", rank=rank)
+                z = safefs.check_dims(c.sizes, what=f"{what} chunk sizes", rank=rank)
+            loc = location(fqn, o)
+            spans.extend((table_index(loc.file), loc.offset, loc.length))
+            offsets.append(o)
+            sizes.append(z)
+        return ChunkTable(offsets, sizes, spans, table_files, "torch_item")
+
+    def table_index(name: str) -> int:
+        i = table_ids.get(name)
+        if i is None:
+            i = table_ids[name] = len(table_files)
+            table_files.append(name)
+        return i
 
     def location(fqn: str, offset: tuple[int, ...] | None = None, kind: str = "torch_item") -> Location:
         # (``offset``: a chunk's, checked to be a tuple of ints: the index's key as it stands)
@@ -176,15 +218,18 @@ def _describe_one(path: Path, prefix: str):
                 rank = len(shape)
                 table = stored.tables.get(fqn)  # (its chunks' joined entries, by place; else none joined)
                 n = 0 if table is None else len(table)
-                chunks = tuple(
-                    # a row's offsets and sizes are non-negative ints of one length already
-                    (joined(fqn, table, at, c[0], c[1]) if at < n and table[at] >= 0 else
-                     Chunk(c[0], c[1], location(fqn, c[0]), None)) if type(c) is ChunkRow and len(c[0]) == rank else
-                    Chunk(offsets := safefs.check_dims(c.offsets, what=f"{what} chunk offsets", rank=rank),
-                          safefs.check_dims(c.sizes, what=f"{what} chunk sizes", rank=rank),
-                          location(fqn, offsets), None)
-                    for at, c in zip(range(0, 3 * len(md.chunks), 3), md.chunks)
-                )
+                if len(md.chunks) >= _TABLE_MIN:  # (a many-rank save's tensor: its chunks as columns)
+                    chunks = table_of(fqn, md.chunks, table, n, rank, what)
+                else:
+                    chunks = tuple(
+                        # a row's offsets and sizes are non-negative ints of one length already
+                        (joined(fqn, table, at, c[0], c[1]) if at < n and table[at] >= 0 else
+                         Chunk(c[0], c[1], location(fqn, c[0]), None)) if type(c) is ChunkRow and len(c[0]) == rank else
+                        Chunk(offsets := safefs.check_dims(c.offsets, what=f"{what} chunk offsets", rank=rank),
+                              safefs.check_dims(c.sizes, what=f"{what} chunk sizes", rank=rank),
+                              location(fqn, offsets), None)
+                        for at, c in zip(range(0, 3 * len(md.chunks), 3), md.chunks)
+                    )
                 md.chunks = None  # (its rows let go: the chunks above hold what they said)
                 tensors.append(TensorInfo(group, name, shape, md.properties.dtype, chunks, param, state,
                                           path=tuple(paths.get(fqn) or (fqn,))))
@@ -218,13 +263,13 @@ def _describe_one(path: Path, prefix: str):
 
     for t in tensors:
         itemsize = t.dtype.itemsize
-        for c in t.chunks:
-            if c.byte_offset + c.length > sizes[c.file]:  # (the chunk's fields: no Location per chunk)
-                within(c.location, t.name)
+        for csizes, file, start, length in extents(t.chunks):  # (no chunk made of a table)
+            if start + length > sizes[file]:
+                within(Location(file, "torch_item", start, length), t.name)
             # refuse declared sizes the stored bytes cannot hold, before anything is allocated
-            if c.length < math.prod(c.sizes) * itemsize:
-                raise BadInput(f"{path / METADATA}: tensor {t.name!r} declares a chunk of {c.sizes} "
-                               f"({c.numel * itemsize} bytes) stored in {c.length} bytes")
+            if length < math.prod(csizes) * itemsize:
+                raise BadInput(f"{path / METADATA}: tensor {t.name!r} declares a chunk of {csizes} "
+                               f"({math.prod(csizes) * itemsize} bytes) stored in {length} bytes")
     for o in objects:
         within(o.location, o.name)
     # non-tensor items are small: load each now (weights_only), so one carrying code is refused

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..formats import describe as describe_format
-from ..core.describe import Checkpoint, ObjectInfo, check_coverage
+from ..core.describe import Checkpoint, ObjectInfo, check_coverage, files_of
 from ..core.state import short_list, warn_rank_local
 from ..errors import BadInput, UsageError
 from ..formats.sharded import CONFIG_NAME, PATTERN
@@ -127,7 +127,9 @@ def side_files(ckpt: Checkpoint, adapter=plain) -> list[str]:
 
 def _format_files(ckpt: Checkpoint) -> set[str]:
     """The files the format's reader takes as tensors or metadata."""
-    files = {c.file for t in ckpt.tensors for c in t.chunks}
+    files: set[str] = set()
+    for t in ckpt.tensors:
+        files |= files_of(t.chunks)
     files |= {o.location.file for o in ckpt.objects if o.location.kind != "pickled" or "/" in o.location.file}
     if ckpt.format == "dcp":
         # every file of a DCP part directory belongs to it, and so does every data file there
