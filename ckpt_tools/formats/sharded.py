@@ -514,10 +514,7 @@ class Writer:
                 if isinstance(src, Piece):
                     v = values(src)
                     if isinstance(v, Span):
-                        # (a Tiled piece's copies are not worked out again for the shortcut:
-                        # each part's CRC lookup answers as well, a dict lookup)
-                        copies = src.copies
-                        yield key, shardtree.with_crcs(v.parts, self._record_crc, copies if type(copies) is tuple else None)
+                        yield key, shardtree.with_crcs(v.parts, self._record_crc, src.copies)
                     else:
                         yield key, v if isinstance(v, CastSpan) else tensor_bytes(v)
                 else:
