@@ -85,17 +85,21 @@ class Reader:
     # -- raw bytes ----------------------------------------------------------------------
     def _need(self, loc: Location) -> None:
         """A remote stand-in's bytes of ``loc`` fetched (whole: a reader outside a plan)."""
+        self._need_at(loc.file, loc.kind, loc.offset, loc.length, loc.key)
+
+    def _need_at(self, file: str, kind: str, offset: int, length: int, key: tuple) -> None:
+        # (_need by a location's fields: a chunk's own, asked once per copy, with no Location made)
         if self.planned or not remote.any_standins():
             return
-        path = self.path(loc.file)
-        if loc.kind == "pickled":
+        path = self.path(file)
+        if kind == "pickled":
             if remote.is_standin(path):  # the value's storage records (the pickle is there)
                 with self._lock:
                     if self._torch is None:
                         self._torch = TorchRanges(self.ckpt.base_dir())
-                remote.present(self._torch.of(loc.file, loc.key)[0])
-        elif loc.kind in ("raw", "torch_item", "bytes_item"):
-            remote.present([(path, loc.offset, loc.offset + loc.length)])
+                remote.present(self._torch.of(file, key)[0])
+        elif kind in ("raw", "torch_item", "bytes_item"):
+            remote.present([(path, offset, offset + length)])
 
     def _map(self, file: str) -> mmap.mmap:
         with self._lock:
@@ -240,8 +244,7 @@ class Reader:
         path = self._paths.get(file)
         if path is None:
             path = self.path(file)
-        if not self.planned and remote.any_standins():  # (_need's own test, before a Location is made)
-            self._need(chunk.location)
+        self._need_at(file, kind, offset, length, chunk.key)
         nbytes = chunk.numel * tensor.dtype.itemsize
         if kind == "raw":  # (asked per piece of a many-rank plan: the usual case first)
             return (path, offset, length) if length == nbytes else None

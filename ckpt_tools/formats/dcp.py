@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.describe import Checkpoint, Chunk, ChunkTable, FileEntry, Location, ObjectInfo, TensorInfo, extents
+from ..core.describe import Checkpoint, ChunkTable, FileEntry, Location, ObjectInfo, TensorInfo, extents
 from ..core.groups import Roots, find_roots
 from ..core.dtypes import as_torch
 from ..core.state import gather, param_groups_keyed
@@ -118,7 +118,6 @@ def _describe_one(path: Path, prefix: str):
     by_tuple = type(storage) is dict and all(type(k) is IndexKey or type(k) is MetadataIndex for k in storage)
 
     joined_files: list[str | None] = [None] * len(stored.files)  # a joined entry's file, once resolved
-    lengths: dict[int, int] = {}  # one int per distinct length (most chunks share a few)
 
     def met(rel: str, fqn: str) -> None:
         # a data file an item is in, resolved inside the root the first time it is met
@@ -134,12 +133,6 @@ def _describe_one(path: Path, prefix: str):
             met(rel, fqn)
             name = joined_files[f] = prefix + rel
         return name
-
-    def joined(fqn: str, table: Any, at: int, offsets: tuple, sizes: tuple) -> Chunk:
-        # the chunk whose storage entry was joined to it, ``table[at:at + 3]`` (ints in range)
-        length = table[at + 2]
-        return Chunk.at(offsets, sizes, name_of(fqn, table[at]), "torch_item", table[at + 1],
-                        lengths.setdefault(length, length))
 
     table_files: list[str] = []  # the files of this part's chunk tables, by index (one list for all)
     table_ids: dict[str, int] = {}
@@ -218,18 +211,9 @@ def _describe_one(path: Path, prefix: str):
                 rank = len(shape)
                 table = stored.tables.get(fqn)  # (its chunks' joined entries, by place; else none joined)
                 n = 0 if table is None else len(table)
-                if len(md.chunks) >= _TABLE_MIN:  # (a many-rank save's tensor: its chunks as columns)
-                    chunks = table_of(fqn, md.chunks, table, n, rank, what)
-                else:
-                    chunks = tuple(
-                        # a row's offsets and sizes are non-negative ints of one length already
-                        (joined(fqn, table, at, c[0], c[1]) if at < n and table[at] >= 0 else
-                         Chunk(c[0], c[1], location(fqn, c[0]), None)) if type(c) is ChunkRow and len(c[0]) == rank else
-                        Chunk(offsets := safefs.check_dims(c.offsets, what=f"{what} chunk offsets", rank=rank),
-                              safefs.check_dims(c.sizes, what=f"{what} chunk sizes", rank=rank),
-                              location(fqn, offsets), None)
-                        for at, c in zip(range(0, 3 * len(md.chunks), 3), md.chunks)
-                    )
+                chunks = table_of(fqn, md.chunks, table, n, rank, what)
+                if len(md.chunks) < _TABLE_MIN:  # (a few chunks: held as Chunks, a table's columns cost more)
+                    chunks = tuple(chunks)
                 md.chunks = None  # (its rows let go: the chunks above hold what they said)
                 tensors.append(TensorInfo(group, name, shape, md.properties.dtype, chunks, param, state,
                                           path=tuple(paths.get(fqn) or (fqn,))))
