@@ -523,7 +523,7 @@ def test_the_memo_keeps_codes_and_each_distinct_part_once(monkeypatch):
     """A many-record ``.metadata``'s memo (as a 64-rank save gathers it: every record's
     ``torch.Size`` its own object): four bytes an entry, the records and their unbuilt parts
     one code (UNREAD), each distinct Size value and name one object however many records
-    hold it; and the tree read is the careful reader's."""
+    hold it, two bytes an entry; and the tree read is the careful reader's."""
     ranks = 64
     data = _many_rank_metadata(ranks=ranks, tensors=8)
 
@@ -539,7 +539,7 @@ def test_the_memo_keeps_codes_and_each_distinct_part_once(monkeypatch):
     monkeypatch.setattr(fastpickle, "Memo", Spy)
     assert _same(_fast(data), _careful(data))
     memo, = seen
-    assert memo.codes.itemsize == 4
+    assert memo.codes.itemsize == 2  # (it names fewer than 65,536 objects)
     assert len(memo.codes) > 12 * 8 * ranks  # (every MEMOIZE of the pickle has its entry)
     assert memo.objs[0] is fastpickle.UNREAD and memo.codes.count(0) > len(memo.codes) // 2
     assert len(memo.objs) < len(memo.codes) // 10
@@ -547,6 +547,51 @@ def test_the_memo_keeps_codes_and_each_distinct_part_once(monkeypatch):
     # each offsets value once (and the tensors' sizes, the records read opcode by opcode): not one per record, 1,536
     assert len(sizes) < 2 * ranks
     assert not any(type(x) in ROWS for x in memo.objs)  # (a record read as a row is not kept there)
+
+
+def test_the_memo_widens_to_four_bytes_an_entry_wherever_it_must(monkeypatch):
+    """Past 65,536 objects the memo's codes widen from two bytes to four, once, wherever that
+    falls: between records, or inside a record reader (the Size or name that needs the wider
+    code: the record read again, nothing of it added twice). Swept over every point it can
+    fall at (the memo made to widen sooner), and at its real limit (a file of 7,000 tensors),
+    the tree read is the careful reader's."""
+    seen, raised = [], []
+
+    class Spy(fastpickle.Memo):
+        __slots__ = ()
+        room = 0xFFFF
+
+        def __init__(self):
+            super().__init__()
+            self._room = Spy.room
+            seen.append(self)
+
+        def shared(self, x):
+            try:
+                return super().shared(x)
+            except fastpickle.Widened:
+                raised.append(len(self.codes))
+                raise
+
+    monkeypatch.setattr(fastpickle, "Memo", Spy)
+    data = _many_rank_metadata(ranks=24, tensors=6)
+    careful = _careful(data)
+    assert _same(_fast(data), careful)
+    objs = len(seen[-1].objs)
+    assert seen[-1].codes.itemsize == 2 and not raised
+    for room in range(objs - 1):  # (its largest code, objs - 1, past the room)
+        Spy.room = room
+        assert _same(_fast(data), careful), room
+        memo = seen[-1]
+        assert memo.codes.itemsize == 4 and len(memo.objs) == objs
+        assert memo.codes.tolist() == seen[0].codes.tolist()  # (every entry the code it had at two bytes)
+    assert 0 < len(raised) < objs - 1  # (widened inside a record's reader at some points, between records at the rest)
+
+    Spy.room, raised[:] = 0xFFFF, []
+    data = _many_rank_metadata(ranks=2, tensors=7000)
+    assert _same(_fast(data), _careful(data))
+    memo = seen[-1]
+    assert len(memo.objs) > 0x10000 and memo.codes.itemsize == 4 and max(memo.codes) == len(memo.objs) - 1
 
 
 def _entries(meta, stored=None) -> dict:

@@ -130,13 +130,6 @@ for _row in (ChunkRow, IndexKey, StorageRow):
 bounded.register(_Unread, _refused)
 
 _NO = object()
-_UNBUILT2 = array("I", (0, 0)).tobytes()  # the codes of two UNREAD memo entries: a record and its state dict
-# the codes of a chunk's (or index's) first five memo entries and of a chunk's last three, from
-# the code of its Size tuple
-# (native sizes: the memo's array of C unsigned ints, its frombytes native too)
-_HEAD5 = struct.Struct("5I").pack
-_TAIL3 = struct.Struct("3I").pack
-_ONE = struct.Struct("I").pack
 
 
 class Rows:
@@ -155,8 +148,12 @@ class Rows:
         self._storage_keys: tuple = ()
         self._index_keys: tuple = ()
         self._sizes: set[bytes] = set()
-        # runs of memo codes by a Size's pickled ints, for the memo they were worked out in
+        # runs of memo codes (as bytes, at its codes' width) by a Size's pickled ints, for the
+        # memo codes they were worked out for (a memo widens once: its runs are then worked out again)
         self._memo: Memo | None = None
+        self._codes: array | None = None
+        self._unbuilt2 = b""  # the codes of two UNREAD memo entries: a record and its state dict
+        self._pack: tuple = ()  # packs 5, 3 and 1 codes
         self._head_codes: dict[bytes, bytes] = {}
         self._tail_codes: dict[bytes, bytes] = {}
         self._named: dict[bytes, tuple[str, bytes]] = {}  # one string per distinct name or path, and its code
@@ -250,10 +247,10 @@ class Rows:
                     len(sizes) != t2[0] - 0x84:
                 return None
             # its memo entries: row, UNREAD, offsets, UNREAD, offsets, then sizes, UNREAD, sizes
-            if memo is not self._memo:
+            if memo.codes is not self._codes:
                 self._bind(memo)
-            head = self._head_codes.get(d1) or self._codes_of(d1, offsets, head=True)
-            tail = self._tail_codes.get(d2) or self._codes_of(d2, sizes, head=False)
+            head = self._head_codes.get(d1) or self._codes_of(memo, d1, offsets, head=True)
+            tail = self._tail_codes.get(d2) or self._codes_of(memo, d2, sizes, head=False)
             memo.codes.frombytes(head)
             memo.codes.frombytes(tail)
             return ChunkRow((offsets, sizes)), m.end()
@@ -265,7 +262,7 @@ class Rows:
         return ChunkRow((offsets, sizes)), m.end()
 
     def index(self, buf: bytes, pos: int, fend: int, memo: Memo) -> tuple[IndexKey, int] | None:
-        if memo is not self._memo:
+        if memo.codes is not self._codes:
             self._bind(memo)
         m = _INDEX_NAMED(buf, pos, fend)
         if m is not None:  # whole in one match: its name new, that name read before
@@ -294,7 +291,7 @@ class Rows:
             if offsets is None:
                 return None
             self._index_keys = (key, k1, k2)
-        memo.codes.frombytes(_UNBUILT2)
+        memo.codes.frombytes(self._unbuilt2)
         memo.codes.frombytes(new)
         memo.codes.extend(m1)
         return IndexKey((fqn, offsets)), m.end()
@@ -309,22 +306,25 @@ class Rows:
         offsets = self._dims.get(d) or _ints_of(self._dims, d)
         if offsets is None or len(offsets) != t[0] - 0x84:
             return None
-        codes = memo.codes
         if new:
-            codes.frombytes(_UNBUILT2)
+            run = self._tail_codes.get(d) or self._codes_of(memo, d, offsets, head=False)
+            codes = memo.codes  # (after the run: working it out may widen them)
+            codes.frombytes(self._unbuilt2)
             codes.frombytes(new)
-            codes.frombytes(self._tail_codes.get(d) or self._codes_of(d, offsets, head=False))
+            codes.frombytes(run)
         else:
-            codes.frombytes(self._head_codes.get(d) or self._codes_of(d, offsets, head=True))
+            memo.codes.frombytes(self._head_codes.get(d) or self._codes_of(memo, d, offsets, head=True))
         return IndexKey((fqn, offsets)), end
 
     def storage(self, buf: bytes, pos: int, fend: int, memo: Memo) -> tuple[StorageRow, int] | None:
+        if memo.codes is not self._codes:
+            self._bind(memo)
         m = _STORAGE_OF_REF(buf, pos, fend)
         if m is not None:  # the usual: the path a reference, its fields where they were last
             k0, ref, k1, offset, k2, length = m.groups()
             path = self._refs.get(ref)
             if type(path) is str and (k0, k1, k2) == self._storage_keys:
-                memo.codes.frombytes(_UNBUILT2)  # (row, UNREAD)
+                memo.codes.frombytes(self._unbuilt2)  # (row, UNREAD)
                 return StorageRow((path, _int(offset), self._length(length))), m.end()
         path, new, p, key = self._head("relative_path", buf, pos, fend, memo)
         m = None if p < 0 else _STORAGE(buf, p, fend)
@@ -335,22 +335,29 @@ class Rows:
         if ref(k1, memo) != "offset" or ref(k2, memo) != "length":
             return None
         self._storage_keys = (key, k1, k2)  # (where its fields' names are: the next one's, too)
-        memo.codes.frombytes(_UNBUILT2)
+        memo.codes.frombytes(self._unbuilt2)
         memo.codes.frombytes(new)
         return StorageRow((path, _int(offset), self._length(length))), m.end()
 
     def _bind(self, memo: Memo) -> None:
-        self._memo = memo
-        self._head_codes, self._tail_codes, self._named = {}, {}, {}
+        # a new memo, or this one's codes widened: its names keep their strings (each one object,
+        # its code the same, four bytes now); its Sizes' runs are worked out again as met
+        tc = memo.codes.typecode
+        named = {} if memo is not self._memo else \
+            {raw: (s, array(tc, array("H", run)).tobytes()) for raw, (s, run) in self._named.items()}
+        self._memo, self._codes = memo, memo.codes
+        self._unbuilt2 = array(tc, (0, 0)).tobytes()
+        self._pack = tuple(struct.Struct(f"{n}{tc}").pack for n in (5, 3, 1))  # (native, as frombytes)
+        self._head_codes, self._tail_codes, self._named = {}, {}, named
 
-    def _codes_of(self, pickled: bytes, t: tuple, *, head: bool) -> bytes:
+    def _codes_of(self, memo: Memo, pickled: bytes, t: tuple, *, head: bool) -> bytes:
         """The codes (as bytes) of the memo entries a record adds with the Size ``t``, pickled
         as ``pickled``: with ``head``, a chunk's or index's first five, else a chunk's last three."""
-        c = self._memo.shared(t)
+        c = memo.shared(t)
         if head:
-            run = self._head_codes[pickled] = _HEAD5(0, 0, c, 0, c)
+            run = self._head_codes[pickled] = self._pack[0](0, 0, c, 0, c)
         else:
-            run = self._tail_codes[pickled] = _TAIL3(c, 0, c)
+            run = self._tail_codes[pickled] = self._pack[1](c, 0, c)
         return run
 
     def _length(self, pickled: bytes) -> int:
@@ -376,13 +383,13 @@ class Rows:
         end = m.end() + short[0]
         if end >= fend or buf[end] != 0x94:  # SHORT_BINUNICODE MEMOIZE
             return None, b"", -1, b""
-        if memo is not self._memo:
+        if memo.codes is not self._codes:
             self._bind(memo)
         raw = buf[m.end():end]
         got = self._named.get(raw)
         if got is None:
             s = str(raw, "utf-8", "surrogatepass")
-            got = self._named[raw] = (s, _ONE(memo.shared(s)))
+            got = self._named[raw] = (s, self._pack[2](memo.shared(s)))
         return got[0], got[1], end + 1, key
 
     def _ref(self, ref: bytes, memo: Memo) -> Any:

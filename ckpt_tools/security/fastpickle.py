@@ -59,21 +59,29 @@ class _Unread:
 UNREAD = _Unread()
 
 
+class Widened(Exception):
+    """The memo's codes widened from two bytes to four while a record reader worked out its
+    codes (:meth:`Memo.shared`): nothing of the record was added; it is read again."""
+
+
 class Memo:
-    """The memo of one :func:`load`: entry ``i`` is ``objs[codes[i]]``, four bytes an entry.
+    """The memo of one :func:`load`: entry ``i`` is ``objs[codes[i]]``, two bytes an entry while
+    it names at most 65,536 objects, then four (widened once, in place).
 
     A 256-rank ``.metadata`` memoizes 1.2 million objects, nearly all of them parts of its
     records: their unbuilt parts and the records themselves (never referred to again by torch:
     :data:`UNREAD`, code 0) and a few hundred distinct ``torch.Size`` tuples and names, each
-    kept once (:meth:`shared`). As a list of references it was 9.4 MB, the read's largest
-    single allocation; as codes it is half that."""
+    kept once (:meth:`shared`): 5,700 objects in all. As a list of references it was 9.4 MB, the
+    read's largest single allocation; as codes 2.3 MB. A file of many tensors names an object or
+    more per tensor of its own (10-20: its metadata, properties, names) and widens past a few thousand."""
 
-    __slots__ = ("codes", "objs", "_shared")
+    __slots__ = ("codes", "objs", "_shared", "_room")
 
     def __init__(self) -> None:
-        self.codes = array("I")
+        self.codes = array("H")
         self.objs: list[Any] = [UNREAD]
         self._shared: dict[int, int] = {}  # id of an object kept once -> its code
+        self._room = 0xFFFF  # the largest code ``codes`` holds
 
     def __len__(self) -> int:
         return len(self.codes)
@@ -82,20 +90,36 @@ class Memo:
         return self.objs[self.codes[i]]
 
     def append(self, x: Any) -> None:
-        self.codes.append(len(self.objs))
+        code = len(self.objs)
+        if code > self._room:
+            self._widen()
+        self.codes.append(code)
         self.objs.append(x)
 
     def __setitem__(self, i: int, x: Any) -> None:  # (a BINPUT over an entry: :func:`_put`)
-        self.codes[i] = len(self.objs)
+        code = len(self.objs)
+        if code > self._room:
+            self._widen()
+        self.codes[i] = code
         self.objs.append(x)
 
     def shared(self, x: Any) -> int:
-        """The code of ``x``, an object entered many times (a Size's tuple, a name): one a value."""
+        """The code of ``x``, an object entered many times (a Size's tuple, a name): one a value.
+        :class:`Widened` where the codes widened first (a record reader's runs of codes, worked
+        out before, would be two bytes an entry)."""
         code = self._shared.get(id(x))
         if code is None:
-            code = self._shared[id(x)] = len(self.objs)
+            code = len(self.objs)
+            if code > self._room:
+                self._widen()
+                raise Widened
+            self._shared[id(x)] = code
             self.objs.append(x)  # (kept: its id stays its own)
         return code
+
+    def _widen(self) -> None:
+        old, self.codes, self._room = self.codes, array("I", self.codes), 0xFFFF_FFFF
+        del old[:]  # (let go at once: a reader's runs were bound to it, and find it gone)
 
 
 def load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type, Callable] | None = None,
@@ -133,7 +157,7 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type,
     # the memo as codes: MEMOIZE numbers objects 0, 1, 2, ... (a dict of 1.2 million int keys,
     # as a 256-rank .metadata needs, is ~70 MB and slower); a BINPUT past its end declines
     memo = Memo()
-    codes, objs = memo.codes, memo.objs
+    objs = memo.objs  # (its codes read as memo.codes: they widen once, where the memo names 65,536 objects)
     memoize = memo.append
     stack: list[Any] = []
     metastack: list[list[Any]] = []
@@ -150,17 +174,20 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type,
         # most frequent first (in a many-rank .metadata, runs of opcodes taken together): a chain
         # of compares is cheaper than a call through a table
         if op == 0x6a:  # LONG_BINGET
-            x = objs[codes[_U4(buf, pos + 1)[0]]]
+            x = objs[memo.codes[_U4(buf, pos + 1)[0]]]
             pos += 5
             # a record's class, then EMPTY_TUPLE NEWOBJ: the record read in the same turn (as below)
             if type(x) is type and buf[pos] == 0x29 and buf[pos + 1] == 0x81 and x in records:
-                got = records[x](buf, pos, fend, memo)
+                try:
+                    got = records[x](buf, pos, fend, memo)
+                except Widened:
+                    got = records[x](buf, pos, fend, memo)
                 if got is not None:
                     x, pos = got
             append(x)
             continue
         if op == 0x68:  # BINGET
-            append(objs[codes[buf[pos + 1]]])
+            append(objs[memo.codes[buf[pos + 1]]])
             pos += 2
             continue
         if op == 0x4b:  # BININT1
@@ -171,7 +198,10 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type,
             if buf[pos + 1] == 0x81:  # EMPTY_TUPLE NEWOBJ: cls() without arguments
                 cls = stack[-1]
                 if type(cls) is type and cls in records:  # a record read in one step
-                    got = records[cls](buf, pos, fend, memo)
+                    try:
+                        got = records[cls](buf, pos, fend, memo)
+                    except Widened:  # (nothing of it added: read again, its codes four bytes each)
+                        got = records[cls](buf, pos, fend, memo)
                     if got is not None:
                         stack[-1], pos = got
                         continue
