@@ -549,7 +549,7 @@ def test_the_memo_keeps_codes_and_each_distinct_part_once(monkeypatch):
     assert not any(type(x) in ROWS for x in memo.objs)  # (a record read as a row is not kept there)
 
 
-def test_the_memo_widens_to_four_bytes_an_entry_wherever_it_must(monkeypatch):
+def test_the_memo_widens_to_four_bytes_an_entry_wherever_it_must(monkeypatch, tmp_path):
     """Past 65,536 objects the memo's codes widen from two bytes to four, once, wherever that
     falls: between records, or inside a record reader (the Size or name that needs the wider
     code: the record read again, nothing of it added twice). Swept over every point it can
@@ -586,6 +586,22 @@ def test_the_memo_widens_to_four_bytes_an_entry_wherever_it_must(monkeypatch):
         assert memo.codes.itemsize == 4 and len(memo.objs) == objs
         assert memo.codes.tolist() == seen[0].codes.tolist()  # (every entry the code it had at two bytes)
     assert 0 < len(raised) < objs - 1  # (widened inside a record's reader at some points, between records at the rest)
+
+    # read with the joiner, entries joined a run at a time: the same joins wherever it widens
+    p = tmp_path / ".metadata"
+    p.write_bytes(data)
+    plain = load_dcp_metadata(p)
+    Spy.room, raised[:] = 0xFFFF, []
+    stored = dcprows.Stored()
+    load_dcp_metadata(p, stored=stored)
+    objs, joined = len(seen[-1].objs), _joined(stored)
+    assert joined > len(plain.storage_data) // 2
+    for room in range(objs - 1):
+        Spy.room, stored = room, dcprows.Stored()
+        got = load_dcp_metadata(p, stored=stored)
+        assert seen[-1].codes.itemsize == 4 and len(seen[-1].objs) == objs, room
+        assert _joined(stored) == joined and _entries(got, stored) == _entries(plain), room
+    assert raised
 
     Spy.room, raised[:] = 0xFFFF, []
     data = _many_rank_metadata(ranks=2, tensors=7000)
@@ -639,6 +655,37 @@ def test_a_joined_read_moves_each_entry_to_its_chunk_and_nothing_else(tmp_path, 
         assert n <= len(plain.state_dict_metadata)
     else:
         assert n >= len(plain.storage_data) - 2 * len(plain.state_dict_metadata)
+
+
+def test_a_run_of_entries_joined_anywhere_but_a_storage_dict_s_keys_is_refused(tmp_path):
+    """The index reader joins a run of entries as it reads them, leaving one JOINED where their
+    keys and values were: dropped from the dict SETITEMS fills where it stands in a key's place;
+    in a value's place, or in a list (the same records listed in ``planner_data``, before the
+    storage dict), the fast read is declined and the file read the careful way: every entry
+    in the dict, none joined."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    J = dcprows.JOINED
+    assert dcprows._without_joined([J, "k", "v", J, "k2", "v2", J]) == ["k", "v", "k2", "v2"]
+    items = ["k", "v"]
+    assert dcprows._without_joined(items) is items
+    with pytest.raises(fastpickle.Decline):
+        dcprows._without_joined(["k", J, "k2", "v2"])
+
+    meta = pickle.loads(_many_rank_metadata(ranks=16, tensors=4))  # (torch's own classes: torch is the writer)
+    # each tensor's rank-0 entry twice (the first read as records: its name, Size and file then
+    # known), its file one string (as torch's entries share theirs): the second joined as read
+    file = "__0_0.distcp"
+    meta.planner_data = [x for t in range(4) for _ in range(2)
+                         for x in (MetadataIndex(f"layers.{t}.w", torch.Size([0, 0]), 0), _StorageInfo(file, 1000 * t, 32 + t))]
+    p = tmp_path / ".metadata"
+    p.write_bytes(pickle.dumps(meta, protocol=4))
+    plain, stored = load_dcp_metadata(p), dcprows.Stored()
+    got = load_dcp_metadata(p, stored=stored)
+    assert _joined(stored) == 0 and len(got.storage_data) == 64 and _entries(got) == _entries(plain)
+    assert len(got.planner_data) == 16 and not any(x is dcprows.JOINED for x in got.planner_data)
 
 
 def test_a_chunks_list_two_tensors_share_gives_each_its_own_entries(tmp_path):
