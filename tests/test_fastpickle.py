@@ -741,7 +741,7 @@ def test_a_many_rank_tensor_is_described_as_columns_that_read_as_its_chunks(monk
     for r in range(64):
         (tmp_path / f"__{r}_0.distcp").write_bytes(b"\0" * 8192)
     tables = describe(tmp_path)
-    monkeypatch.setattr(dcp_format, "_TABLE_MIN", 1 << 30)
+    monkeypatch.setattr(dcp_format, "TABLE_MIN", 1 << 30)
     chunked = describe(tmp_path)
     monkeypatch.setattr(dcp_format, "load_dcp_metadata", lambda p, stored=None: load_dcp_metadata(p))
     plain = describe(tmp_path)

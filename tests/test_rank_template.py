@@ -200,7 +200,7 @@ def test_repeat_places_each_chunk_on_its_ranks_rows_and_refuses_rows_that_do_not
     other local sizes than the base's is refused."""
     from types import SimpleNamespace
 
-    from ckpt_tools.core.describe import Chunk, Location, chunk_rows
+    from ckpt_tools.core.describe import Chunk, ChunkColumns, Location, chunk_rows
 
     def table(chunks):
         base = [Chunk((0, 0), (3, 2), Location("r0", "raw", 100, 24, ("k",)), 0),
@@ -216,13 +216,15 @@ def test_repeat_places_each_chunk_on_its_ranks_rows_and_refuses_rows_that_do_not
     records = zipdir.Records(zipdir._Columns.of([(f"data/{i}", 1000 * (i + 1), 24) for i in range(3)]),
                              array("I", [0] * 3))
     zf = SimpleNamespace(path="r1", records=records)
-    chunks = [[], [], []]
+    files = ([], {})
+    chunks = [ChunkColumns(*files) for _ in range(3)]
     rankread.repeat(table(chunks), 1, 4, zf, "r1")
-    (a,), (b,), (c,) = chunks
+    (a,), (b,), (c,) = (cols.chunks() for cols in chunks)
+    assert files[0] == ["r1"]  # (one name for the three tensors' columns)
     assert (a.offsets, b.offsets, c.offsets) == ((3, 0), (3, 0), (0,)) and a.offsets is b.offsets
     assert chunk_rows(10, 4, 1) == (3, 6) and (a.sizes, a.rank) == ((3, 2), 1)
     assert (a.location, b.location) == (Location("r1", "raw", 1000, 24, ("k",)), Location("r1", "raw", 2008, 24, ("k",)))
     assert c.location == Location("r1", "raw", 3000, 20, ("k",))
     with pytest.raises(BadInput, match=r"tensor 'a': rank 3 holds \(3, 2\), but its placement on world size 4 "
                                        r"gives \(1, 2\)"):
-        rankread.repeat(table([[], [], []]), 3, 4, zf, "r1")
+        rankread.repeat(table([ChunkColumns(*files) for _ in range(3)]), 3, 4, zf, "r1")

@@ -303,3 +303,44 @@ def test_reader_reads_small_ranges_through_windows_as_pread_does(tmp_path, monke
         for f in files:  # record after record
             for at in range(0, len(data[f]), 50):
                 assert r._pread(f, at, 50) == data[f][at:at + 50]
+
+
+def test_many_rank_files_are_described_as_columns_that_read_as_their_chunks(tmp_path, monkeypatch):
+    """Rank files' tensors of many chunks (a chunk per rank, model and optimizer) are kept as
+    ChunkTables with their keys and ranks: read in every way (index, slice, iteration, columns,
+    extents, holders, handed to a worker) each is the tuple of Chunks the per-chunk description
+    gives, and a reshard from either writes the same bytes."""
+    import io
+    import pickle
+
+    from ckpt_tools.core import describe as core
+    from ckpt_tools.formats import describe
+    from ckpt_tools.runtime import private
+
+    make_verl(tmp_path / "src", 16, optim=True, shapes=SHAPES)
+    tables = describe(tmp_path / "src")
+    with monkeypatch.context() as m:
+        m.setattr(core, "TABLE_MIN", 1 << 30)
+        chunked = describe(tmp_path / "src")
+    many = [t for t in tables.tensors if len(t.chunks) >= 8]
+    assert {t.group for t in many} == {"model", "optimizer"}
+    assert all(type(t.chunks) is core.ChunkTable and list(t.chunks.ranks) == list(range(16)) for t in many)
+    assert all(type(t.chunks) is tuple for t in chunked.tensors) and tables.tensors == chunked.tensors
+    for t, twin in zip(tables.tensors, chunked.tensors):
+        got, want = t.chunks, twin.chunks
+        assert tuple(got) == want and got[-1] == want[-1] and got[1::3] == want[1::3]
+        assert [got[i] for i in range(len(want))] == list(want) and [c.key for c in got] == [c.key for c in want]
+        assert list(core.holders(got)) == [(c.rank, c.sizes) for c in want]
+        assert core.columns(got) == ([c.offsets for c in want], [c.sizes for c in want])
+        assert list(core.extents(got)) == [(c.sizes, c.file, c.byte_offset, c.length) for c in want]
+        assert t.rows_index() == twin.rows_index() and t.row_tiles() == twin.row_tiles()
+    back = private.load(io.BytesIO(pickle.dumps(many[0])))
+    assert back == many[0] and type(back.chunks) is tuple
+
+    _run("reshard", str(tmp_path / "src"), str(tmp_path / "a"), "--to", "12")
+    with monkeypatch.context() as m:
+        m.setattr(core, "TABLE_MIN", 1 << 30)
+        _run("reshard", str(tmp_path / "src"), str(tmp_path / "b"), "--to", "12")
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "b").iterdir()) and len(names) > 12
+    assert all((tmp_path / "a" / n).read_bytes() == (tmp_path / "b" / n).read_bytes() for n in names)

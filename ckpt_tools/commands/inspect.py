@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..core.describe import GROUPS, Checkpoint, dtype_name
+from ..core.describe import GROUPS, Checkpoint, dtype_name, holders
 from ..layouts import describe, layout_of
 from ..hf import archcheck
 from ..hf import assets as hfassets
@@ -74,9 +74,9 @@ def summarize(ckpt: Checkpoint, *, tensors: bool = False) -> dict[str, Any]:
         per_rank = Counter()
         for t in ckpt.tensors:
             itemsize = t.nbytes // max(t.numel, 1)  # (once per tensor: a 256-rank save has 256 chunks each)
-            for c in t.chunks:
-                if c.rank is not None:
-                    per_rank[c.rank] += math.prod(c.sizes) * itemsize
+            for rank, sizes in holders(t.chunks):
+                if rank is not None:
+                    per_rank[rank] += math.prod(sizes) * itemsize
         out["bytes_per_rank"] = [per_rank.get(r, 0) for r in range(ckpt.world_size)]
     if tensors:
         out["tensors"] = [{"name": t.name, "group": t.group, "shape": list(t.shape), "dtype": dtype_name(t.dtype)}

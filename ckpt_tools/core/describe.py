@@ -8,6 +8,7 @@ needed until the engine carries a plan out.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from array import array
@@ -115,23 +116,34 @@ def _chunk_at(offsets, sizes, file, kind, offset, length, key, rank) -> Chunk:
     return Chunk.at(offsets, sizes, file, kind, offset, length, key, rank)
 
 
+# a tensor with this many chunks or more is described as columns (ChunkTable, 40-52 bytes a
+# chunk); fewer, as Chunk objects (a table's lists and arrays cost ~300 bytes of their own)
+TABLE_MIN = 8
+
+
 class ChunkTable:
     """A tensor's chunks as columns, read as the tuple of :class:`Chunk` s it stands for (each
     made when read): offsets and sizes (lists of shared tuples), and ``(file, byte offset,
     length)`` per chunk in one ``array('q')``, ``file`` an index into ``files`` (names shared by
-    a description's tensors); every chunk of one ``kind``, with no key and no rank.
+    a description's tensors); every chunk of one ``kind``; ``keys`` (a list) and ``ranks`` (an
+    ``array('i')``) where the chunks have them (else no key and no rank).
 
     A many-rank DCP's tensors (a chunk per rank, each in its own item): 40 bytes a chunk held
     for the whole command, where a ``Chunk`` with its offset's int was ~130 (9 MB of a 256-rank
-    save's 72k chunks). A plan takes what it reads and keeps none (:class:`~.plan.Tiled`)."""
+    save's 72k chunks); rank files' (:class:`ChunkColumns`), 52 where it was ~104 (15 MB at
+    1,024 ranks). A plan takes what it reads and keeps none (:class:`~.plan.Tiled`)."""
 
-    __slots__ = ("offsets", "sizes", "spans", "files", "kind")
+    __slots__ = ("offsets", "sizes", "spans", "files", "kind", "keys", "ranks")
 
     def __init__(self, offsets: list[tuple[int, ...]], sizes: list[tuple[int, ...]], spans: array,
-                 files: list[str], kind: str) -> None:
-        if not (len(offsets) == len(sizes) and len(spans) == 3 * len(offsets)):
+                 files: list[str], kind: str, keys: list[tuple[Any, ...]] | None = None,
+                 ranks: array | None = None) -> None:
+        n = len(offsets)
+        if not (len(sizes) == n and len(spans) == 3 * n and (keys is None or len(keys) == n)
+                and (ranks is None or len(ranks) == n)):
             raise ValueError("a chunk table's columns differ in length")
         self.offsets, self.sizes, self.spans, self.files, self.kind = offsets, sizes, spans, files, kind
+        self.keys, self.ranks = keys, ranks
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -144,13 +156,21 @@ class ChunkTable:
         offsets = self.offsets[i]  # (an IndexError past the end, as a tuple's; a negative i as a tuple's)
         at = 3 * i if i >= 0 else 3 * (i + len(self.offsets))
         spans = self.spans
-        return Chunk.at(offsets, self.sizes[i], self.files[spans[at]], self.kind, spans[at + 1], spans[at + 2])
+        return Chunk.at(offsets, self.sizes[i], self.files[spans[at]], self.kind, spans[at + 1], spans[at + 2],
+                        () if self.keys is None else self.keys[i], None if self.ranks is None else self.ranks[i])
 
     def __iter__(self) -> Iterator[Chunk]:
         at, files, kind, spans = Chunk.at, self.files, self.kind, self.spans
-        for k, (offsets, sizes) in enumerate(zip(self.offsets, self.sizes)):
+        if self.keys is None and self.ranks is None:
+            for k, (offsets, sizes) in enumerate(zip(self.offsets, self.sizes)):
+                j = 3 * k
+                yield at(offsets, sizes, files[spans[j]], kind, spans[j + 1], spans[j + 2])
+            return
+        keys = self.keys if self.keys is not None else [()] * len(self.offsets)
+        ranks = self.ranks if self.ranks is not None else [None] * len(self.offsets)
+        for k, (offsets, sizes, key, rank) in enumerate(zip(self.offsets, self.sizes, keys, ranks)):
             j = 3 * k
-            yield at(offsets, sizes, files[spans[j]], kind, spans[j + 1], spans[j + 2])
+            yield at(offsets, sizes, files[spans[j]], kind, spans[j + 1], spans[j + 2], key, rank)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, ChunkTable):
@@ -166,6 +186,64 @@ class ChunkTable:
         return _chunks, (list(self),)
 
 
+class ChunkColumns:
+    """A tensor's chunks gathered as a :class:`ChunkTable`'s columns while rank files are read,
+    rank by rank: :meth:`add` a chunk's fields (or :meth:`append` a Chunk), no Chunk kept.
+    :meth:`chunks` gives the table, or the tuple of chunks where they are fewer than
+    :data:`TABLE_MIN`, not all of one kind, or one was saved by no rank. ``files`` and ``ids``:
+    the file names of a description's tables and their indices, shared by its tensors."""
+
+    __slots__ = ("offsets", "sizes", "spans", "keys", "ranks", "kind", "files", "ids", "odd")
+
+    def __init__(self, files: list[str], ids: dict[str, int]) -> None:
+        self.offsets: list[tuple[int, ...]] = []
+        self.sizes: list[tuple[int, ...]] = []
+        self.keys: list[tuple[Any, ...]] = []
+        self.spans, self.ranks = array("q"), array("i")
+        self.kind: str | None = None
+        self.files, self.ids = files, ids
+        self.odd: list[Chunk] | None = None  # (the chunks, once they are not all of one kind with a rank)
+
+    def append(self, c: Chunk) -> None:
+        self.add(c.offsets, c.sizes, c.file, c.kind, c.byte_offset, c.length, c.key, c.rank)
+
+    def add(self, offsets: tuple[int, ...], sizes: tuple[int, ...], file: str, kind: str, offset: int,
+            length: int, key: tuple[Any, ...], rank: int | None) -> None:
+        if kind != self.kind or rank is None or self.odd is not None:  # (the first chunk, or an odd one)
+            if self._odd(offsets, sizes, file, kind, offset, length, key, rank):
+                return
+        i = self.ids.get(file)
+        if i is None:
+            i = self.ids[file] = len(self.files)
+            self.files.append(file)
+        self.offsets.append(offsets)
+        self.sizes.append(sizes)
+        self.keys.append(key)
+        self.spans.extend((i, offset, length))
+        self.ranks.append(rank)
+
+    def _odd(self, offsets: tuple[int, ...], sizes: tuple[int, ...], file: str, kind: str, offset: int,
+             length: int, key: tuple[Any, ...], rank: int | None) -> bool:
+        """The first chunk's kind noted (False: it goes in the columns); else the chunks kept
+        as Chunks from here on, this one added (True)."""
+        if self.odd is None and rank is not None and self.kind is None:
+            self.kind = kind
+            return False
+        if self.odd is None:
+            self.odd = list(self._table())
+        self.odd.append(Chunk.at(offsets, sizes, file, kind, offset, length, key, rank))
+        return True
+
+    def _table(self) -> ChunkTable:
+        return ChunkTable(self.offsets, self.sizes, self.spans, self.files, self.kind, self.keys, self.ranks)
+
+    def chunks(self) -> tuple[Chunk, ...] | ChunkTable:
+        if self.odd is not None:
+            return tuple(self.odd)
+        table = self._table()
+        return table if len(table) >= TABLE_MIN else tuple(table)
+
+
 def _chunks(chunks: list[Chunk]) -> tuple[Chunk, ...]:
     return tuple(chunks)
 
@@ -177,6 +255,14 @@ def extents(chunks: tuple[Chunk, ...] | ChunkTable) -> Iterator[tuple[tuple[int,
         files, spans = chunks.files, chunks.spans
         return ((z, files[spans[j]], spans[j + 1], spans[j + 2]) for j, z in zip(range(0, len(spans), 3), chunks.sizes))
     return ((c.sizes, c.file, c.byte_offset, c.length) for c in chunks)
+
+
+def holders(chunks: tuple[Chunk, ...] | ChunkTable) -> Iterator[tuple[int | None, tuple[int, ...]]]:
+    """Each chunk's ``(rank, sizes)``, in order: a table's columns (no chunk made), else the
+    chunks' fields."""
+    if type(chunks) is ChunkTable:
+        return zip(chunks.ranks if chunks.ranks is not None else itertools.repeat(None), chunks.sizes)
+    return ((c.rank, c.sizes) for c in chunks)
 
 
 def files_of(chunks: tuple[Chunk, ...] | ChunkTable) -> set[str]:

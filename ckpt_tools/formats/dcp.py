@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.describe import Checkpoint, ChunkTable, FileEntry, Location, ObjectInfo, TensorInfo, extents
+from ..core.describe import TABLE_MIN, Checkpoint, ChunkTable, FileEntry, Location, ObjectInfo, TensorInfo, extents
 from ..core.groups import Roots, find_roots
 from ..core.dtypes import as_torch
 from ..core.state import gather, param_groups_keyed
@@ -29,9 +29,6 @@ METADATA = ".metadata"
 ACCELERATE_MODEL = re.compile(r"^pytorch_model_fsdp_(\d+)$")
 ACCELERATE_OPTIM = re.compile(r"^optimizer_(\d+)$")
 RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
-# a tensor with this many chunks or more is described as columns (core.describe.ChunkTable,
-# ~40 bytes a chunk); fewer, as Chunk objects (a table's lists and array cost ~300 bytes of their own)
-_TABLE_MIN = 8
 
 
 def detect(path: Path) -> bool:
@@ -212,7 +209,7 @@ def _describe_one(path: Path, prefix: str):
                 table = stored.tables.get(fqn)  # (its chunks' joined entries, by place; else none joined)
                 n = 0 if table is None else len(table)
                 chunks = table_of(fqn, md.chunks, table, n, rank, what)
-                if len(md.chunks) < _TABLE_MIN:  # (a few chunks: held as Chunks, a table's columns cost more)
+                if len(md.chunks) < TABLE_MIN:  # (a few chunks: held as Chunks, a table's columns cost more)
                     chunks = tuple(chunks)
                 md.chunks = None  # (its rows let go: the chunks above hold what they said)
                 tensors.append(TensorInfo(group, name, shape, md.properties.dtype, chunks, param, state,

@@ -31,7 +31,7 @@ def collect(pieces: dict, param_order: tuple[str, ...]) -> tuple[TensorInfo, ...
         if group != "optimizer" or p["param"] not in param_order:
             continue
         k = param_order.index(p["param"])
-        chunks = tuple(p["chunks"])
+        chunks = tuple(p["chunks"].chunks())
         shape = p["shape"]
         if shape:
             if len(shape) != 1:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..core.describe import Chunk, chunk_rows
+from ..core.describe import Chunk, chunk_rows, shared
 from ..errors import BadInput
 from ..security import bounded
 from ..security.torchfile import TorchZip
@@ -130,7 +130,7 @@ def repeat(table: list, rank: int, ws: int, zf: TorchZip, file: str) -> None:
     """The chunks of ``file``, which repeats a base file of its kind on ``rank`` (see
     :class:`Kind`): each chunk of the base's ``table`` on the rows ``rank`` holds, at its own
     record's place in ``file``. A row of the table, as :mod:`.sharded` notes it: the tensor's
-    chunk list (appended to), its rows where it is a ``Shard(0)`` DTensor's (else None), its
+    chunk columns (added to, :class:`~ckpt_tools.core.describe.ChunkColumns`), its rows where it is a ``Shard(0)`` DTensor's (else None), its
     name, the base's chunk, its record's name and its byte offset in that record."""
     offset = zf.records.offset
     placed: dict = {}  # (rows, the base's sizes and offsets) -> this rank's offsets: checked once, shared
@@ -147,7 +147,26 @@ def repeat(table: list, rank: int, ws: int, zf: TorchZip, file: str) -> None:
                 mine = placed[key] = (start, *offsets[1:])
             offsets = mine
         at = offset(record) + delta if delta else offset(record)
-        chunks.append(Chunk.at(offsets, sizes, file, "raw", at, chunk.length, chunk.key, rank))
+        chunks.add(offsets, sizes, file, "raw", at, chunk.length, chunk.key, rank)
+
+
+def tree_chunk(d: shardtree.DTensorNode, rank: int, ws: int, zf: TorchZip, file: str, name: str,
+                key: tuple = ()) -> tuple[tuple[int, ...], Chunk]:
+    """``d``'s global shape and the chunk ``rank`` holds, checked against its placement."""
+    if d.world != ws:
+        raise BadInput(f"{zf.path}: tensor {name!r} lives on a mesh of {d.world} devices, "
+                       f"but the files say world size {ws}")
+    if d.coord != rank:
+        raise BadInput(f"{zf.path}: tensor {name!r} was saved by rank {d.coord} of its mesh, not rank {rank}")
+    offsets, sizes = [0] * len(d.shape), list(d.shape)
+    if d.sharded and d.shape:
+        start, stop = chunk_rows(d.shape[0], ws, rank)
+        offsets[0], sizes[0] = start, stop - start
+    if d.local.size != tuple(sizes):
+        raise BadInput(f"{zf.path}: tensor {name!r}: rank {rank} holds {d.local.size}, but its placement "
+                       f"on world size {ws} gives {tuple(sizes)}")
+    loc = shardtree.tensor_location(zf, file, d.local, key or shared((name,)))
+    return d.shape, Chunk(shared(tuple(offsets)), shared(tuple(sizes)), loc, rank)
 
 
 def model_entries(sd: Any, file: Path) -> list[tuple[str, shardtree.DTensorNode | None, shardtree.Local]]:

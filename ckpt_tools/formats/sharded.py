@@ -6,6 +6,7 @@ Model files hold FSDP2 DTensor state dicts (``Shard``/``Replicate`` placements o
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import replace
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..codecs.torchpickler import dumps
-from ..core.describe import Checkpoint, Chunk, FileEntry, Location, ObjectInfo, TensorInfo, chunk_rows, shared
+from ..core.describe import Checkpoint, Chunk, ChunkColumns, FileEntry, Location, ObjectInfo, TensorInfo, chunk_rows
 from ..core.dtypes import DType
 from ..core.plan import Span, by_piece, Piece
 from ..core.state import gather, param_groups_keyed
@@ -124,6 +125,7 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
     are rank 0's on its rows (:func:`.rankread.repeat`), at its own records' places. Ranks at the end
     that hold fewer rows repeat one of their own the same way (:class:`~.rankread.Kind`)."""
     pieces: dict[tuple[str, str], dict[str, Any]] = {}
+    add = functools.partial(_add, chunk_files=([], {}))  # (the files of the tensors' chunk columns, shared)
     objects: list[ObjectInfo] = []
     param_order: tuple[str, ...] = ()
     details: dict[str, Any] = {"fsdp": None}
@@ -142,14 +144,14 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
                     if (local.storage.key, local.offset) not in seen:
                         order.append(key)
                         seen.add((local.storage.key, local.offset))
-                    shape, chunk = _tree_chunk(d, rank, ws, zf, name, key)
+                    shape, chunk = rankread.tree_chunk(d, rank, ws, zf, name, key)
                     details["fsdp"] = "FSDP2 (DTensor)"
                     if "mesh_dim_names" not in details:  # a loading job's mesh must have the same names
                         details["mesh_dim_names"] = shardtree.mesh_names(d.mesh)
                 else:
                     loc = shardtree.tensor_location(zf, name, local, (key,))
                     shape, chunk = local.size, Chunk((0,) * len(local.size), local.size, loc, rank)
-                _add(pieces, ("model", key), shape, local.dtype, chunk, file, table=table, d=d, local=local)
+                add(pieces, ("model", key), shape, local.dtype, chunk, file, table=table, d=d, local=local)
             if not order:
                 raise shardtree.NotSimple("no DTensor parameters")
             if rank == 0:
@@ -171,12 +173,12 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
             table = None if obase is None or ocoord is not None else obase.table
             for tname, fqn, skey, kp, d, local in oentries:
                 if d is not None:
-                    shape, chunk = _tree_chunk(d, rank, ws, zo, oname, tname, key=kp)
+                    shape, chunk = rankread.tree_chunk(d, rank, ws, zo, oname, tname, key=kp)
                 else:
                     loc = shardtree.tensor_location(zo, oname, local, kp)
                     shape, chunk = local.size, Chunk((0,) * len(local.size), local.size, loc, rank)
-                _add(pieces, ("optimizer", tname), shape, local.dtype, chunk, ofile, fqn, skey,
-                     table=table, d=d, local=local)
+                add(pieces, ("optimizer", tname), shape, local.dtype, chunk, ofile, fqn, skey,
+                    table=table, d=d, local=local)
         if rank in found["extra_state"]:
             ename = found["extra_state"][rank]
             _extra_objects(rankread.tree_of(path / ename).tree, path / ename, rank, objects)
@@ -229,7 +231,7 @@ def _extra_objects(extra: Any, file: Path, rank: int, objects: list[ObjectInfo])
 
 
 def _tensors(pieces: dict[tuple[str, str], dict[str, Any]]) -> tuple[TensorInfo, ...]:
-    return tuple(TensorInfo(g, n, p["shape"], p["dtype"], tuple(p["chunks"]), p["param"], p["state"])
+    return tuple(TensorInfo(g, n, p["shape"], p["dtype"], p["chunks"].chunks(), p["param"], p["state"])
                  for (g, n), p in pieces.items())
 
 
@@ -244,25 +246,6 @@ def _optimizer_header(osd: Any, file: Path, rank: int, details: dict, objects: l
                                   path=("optimizer", "param_groups")))
 
 
-def _tree_chunk(d: shardtree.DTensorNode, rank: int, ws: int, zf: TorchZip, file: str, name: str,
-                key: tuple = ()) -> tuple[tuple[int, ...], Chunk]:
-    """``d``'s global shape and the chunk ``rank`` holds, checked against its placement."""
-    if d.world != ws:
-        raise BadInput(f"{zf.path}: tensor {name!r} lives on a mesh of {d.world} devices, "
-                       f"but the files say world size {ws}")
-    if d.coord != rank:
-        raise BadInput(f"{zf.path}: tensor {name!r} was saved by rank {d.coord} of its mesh, not rank {rank}")
-    offsets, sizes = [0] * len(d.shape), list(d.shape)
-    if d.sharded and d.shape:
-        start, stop = chunk_rows(d.shape[0], ws, rank)
-        offsets[0], sizes[0] = start, stop - start
-    if d.local.size != tuple(sizes):
-        raise BadInput(f"{zf.path}: tensor {name!r}: rank {rank} holds {d.local.size}, but its placement "
-                       f"on world size {ws} gives {tuple(sizes)}")
-    loc = shardtree.tensor_location(zf, file, d.local, key or shared((name,)))
-    return d.shape, Chunk(shared(tuple(offsets)), shared(tuple(sizes)), loc, rank)
-
-
 def _describe_torch(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Checkpoint:
     import torch
     from torch.distributed.tensor import DTensor
@@ -270,6 +253,7 @@ def _describe_torch(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
     from ..security.safeload import load_torch
 
     pieces: dict[tuple[str, str], dict[str, Any]] = {}
+    add = functools.partial(_add, chunk_files=([], {}))  # (the files of the tensors' chunk columns, shared)
     objects: list[ObjectInfo] = []
     entries = _entries(path)
     mesh_shape: tuple[int, ...] | None = None
@@ -294,7 +278,7 @@ def _describe_torch(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
                     names = v.device_mesh.mesh_dim_names
                     details["mesh_dim_names"] = tuple(names) if names else None
                 mesh_shape = mesh_shape or mesh
-                _add(pieces, ("model", key), shape, v.dtype, chunk, path / name)
+                add(pieces, ("model", key), shape, v.dtype, chunk, path / name)
             elif rank == 0:
                 objects.append(ObjectInfo("model", key, loc, path=("model", key)))
         if rank in found["optim"]:
@@ -306,7 +290,7 @@ def _describe_torch(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
                 loc = Location(oname, "pickled", key=kp)
                 if isinstance(v, torch.Tensor):
                     shape, chunk, _, _ = _chunk(v, rank, ws, loc, path / oname, tname)
-                    _add(pieces, ("optimizer", tname), shape, v.dtype, chunk, path / oname, fqn, skey)
+                    add(pieces, ("optimizer", tname), shape, v.dtype, chunk, path / oname, fqn, skey)
                 elif rank == 0:
                     objects.append(ObjectInfo("optimizer", tname, loc, path=("optimizer", *kp)))
         if rank in found["extra_state"]:
@@ -319,13 +303,15 @@ def _describe_torch(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
 
 def _add(pieces: dict, key: tuple[str, str], shape: tuple[int, ...], dtype: DType, chunk: Chunk | None,
          file: Path, param: str | None = None, state: str | None = None, *, table: list | None = None,
-         d: shardtree.DTensorNode | None = None, local: shardtree.Local | None = None) -> None:
-    """``chunk`` added to tensor ``key``'s (``table``: noted there, with the DTensor ``d`` and
-    local tensor it is, for :func:`.rankread.repeat` to place on another rank)."""
+         d: shardtree.DTensorNode | None = None, local: shardtree.Local | None = None,
+         chunk_files: tuple[list[str], dict[str, int]]) -> None:
+    """``chunk`` added to tensor ``key``'s columns (``chunk_files``: their files; ``table``: noted
+    there, with its DTensor ``d`` and local tensor, for :func:`.rankread.repeat` to place on another rank)."""
     dtype = DType.of(dtype)
     entry = pieces.get(key)
     if entry is None:
-        entry = pieces[key] = {"shape": shape, "dtype": dtype, "chunks": [], "param": param, "state": state}
+        entry = pieces[key] = {"shape": shape, "dtype": dtype, "chunks": ChunkColumns(*chunk_files),
+                               "param": param, "state": state}
     elif entry["shape"] != shape or entry["dtype"] is not dtype and entry["dtype"] != dtype:
         # (a rank file read as rank 0's repeats its very objects: compared by identity first)
         raise BadInput(f"{file}: tensor {key[1]!r} is {tuple(shape)} {dtype} here but "
