@@ -130,8 +130,9 @@ def repeat(table: list, rank: int, ws: int, zf: TorchZip, file: str) -> None:
     """The chunks of ``file``, which repeats a base file of its kind on ``rank`` (see
     :class:`Kind`): each chunk of the base's ``table`` on the rows ``rank`` holds, at its own
     record's place in ``file``. A row of the table, as :mod:`.sharded` notes it: the tensor's
-    chunk columns (added to, :class:`~ckpt_tools.core.describe.ChunkColumns`), its rows where it is a ``Shard(0)`` DTensor's (else None), its
-    name, the base's chunk, its record's name and its byte offset in that record."""
+    chunk columns (added to: :class:`~ckpt_tools.core.describe.ChunkColumns`), its rows where
+    it is a ``Shard(0)`` DTensor's (else None), its name, the base's chunk, its record's name
+    and its byte offset in that record."""
     offset = zf.records.offset
     placed: dict = {}  # (rows, the base's sizes and offsets) -> this rank's offsets: checked once, shared
     for chunks, rows, name, chunk, record, delta in table:
@@ -151,7 +152,7 @@ def repeat(table: list, rank: int, ws: int, zf: TorchZip, file: str) -> None:
 
 
 def tree_chunk(d: shardtree.DTensorNode, rank: int, ws: int, zf: TorchZip, file: str, name: str,
-                key: tuple = ()) -> tuple[tuple[int, ...], Chunk]:
+               key: tuple = ()) -> tuple[tuple[int, ...], Chunk]:
     """``d``'s global shape and the chunk ``rank`` holds, checked against its placement."""
     if d.world != ws:
         raise BadInput(f"{zf.path}: tensor {name!r} lives on a mesh of {d.world} devices, "
