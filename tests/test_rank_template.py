@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from ckpt_tools.cli.main import main as cli
 from ckpt_tools.errors import BadInput
-from ckpt_tools.formats import rankread, sharded, shardtree
+from ckpt_tools.formats import rankread, rankrows, sharded, shardtree
 from ckpt_tools.security import torchfile
 from ckpt_tools.security.torchfile import Global, NewObj, StorageRef, TorchZip
 from fw_scale import make_verl
@@ -47,7 +47,14 @@ def counted(monkeypatch):
 def _without_templates(path: Path, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(shardtree.RankTemplate, "learn", classmethod(lambda cls, *a: None))
+        m.setattr(rankrows.RowsTemplate, "learn", classmethod(lambda cls, *a: None))
         return sharded.describe(path)
+
+
+@pytest.fixture
+def rank_only(monkeypatch):
+    """Templates of a file with only its rank changed (no :class:`~.rankrows.RowsTemplate`)."""
+    monkeypatch.setattr(rankrows.RowsTemplate, "learn", classmethod(lambda cls, *a: None))
 
 
 # TRAILING at 16 ranks: ranks 0-4 hold a row of every small tensor, 5-7 none of head.weight,
@@ -59,8 +66,8 @@ def _without_templates(path: Path, monkeypatch):
                                                                  (TRAILING, 16, 4, 1, 2 * 9, 2 * 7),
                                                                  (TRAILING, 16, 1, 1, 2 * 3, 2 * 13),
                                                                  (TRAILING, 16, 4, 8, 2 * 4, 2 * 12)])
-def test_template_describes_as_parsing_does(tmp_path, monkeypatch, counted, shapes, ws, bases, left, templated,
-                                            parsed):
+def test_template_describes_as_parsing_does(tmp_path, monkeypatch, counted, rank_only, shapes, ws, bases, left,
+                                            templated, parsed):
     make_verl(tmp_path / "src", ws, optim=True, shapes=shapes)
     monkeypatch.setattr(rankread.Kind, "MAX_BASES", bases)
     monkeypatch.setattr(rankread.Kind, "LEFT_TO_LEARN", left)
@@ -109,8 +116,9 @@ def test_a_file_under_another_ranks_name_is_parsed_and_refused(tmp_path):
         sharded.describe(tmp_path / "src")
 
 
-def test_templated_reshard_reads_back(tmp_path, counted):
-    state = make_verl(tmp_path / "src", 16, optim=True, shapes=UNIFORM)
+@pytest.mark.parametrize("shapes", [UNIFORM, TRAILING])
+def test_templated_reshard_reads_back(tmp_path, counted, shapes):
+    state = make_verl(tmp_path / "src", 16, optim=True, shapes=shapes)
     r = CliRunner().invoke(cli, ["reshard", str(tmp_path / "src"), str(tmp_path / "out"), "--to", "6", "--quiet"],
                            catch_exceptions=False)
     assert r.exit_code == 0, r.output
@@ -164,17 +172,17 @@ def _mesh(rank: int, coord: tuple = None) -> NewObj:
 
 def test_only_mesh_rank():
     mesh = _mesh(S)
-    assert shardtree._only_mesh_rank({"a": [mesh, mesh], "b": 3}, S)
-    assert not shardtree._only_mesh_rank({"a": mesh, "b": S}, S)  # elsewhere too
-    assert not shardtree._only_mesh_rank({"a": mesh, S: 1}, S)  # as a key
+    assert shardtree.only_mesh_rank({"a": [mesh, mesh], "b": 3}, S)
+    assert not shardtree.only_mesh_rank({"a": mesh, "b": S}, S)  # elsewhere too
+    assert not shardtree.only_mesh_rank({"a": mesh, S: 1}, S)  # as a key
     storage = StorageRef(Global("torch", "FloatStorage"), "0", "cpu", S)
-    assert not shardtree._only_mesh_rank({"a": mesh, "b": (storage,)}, S)  # a storage's size
-    assert not shardtree._only_mesh_rank({"a": mesh, "b": _mesh(S)}, S)  # two meshes
-    assert not shardtree._only_mesh_rank({"a": _mesh(S, (0,))}, S)  # the coordinate is not the rank
-    assert not shardtree._only_mesh_rank({"a": 1}, S)  # no mesh
+    assert not shardtree.only_mesh_rank({"a": mesh, "b": (storage,)}, S)  # a storage's size
+    assert not shardtree.only_mesh_rank({"a": mesh, "b": _mesh(S)}, S)  # two meshes
+    assert not shardtree.only_mesh_rank({"a": _mesh(S, (0,))}, S)  # the coordinate is not the rank
+    assert not shardtree.only_mesh_rank({"a": 1}, S)  # no mesh
 
 
-def test_a_template_is_learned_only_where_the_group_repeats(tmp_path, monkeypatch):
+def test_a_template_is_learned_only_where_the_group_repeats(tmp_path, monkeypatch, rank_only):
     """Learning waits for a file like the second (a few bits apart: their ranks); files that go on
     changing (each rank its own local sizes) never pay for a learn, and are described as parsed."""
     a = bytes(4096)

@@ -210,3 +210,21 @@ def test_a_file_is_compared_with_the_two_models_nearest_its_length(tmp_path, mon
     zf = TorchZip(_zip(tmp_path / "a.pt", _tensor_pickle(4), {"data/0": bytes(16)}), like=like)
     assert zf.exact and tried == [like[2].pickle, like[3].pickle]
     assert like[2].skeleton() is like[2].skeleton()  # built once per model
+
+
+@pytest.mark.parametrize("value", [0, 255, 256, 65535, 65536, -1, 2**31, -(2**40)])
+def test_the_values_strings_and_ints_a_pickle_holds_are_found_by_place(value):
+    """``strings`` lists each string value at every place it is held (a name held twice, twice);
+    ``value_at`` gives each value's opcode; ``int_at`` reads the int there at any width."""
+    bb = "".join(["b", "b"])  # (another object than the key: pickled again, not memoized)
+    data = pickle.dumps({"a": [value, bb, "a"], "bb": 1.5, "key": "cpu"}, protocol=2)
+    sk = skeleton.Skeleton(data)
+    strings = sk.strings()
+    assert set(strings) == {b"a", b"bb", b"key", b"cpu"}
+    assert [len(strings[s]) for s in (b"a", b"bb", b"key", b"cpu")] == [1, 2, 1, 1]  # (the second "a": memoized)
+    ints = [(at, got) for n in range(20) if (at := sk.value_at(n)) and (got := skeleton.int_at(data, at[0]))]
+    assert [got[0] for _, got in ints] == [value] and ints[0][0][1] == ints[0][1][1]  # (where it ends)
+    assert sk.value_at(-1) is None and sk.value_at(10**6) is None
+    n = strings[b"cpu"][0]
+    start, end = sk.value_at(n)
+    assert data[start:end].endswith(b"cpu") and skeleton.int_at(data, start) is None

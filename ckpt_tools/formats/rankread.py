@@ -2,10 +2,13 @@
 :mod:`.sharded` to describe: each file's tensors as ``(DTensor or None, local tensor)`` entries.
 
 A job's ranks save one state dict: their files differ in the mesh's rank, and in the local
-shapes of tensors some ranks hold fewer rows of. Each kind's first two files are parsed; where
-they differ only in that rank (:class:`~.shardtree.RankTemplate`), a later file that is the
-first on its own rank is read, checked and described from the first's entries, never parsed.
-The ranks at the end that hold fewer rows do the same among themselves.
+shapes of tensors some ranks hold fewer rows of. Each kind's first file is parsed; a later file
+that is the first with its own rank and its own rows (:class:`~.rankrows.RowsTemplate`, learned
+from the first file once a file of its shape comes) is read, checked and described from the
+first's entries, never parsed. Where that template cannot be learned, the next file is parsed
+too; where the two differ only in their rank (:class:`~.shardtree.RankTemplate`), a later file
+that is the first on its own rank is read from the first the same way. The ranks at the end
+that hold fewer rows do the same among themselves.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from ..core.describe import Chunk, chunk_rows, shared
 from ..errors import BadInput
 from ..security import bounded
 from ..security.torchfile import TorchZip
-from . import optim, shardtree
+from . import optim, rankrows, shardtree
 
 
 def tree_of(file: Path, like: list | None = None, repeats: Callable | None = None) -> TorchZip:
@@ -46,6 +49,8 @@ class Base:
         self.second: tuple[bytes, int] | None = None
         self.template: shardtree.RankTemplate | None = None
         self.tried = False
+        self.rows: rankrows.RowsTemplate | None = None  # (learned from the first file of its shape)
+        self.rows_tried = False
 
 
 class Kind:
@@ -69,6 +74,7 @@ class Kind:
         self.like: list = []
         self.bases: list[Base] = []
         self._hit: Base | None = None
+        self.rows: dict[int, tuple[int, int]] = {}  # the last file read as a base's: its rows that differ
 
     def read(self, file: Path, rank: int, entries_of: Callable[[Any], list]
              ) -> tuple[TorchZip, list, int | None, Base | None]:
@@ -79,7 +85,7 @@ class Kind:
         - a file parsed that became a base: its own entries (``entries_of`` its tree), None and
           that base;
         - any other file parsed: its own entries, None, None."""
-        repeats = (lambda data: self._repeats(data, rank)) if self.bases else None
+        repeats = (lambda data: self._repeats(data, rank, entries_of)) if self.bases else None
         zf = tree_of(file, self.like, repeats)
         if zf.tree is None:
             return zf, [], rank, self._hit
@@ -95,8 +101,11 @@ class Kind:
         self.bases.append(base := Base(zf.without_tree(), rank))
         return zf, entries, None, base
 
-    def _repeats(self, data: bytes, rank: int) -> TorchZip | None:
-        """The base file ``data`` is the pickle of on ``rank`` (the latest first), if any."""
+    def _repeats(self, data: bytes, rank: int, entries_of: Callable[[Any], list]) -> TorchZip | None:
+        """The base file ``data`` is the pickle of on ``rank`` (the latest first), if any: with
+        only its rank changed, or its rows too (:class:`~.rankrows.RowsTemplate`, learned from
+        the first file like it; then ``rows`` are the rows it holds that differ)."""
+        self.rows = {}
         for base in reversed(self.bases):
             if base.template is None and base.second is not None and not base.tried \
                     and len(data) == len(base.second[0]):
@@ -107,6 +116,17 @@ class Kind:
             if base.template is not None and data == base.template.pickle_of(rank):
                 self._hit = base
                 return base.zf
+        for base in reversed(self.bases):
+            if not base.rows_tried and (base.rank == 0 or self.files - rank >= self.LEFT_TO_LEARN) \
+                    and base.zf.shape().skeleton().same_shape(data):
+                base.rows_tried = True
+                base.rows = rankrows.RowsTemplate.learn(base.zf, base.rank, base.table, entries_of)
+            got = base.rows.read(data, rank, base.table) if base.rows is not None else None
+            if got is not None:
+                self._hit, self.rows = base, got[1]
+                light = base.zf.without_tree()
+                light.storages = got[0]
+                return light
         return None
 
     def _worth_learning(self, base: Base, data: bytes, rank: int) -> bool:
@@ -126,17 +146,22 @@ def _alike(a: bytes, b: bytes) -> bool:
     return (int.from_bytes(a, "little") ^ int.from_bytes(b, "little")).bit_count() <= _FEW_BITS
 
 
-def repeat(table: list, rank: int, ws: int, zf: TorchZip, file: str) -> None:
+def repeat(table: list, rank: int, ws: int, zf: TorchZip, file: str, resized: dict[int, tuple[int, int]] | None = None
+           ) -> None:
     """The chunks of ``file``, which repeats a base file of its kind on ``rank`` (see
     :class:`Kind`): each chunk of the base's ``table`` on the rows ``rank`` holds, at its own
-    record's place in ``file``. A row of the table, as :mod:`.sharded` notes it: the tensor's
+    record's place in ``file``; ``resized``: the rows it holds and their bytes, by row of the
+    table, where they differ from the base's. A row of the table, as :mod:`.sharded` notes it: the tensor's
     chunk columns (added to: :class:`~ckpt_tools.core.describe.ChunkColumns`), its rows where
     it is a ``Shard(0)`` DTensor's (else None), its name, the base's chunk, its record's name
     and its byte offset in that record."""
     offset = zf.records.offset
     placed: dict = {}  # (rows, the base's sizes and offsets) -> this rank's offsets: checked once, shared
-    for chunks, rows, name, chunk, record, delta in table:
-        offsets, sizes = chunk.offsets, chunk.sizes
+    resized = resized or {}
+    for n, (chunks, rows, name, chunk, record, delta) in enumerate(table):
+        offsets, sizes, length = chunk.offsets, chunk.sizes, chunk.length
+        if n in resized:
+            sizes, length = shared((resized[n][0], *sizes[1:])), resized[n][1]
         if rows is not None:
             key = (rows, sizes, offsets)
             mine = placed.get(key)
@@ -148,7 +173,7 @@ def repeat(table: list, rank: int, ws: int, zf: TorchZip, file: str) -> None:
                 mine = placed[key] = (start, *offsets[1:])
             offsets = mine
         at = offset(record) + delta if delta else offset(record)
-        chunks.add(offsets, sizes, file, "raw", at, chunk.length, chunk.key, rank)
+        chunks.add(offsets, sizes, file, "raw", at, length, chunk.key, rank)
 
 
 def tree_chunk(d: shardtree.DTensorNode, rank: int, ws: int, zf: TorchZip, file: str, name: str,

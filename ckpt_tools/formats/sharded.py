@@ -119,11 +119,12 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
     """The common case without torch: FSDP2 DTensors (Shard(0) or Replicate on a 1-D mesh) and
     plain tensors, every chunk a raw byte range of its storage record. NotSimple otherwise.
 
-    Each kind's rank 0 file is parsed, and so is rank 1's; where the two differ only in their
-    mesh's rank (:class:`~.shardtree.RankTemplate`), every other rank whose pickle is rank 0's
-    with its own rank in those places holds rank 0's entries, on its own coordinate: its chunks
-    are rank 0's on its rows (:func:`.rankread.repeat`), at its own records' places. Ranks at the end
-    that hold fewer rows repeat one of their own the same way (:class:`~.rankread.Kind`)."""
+    Each kind's rank 0 file is parsed. Every other rank whose pickle is rank 0's with its own
+    rank, and its own rows and storage sizes, in the places those are proved to be
+    (:class:`~.rankrows.RowsTemplate`) holds rank 0's entries, on its own coordinate: its chunks
+    are rank 0's on its rows (:func:`.rankread.repeat`), at its own records' places. Where that
+    template is not learned, rank 1's file is parsed too, and files that differ from one parsed
+    only in their rank (:class:`~.shardtree.RankTemplate`) repeat it (:class:`~.rankread.Kind`)."""
     pieces: dict[tuple[str, str], dict[str, Any]] = {}
     add = functools.partial(_add, chunk_files=([], {}))  # (the files of the tensors' chunk columns, shared)
     objects: list[ObjectInfo] = []
@@ -135,7 +136,7 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
         file = path / name
         zf, entries, coord, base = kinds["model"].read(file, rank, lambda sd, file=file: rankread.model_entries(sd, file))
         if coord is not None:
-            rankread.repeat(base.table, rank, ws, zf, name)
+            rankread.repeat(base.table, rank, ws, zf, name, kinds["model"].rows)
         else:
             order, seen, table = [], set(), None if base is None else base.table
             for key, d, local in entries:
@@ -168,7 +169,7 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
 
             zo, oentries, ocoord, obase = kinds["optim"].read(ofile, rank, entries_of)
             if ocoord is not None:
-                rankread.repeat(obase.table, rank, ws, zo, oname)
+                rankread.repeat(obase.table, rank, ws, zo, oname, kinds["optim"].rows)
                 oentries = ()
             table = None if obase is None or ocoord is not None else obase.table
             for tname, fqn, skey, kp, d, local in oentries:

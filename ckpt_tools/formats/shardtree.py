@@ -147,12 +147,12 @@ class RankTemplate:
         except BadInput:
             return None
         try:
-            return template if _only_mesh_rank(probe, _SENTINEL) else None
+            return template if only_mesh_rank(probe, _SENTINEL) else None
         except NotSimple:  # a mesh pickled another way: the files are parsed one by one
             return None
 
 
-def _only_mesh_rank(tree: Any, value: int) -> bool:
+def only_mesh_rank(tree: Any, value: int) -> bool:
     """Whether ``tree`` holds one DeviceMesh node, whose rank and coordinate are ``value``, and
     ``value`` nowhere else (the int leaves of every node, storages' included, looked at)."""
     meshes: list[NewObj] = []
@@ -166,16 +166,18 @@ def _only_mesh_rank(tree: Any, value: int) -> bool:
             continue
         if id(x) in seen:
             continue
-        seen.add(id(x))
         if type(x) is NewObj and x.func is DEVICE_MESH:
+            seen.add(id(x))
             meshes.append(x)
             state = _state_dict(x)
             stack += [x.args, *state.keys()]
             stack += [v for k, v in state.items() if k not in ("_rank", "_coordinate_on_dim")]
         elif type(x) is StorageRef:
+            seen.add(id(x))
             stack += [x.key, x.location, x.numel]
-        else:
-            stack += bounded.children(x) or ()
+        elif (kids := bounded.children(x)) is not None:  # (leaves are not noted: most of a tree's nodes)
+            seen.add(id(x))
+            stack += kids
     if len(meshes) != 1:
         return False
     state = _state_dict(meshes[0])

@@ -35,6 +35,7 @@ _FIXED = {ord("K"): 1, ord("M"): 2, ord("J"): 4, ord("G"): 8}  # BININT1, BININT
 _SIZED = {0x8A: 1, 0x8C: 1, ord("C"): 1, ord("X"): 4, ord("B"): 4}  # LONG1, SHORT_BINUNICODE, ..BINBYTES
 _LONG1 = 0x8A
 _INTS = {ord("K"): 1, ord("M"): 2, ord("J"): 4}  # and LONG1: one int, whatever the width
+_STRINGS = {0x8C: 1, ord("X"): 4}  # SHORT_BINUNICODE, BINUNICODE: their length prefix
 _STOP = ord(".")
 _BLOCK, _MAX_BLOCK = 256, 1 << 16
 _OPS = {ord(op.code): op for op in pickletools.opcodes}
@@ -89,7 +90,7 @@ def _scan(data: bytes) -> tuple[array, array]:
     return starts, ends
 
 
-def _first_difference(a: bytes, i: int, b: bytes, j: int) -> int | None:
+def first_difference(a: bytes, i: int, b: bytes, j: int) -> int | None:
     """The first ``k`` with ``a[i + k] != b[j + k]`` (or where one ends first); None when
     ``a[i:] == b[j:]``. Blocks compared at C speed, doubling while equal."""
     na, nb = len(a) - i, len(b) - j
@@ -140,7 +141,7 @@ class Skeleton:
             return False
         i = j = 0  # in step: each at an opcode's start, everything before them the same shape
         while True:
-            k = _first_difference(a, i, other, j)
+            k = first_difference(a, i, other, j)
             if k is None:
                 return True
             at = i + k
@@ -167,7 +168,7 @@ class Skeleton:
             return None
         found: list[tuple[int, int]] = []
         i = 0
-        while (k := _first_difference(a, i, other, i)) is not None:
+        while (k := first_difference(a, i, other, i)) is not None:
             at = i + k
             n = bisect.bisect_right(starts, at) - 1
             if n < 0 or at >= ends[n]:
@@ -180,6 +181,22 @@ class Skeleton:
         return found
 
 
+    def strings(self) -> dict[bytes, list[int]]:
+        """Each string this pickle holds as a value (its UTF-8 bytes) -> the indexes of its
+        opcodes among the values."""
+        a, starts, ends, found = self.data, self._starts, self._ends, {}
+        for n, start in enumerate(starts or ()):
+            prefix = _STRINGS.get(a[start])
+            if prefix is not None:
+                found.setdefault(a[start + 1 + prefix:ends[n]], []).append(n)
+        return found
+
+    def value_at(self, n: int) -> tuple[int, int] | None:
+        """The ``n``-th value's opcode ``(start, end)``, None past the last."""
+        starts = self._starts
+        return (starts[n], self._ends[n]) if starts is not None and 0 <= n < len(starts) else None
+
+
 def int_value(data: bytes, start: int, end: int) -> int | None:
     """The int that the opcode at ``data[start:end]`` pushes; None if it pushes no int."""
     code = data[start]
@@ -188,6 +205,13 @@ def int_value(data: bytes, start: int, end: int) -> int | None:
     if code not in _INTS:
         return None
     return int.from_bytes(data[start + 1:end], "little", signed=code == ord("J"))
+
+
+def int_at(data: bytes, at: int) -> tuple[int, int] | None:
+    """The int that an int opcode at ``data[at]`` pushes, and where the opcode ends; None if no
+    int opcode is there."""
+    end = _int_end(data, at)
+    return None if end is None else (int_value(data, at, end), end)
 
 
 def int_opcode(value: int) -> bytes:

@@ -437,8 +437,12 @@ class TorchZip:
 
     def shape(self) -> Template:
         """Its pickle as :func:`loads_like` takes a model, to read pickles of its shape by: a
-        file read ``like`` another has that one's shape, which the careful reader walked."""
-        return Template(self.pickle, self.admit)
+        file read ``like`` another has that one's shape, which the careful reader walked. One
+        per file (its skeleton is a scan of the whole pickle)."""
+        shape = self.__dict__.get("_shape")
+        if shape is None:
+            shape = self._shape = Template(self.pickle, self.admit)
+        return shape
 
     def read(self, name: str) -> bytes:
         """A (small) record's bytes, CRC-checked."""
