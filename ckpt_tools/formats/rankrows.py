@@ -88,7 +88,8 @@ class RowsTemplate:
 
         ``data`` is compared with the template's pickle in step, at C speed up to each
         difference, which must fall in a place: any int opcode there (the width its value
-        needs), and byte-equal from its end."""
+        needs), and byte-equal from its end. Where the places after it differ too (most
+        tensors' rows, in a job of many small tensors), they are read one after the other."""
         model, order, places = self.zf.pickle, self.order, self.places
         rows: dict[int, int] = {}
         numels: dict[int, int] = {}
@@ -97,18 +98,25 @@ class RowsTemplate:
             n = bisect.bisect_right(self.starts, i + k) - 1
             if n < 0 or i + k >= order[n][1]:
                 return None  # not within a place
-            start, end = order[n]
-            got = int_at(data, j + start - i)
-            if got is None:
-                return None
-            place = places.get(start)
-            if place is None:  # (the rank's)
-                if got[0] != rank:
+            while True:  # place n differs
+                start, end = order[n]
+                got = int_at(data, j + start - i)
+                if got is None:
                     return None
-                ranks += 1
-            else:
-                (rows if place[0] == _ROWS else numels)[place[1]] = got[0]
-            i, j = end, got[1]
+                place = places.get(start)
+                if place is None:  # (the rank's)
+                    if got[0] != rank:
+                        return None
+                    ranks += 1
+                else:
+                    (rows if place[0] == _ROWS else numels)[place[1]] = got[0]
+                i, j, n = end, got[1], n + 1
+                if n == len(order):
+                    break
+                start, end = order[n]
+                at = j + start - i
+                if data[j:at] != model[i:start] or data[at:at + end - start] == model[start:end]:
+                    break  # (a difference before it, found and refused above; or it is the same)
         if ranks != len(self.ranks):
             return None  # (a file of the template's own rank)
         storages = dict(self.zf.storages) if numels else self.zf.storages
