@@ -56,8 +56,8 @@ def test_learn_finds_each_tensors_rows_and_numel_and_the_rank(learned):
         storages, rows = template.read(pickles[r], r, table)
         for row, noted in enumerate(table):
             start, stop = chunk_rows(noted[1], 8, r)
-            held, nbytes = rows.get(row, (noted[3].sizes[0], noted[3].length))
-            assert held == stop - start and nbytes == storages[noted[4][5:]].nbytes, (r, noted[2])
+            sizes, nbytes = rows.get(row, (noted[3].sizes, noted[3].length))
+            assert sizes == (stop - start, *noted[3].sizes[1:]) and nbytes == storages[noted[4][5:]].nbytes, (r, noted[2])
             resized += row in rows
     assert resized > 10
 
@@ -143,12 +143,12 @@ def test_rows_a_rank_s_placement_does_not_give_are_refused():
     zf = SimpleNamespace(path="r1", records=records)
     chunks = ChunkColumns([], {})
     table = [(chunks, 10, "a", Chunk((0, 0), (3, 2), Location("r0", "raw", 100, 24, ("k",)), 0), "data/0", 0)]
-    rankread.repeat(table, 3, 4, zf, "r3", {0: (1, 8)})  # rank 3 of 4 holds 1 of 10 rows: its 8 bytes
+    rankread.repeat(table, 3, 4, zf, "r3", {0: ((1, 2), 8)})  # rank 3 of 4 holds 1 of 10 rows: its 8 bytes
     (c,) = chunks.chunks()
     assert (c.offsets, c.sizes, c.location) == ((9, 0), (1, 2), Location("r3", "raw", 1000, 8, ("k",)))
     with pytest.raises(BadInput, match=r"tensor 'a': rank 3 holds \(2, 2\), but its placement on world size 4 "
                                        r"gives \(1, 2\)"):
-        rankread.repeat(table, 3, 4, zf, "r3", {0: (2, 16)})
+        rankread.repeat(table, 3, 4, zf, "r3", {0: ((2, 2), 16)})
 
 
 def test_many_uneven_rank_files_reshard_byte_identical_to_parsed(tmp_path, monkeypatch):

@@ -74,7 +74,7 @@ class Kind:
         self.like: list = []
         self.bases: list[Base] = []
         self._hit: Base | None = None
-        self.rows: dict[int, tuple[int, int]] = {}  # the last file read as a base's: its rows that differ
+        self.rows: dict[int, tuple[tuple[int, ...], int]] = {}  # the last file read as a base's: its sizes that differ
 
     def read(self, file: Path, rank: int, entries_of: Callable[[Any], list]
              ) -> tuple[TorchZip, list, int | None, Base | None]:
@@ -146,11 +146,11 @@ def _alike(a: bytes, b: bytes) -> bool:
     return (int.from_bytes(a, "little") ^ int.from_bytes(b, "little")).bit_count() <= _FEW_BITS
 
 
-def repeat(table: list, rank: int, ws: int, zf: TorchZip, file: str, resized: dict[int, tuple[int, int]] | None = None
-           ) -> None:
+def repeat(table: list, rank: int, ws: int, zf: TorchZip, file: str,
+           resized: dict[int, tuple[tuple[int, ...], int]] | None = None) -> None:
     """The chunks of ``file``, which repeats a base file of its kind on ``rank`` (see
     :class:`Kind`): each chunk of the base's ``table`` on the rows ``rank`` holds, at its own
-    record's place in ``file``; ``resized``: the rows it holds and their bytes, by row of the
+    record's place in ``file``; ``resized``: its local sizes and their bytes, by row of the
     table, where they differ from the base's. A row of the table, as :mod:`.sharded` notes it: the tensor's
     chunk columns (added to: :class:`~ckpt_tools.core.describe.ChunkColumns`), its rows where
     it is a ``Shard(0)`` DTensor's (else None), its name, the base's chunk, its record's name
@@ -161,7 +161,7 @@ def repeat(table: list, rank: int, ws: int, zf: TorchZip, file: str, resized: di
     for n, (chunks, rows, name, chunk, record, delta) in enumerate(table):
         offsets, sizes, length = chunk.offsets, chunk.sizes, chunk.length
         if n in resized:
-            sizes, length = shared((resized[n][0], *sizes[1:])), resized[n][1]
+            sizes, length = resized[n]
         if rows is not None:
             key = (rows, sizes, offsets)
             mine = placed.get(key)

@@ -22,6 +22,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from ..core.describe import shared
 from ..errors import BadInput
 from ..security.skeleton import first_difference, int_at, int_opcode, int_value
 from ..security.torchfile import STORAGE_ITEMSIZE, StorageRef, TorchZip, loads_like
@@ -46,6 +47,9 @@ class RowsTemplate:
         self.zf, self.rank, self.ranks, self.places, self.row_elements = zf, rank, ranks, places, row_elements
         self.order = sorted((start, _int_end_of(zf.pickle, start)) for start in (*ranks, *places))
         self.starts = [start for start, _ in self.order]
+        # the last file read: its pickle, where its rank is, what it read as (the ranks of a
+        # group holding the same rows differ from it in their rank only)
+        self._last: tuple[bytes, list[tuple[int, int]], tuple] | None = None
 
     @classmethod
     def learn(cls, zf: TorchZip, rank: int, table: list, entries_of: Callable[[Any], list]) -> RowsTemplate | None:
@@ -82,7 +86,7 @@ class RowsTemplate:
              ) -> tuple[dict[str, StorageRef], dict[int, tuple[int, int]]] | None:
         """If ``data`` (the pickle of ``rank``'s file) is this template's with the rank changed
         to ``rank`` and rows and storages' numels changed only where learned: its storages and,
-        by row of ``table``, the rows it holds where they differ (and their bytes); else None.
+        by row of ``table``, its local sizes where they differ (and their bytes); else None.
         Each tensor's rows must fit its storage, as the tree reader checks; the caller checks
         them against the rank's placement, and the storages against the file's records.
 
@@ -90,10 +94,14 @@ class RowsTemplate:
         difference, which must fall in a place: any int opcode there (the width its value
         needs), and byte-equal from its end. Where the places after it differ too (most
         tensors' rows, in a job of many small tensors), they are read one after the other."""
+        last = self._last
+        if last is not None and data == _with_rank(last[0], last[1], rank):
+            return last[2]  # the last file read on another rank: the same rows, storages
         model, order, places = self.zf.pickle, self.order, self.places
         rows: dict[int, int] = {}
         numels: dict[int, int] = {}
-        ranks = i = j = 0
+        ranks, at_ranks = 0, []
+        i = j = 0
         while (k := first_difference(model, i, data, j)) is not None:
             n = bisect.bisect_right(self.starts, i + k) - 1
             if n < 0 or i + k >= order[n][1]:
@@ -108,6 +116,7 @@ class RowsTemplate:
                     if got[0] != rank:
                         return None
                     ranks += 1
+                    at_ranks.append((j + start - i, got[1]))
                 else:
                     (rows if place[0] == _ROWS else numels)[place[1]] = got[0]
                 i, j, n = end, got[1], n + 1
@@ -129,8 +138,20 @@ class RowsTemplate:
             if row in numels:
                 storages[ref.key] = StorageRef(ref.type, ref.key, ref.location, numel)
             if row in rows:
-                rows[row] = (rows[row], elements * STORAGE_ITEMSIZE[ref.type.name])
+                sizes = table[row][3].sizes
+                rows[row] = (shared((rows[row], *sizes[1:])), elements * STORAGE_ITEMSIZE[ref.type.name])
+        self._last = (data, at_ranks, (storages, rows))
         return storages, rows
+
+
+def _with_rank(pickle: bytes, places: list[tuple[int, int]], rank: int) -> bytes:
+    """``pickle`` with ``rank`` in the int opcodes at ``places`` (their ``(start, end)``)."""
+    value, parts, at = int_opcode(rank), [], 0
+    for start, end in places:
+        parts += (pickle[at:start], value)
+        at = end
+    parts.append(pickle[at:])
+    return b"".join(parts)
 
 
 def _int_after(skeleton, pickle: bytes, names: list[int], value: int) -> int | None:
