@@ -164,3 +164,15 @@ def test_many_uneven_rank_files_reshard_byte_identical_to_parsed(tmp_path, monke
     assert len(files) > 10
     for name in files:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+def test_a_file_holding_the_last_ones_rows_is_read_as_it(learned):
+    """Ranks 5 and 6 of UNEVEN over 8 hold the same rows: rank 6's file is read by one compare
+    with rank 5's (its rank in rank 5's places), to the very same storages and sizes; under
+    another rank's name it is not."""
+    zf, rank, table, entries_of, pickles = learned
+    template = rankrows.RowsTemplate.learn(zf, rank, table, entries_of)
+    five = template.read(pickles[5], 5, table)
+    assert five[1] and template.read(pickles[6], 6, table) is five
+    assert template.read(pickles[6], 7, table) is None and template.read(pickles[6], 5, table) is None
+    assert template.read(pickles[7], 7, table) is not five and template.read(pickles[6], 6, table) is not None

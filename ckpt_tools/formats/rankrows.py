@@ -141,7 +141,7 @@ class RowsTemplate:
                 sizes = table[row][3].sizes
                 rows[row] = (shared((rows[row], *sizes[1:])), elements * STORAGE_ITEMSIZE[ref.type.name])
         self._last = (data, at_ranks, (storages, rows))
-        return storages, rows
+        return self._last[2]
 
 
 def _with_rank(pickle: bytes, places: list[tuple[int, int]], rank: int) -> bytes:
