@@ -57,7 +57,8 @@ def test_learn_finds_each_tensors_rows_and_numel_and_the_rank(learned):
         for row, noted in enumerate(table):
             start, stop = chunk_rows(noted[1], 8, r)
             sizes, nbytes = rows.get(row, (noted[3].sizes, noted[3].length))
-            assert sizes == (stop - start, *noted[3].sizes[1:]) and nbytes == storages[noted[4][5:]].nbytes, (r, noted[2])
+            assert sizes == (stop - start, *noted[3].sizes[1:]), (r, noted[2])
+            assert nbytes == storages[noted[4][5:]].nbytes, (r, noted[2])
             resized += row in rows
     assert resized > 10
 

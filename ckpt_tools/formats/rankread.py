@@ -74,7 +74,8 @@ class Kind:
         self.like: list = []
         self.bases: list[Base] = []
         self._hit: Base | None = None
-        self.rows: dict[int, tuple[tuple[int, ...], int]] = {}  # the last file read as a base's: its sizes that differ
+        # the last file read as a base's: its local sizes and bytes where they differ, by table row
+        self.rows: dict[int, tuple[tuple[int, ...], int]] = {}
 
     def read(self, file: Path, rank: int, entries_of: Callable[[Any], list]
              ) -> tuple[TorchZip, list, int | None, Base | None]:
@@ -104,7 +105,7 @@ class Kind:
     def _repeats(self, data: bytes, rank: int, entries_of: Callable[[Any], list]) -> TorchZip | None:
         """The base file ``data`` is the pickle of on ``rank`` (the latest first), if any: with
         only its rank changed, or its rows too (:class:`~.rankrows.RowsTemplate`, learned from
-        the first file like it; then ``rows`` are the rows it holds that differ)."""
+        the first file like it; then ``rows`` are its local sizes that differ)."""
         self.rows = {}
         for base in reversed(self.bases):
             if base.template is None and base.second is not None and not base.tried \
@@ -151,10 +152,10 @@ def repeat(table: list, rank: int, ws: int, zf: TorchZip, file: str,
     """The chunks of ``file``, which repeats a base file of its kind on ``rank`` (see
     :class:`Kind`): each chunk of the base's ``table`` on the rows ``rank`` holds, at its own
     record's place in ``file``; ``resized``: its local sizes and their bytes, by row of the
-    table, where they differ from the base's. A row of the table, as :mod:`.sharded` notes it: the tensor's
-    chunk columns (added to: :class:`~ckpt_tools.core.describe.ChunkColumns`), its rows where
-    it is a ``Shard(0)`` DTensor's (else None), its name, the base's chunk, its record's name
-    and its byte offset in that record."""
+    table, where they differ from the base's. A row of the table, as :mod:`.sharded` notes it:
+    the tensor's chunk columns (added to: :class:`~ckpt_tools.core.describe.ChunkColumns`), its
+    rows where it is a ``Shard(0)`` DTensor's (else None), its name, the base's chunk, its
+    record's name and its byte offset in that record."""
     offset = zf.records.offset
     placed: dict = {}  # (rows, the base's sizes and offsets) -> this rank's offsets: checked once, shared
     resized = resized or {}

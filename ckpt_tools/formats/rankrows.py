@@ -9,10 +9,10 @@ its field's name. :class:`RowsTemplate` finds those places in a parsed file's pi
 them (:meth:`RowsTemplate.learn`): the pickle with a distinct sentinel in each, read back, must
 give each tensor its own sentinels as its first local size and its storage's numel, and the mesh
 the rank's (and nothing else that one). A later file whose pickle is that one with ints changed
-in those places only (:meth:`RowsTemplate.read`) is the parsed
-file on its own rank with those rows and storages: it is described from the parsed file's
-entries (:func:`.rankread.repeat`), its rows checked against its rank's placement and its
-storages against its records, never parsed.
+in those places only (:meth:`RowsTemplate.read`) is the parsed file on its own rank with those
+rows and storages: it is described from the parsed file's entries (:func:`.rankread.repeat`),
+its rows checked against its rank's placement and its storages against its records, never
+parsed.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 from ..core.describe import shared
 from ..errors import BadInput
-from ..security.skeleton import first_difference, int_at, int_opcode, int_value
+from ..security.skeleton import first_difference, int_at, int_value, with_ints
 from ..security.torchfile import STORAGE_ITEMSIZE, StorageRef, TorchZip, loads_like
 from . import shardtree
 
@@ -37,14 +37,14 @@ _NUMEL_SENTINEL = 1 << 61
 
 
 class RowsTemplate:
-    """Where ``pickle`` (a parsed file's, of rank ``rank``) holds its rank (``ranks``: opcode
-    starts) and, for each row of its describer's ``table`` that is a ``Shard(0)`` tensor alone
-    on its storage, its first local size and its storage's numel (``places``: opcode start ->
+    """Where the pickle of ``zf`` (a parsed file) holds its rank (``ranks``: opcode starts) and,
+    for each row of its describer's ``table`` that is a ``Shard(0)`` tensor alone on its
+    storage, its first local size and its storage's numel (``places``: opcode start ->
     ``(what, row)``). ``row_elements``: a row's elements past the first dimension, by row."""
 
-    def __init__(self, zf: TorchZip, rank: int, ranks: tuple[int, ...], places: dict[int, tuple[int, int]],
+    def __init__(self, zf: TorchZip, ranks: tuple[int, ...], places: dict[int, tuple[int, int]],
                  row_elements: dict[int, int]) -> None:
-        self.zf, self.rank, self.ranks, self.places, self.row_elements = zf, rank, ranks, places, row_elements
+        self.zf, self.ranks, self.places, self.row_elements = zf, ranks, places, row_elements
         self.order = sorted((start, _int_end_of(zf.pickle, start)) for start in (*ranks, *places))
         self.starts = [start for start, _ in self.order]
         # the last file read: its pickle, where its rank is, what it read as (the ranks of a
@@ -60,7 +60,8 @@ class RowsTemplate:
         or not proved."""
         skeleton = zf.shape().skeleton()
         strings = skeleton.strings()
-        ranks = [_int_after(skeleton, zf.pickle, strings.get(name, []), rank) for name in (b"_rank", b"_coordinate_on_dim")]
+        ranks = [_int_after(skeleton, zf.pickle, strings.get(name, []), rank)
+                 for name in (b"_rank", b"_coordinate_on_dim")]
         if None in ranks:
             return None
         places: dict[int, tuple[int, int]] = {}
@@ -76,11 +77,12 @@ class RowsTemplate:
         sentinels.update({start: (_ROWS_SENTINEL if what == _ROWS else _NUMEL_SENTINEL) + row
                           for start, (what, row) in places.items()})
         try:
-            probe = loads_like(_with_ints(zf.pickle, sentinels), zf.shape(), where=str(zf.path))
+            ints = ((start, _int_end_of(zf.pickle, start), sentinels[start]) for start in sorted(sentinels))
+            probe = loads_like(with_ints(zf.pickle, ints), zf.shape(), where=str(zf.path))
             proved = shardtree.only_mesh_rank(probe, _RANK_SENTINEL) and _rows_proved(entries_of(probe), table, places)
         except (BadInput, shardtree.NotSimple, TypeError, ValueError, KeyError, IndexError, AttributeError):
             return None  # (what the probe's reader refuses: the files are parsed one by one)
-        return cls(zf, rank, tuple(ranks), places, row_elements) if proved else None
+        return cls(zf, tuple(ranks), places, row_elements) if proved else None
 
     def read(self, data: bytes, rank: int, table: list
              ) -> tuple[dict[str, StorageRef], dict[int, tuple[int, int]]] | None:
@@ -95,7 +97,7 @@ class RowsTemplate:
         needs), and byte-equal from its end. Where the places after it differ too (most
         tensors' rows, in a job of many small tensors), they are read one after the other."""
         last = self._last
-        if last is not None and data == _with_rank(last[0], last[1], rank):
+        if last is not None and data == with_ints(last[0], ((start, end, rank) for start, end in last[1])):
             return last[2]  # the last file read on another rank: the same rows, storages
         model, order, places = self.zf.pickle, self.order, self.places
         rows: dict[int, int] = {}
@@ -144,16 +146,6 @@ class RowsTemplate:
         return self._last[2]
 
 
-def _with_rank(pickle: bytes, places: list[tuple[int, int]], rank: int) -> bytes:
-    """``pickle`` with ``rank`` in the int opcodes at ``places`` (their ``(start, end)``)."""
-    value, parts, at = int_opcode(rank), [], 0
-    for start, end in places:
-        parts += (pickle[at:start], value)
-        at = end
-    parts.append(pickle[at:])
-    return b"".join(parts)
-
-
 def _int_after(skeleton, pickle: bytes, names: list[int], value: int) -> int | None:
     """The start of the value opcode after the one of the ``names``-th values (a field's name)
     that the int ``value`` follows, if exactly one is."""
@@ -180,16 +172,6 @@ def _tensor_ints(skeleton, pickle: bytes, keys: list[int], ref: StorageRef | Non
 def _int_end_of(pickle: bytes, start: int) -> int:
     """Where the int opcode at ``start`` (one this module found) ends."""
     return int_at(pickle, start)[1]
-
-
-def _with_ints(pickle: bytes, ints: dict[int, int]) -> bytes:
-    """``pickle`` with the int opcode at each start replaced by one for its value."""
-    parts, at = [], 0
-    for start in sorted(ints):
-        parts += (pickle[at:start], int_opcode(ints[start]))
-        at = _int_end_of(pickle, start)
-    parts.append(pickle[at:])
-    return b"".join(parts)
 
 
 def _rows_proved(entries: list, table: list, places: dict[int, tuple[int, int]]) -> bool:

@@ -30,7 +30,7 @@ from ..codecs.torchwriter import TorchZipWriter
 from ..codecs.tensornodes import REBUILD_V2, Local, NotSimple, contiguous_stride, local_of  # noqa: F401 - served here too
 from ..errors import BadInput
 from ..security import bounded
-from ..security.skeleton import int_opcode, int_value
+from ..security.skeleton import int_value, with_ints
 from ..security.torchfile import Global, NewObj, Reduce, StorageRef, TorchZip, loads_like
 from ..storage.castio import blocks
 
@@ -121,12 +121,7 @@ class RankTemplate:
 
     def pickle_of(self, rank: int) -> bytes:
         """The model's pickle with ``rank`` in the slots, as the pickler writes that int."""
-        value, data, parts, at = int_opcode(rank), self.pickle, [], 0
-        for start, end in self.slots:
-            parts += (data[at:start], value)
-            at = end
-        parts.append(data[at:])
-        return b"".join(parts)
+        return with_ints(self.pickle, ((start, end, rank) for start, end in self.slots))
 
     @classmethod
     def learn(cls, model: TorchZip, rank: int, other: bytes, other_rank: int) -> RankTemplate | None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import io
+from collections.abc import Iterable
 import pickle
 import pickletools
 import re
@@ -212,6 +213,17 @@ def int_at(data: bytes, at: int) -> tuple[int, int] | None:
     int opcode is there."""
     end = _int_end(data, at)
     return None if end is None else (int_value(data, at, end), end)
+
+
+def with_ints(data: bytes, places: Iterable[tuple[int, int, int]]) -> bytes:
+    """``data`` with the opcode at each ``(start, end, value)`` (in order, apart) replaced by
+    the int opcode for ``value``."""
+    parts, at = [], 0
+    for start, end, value in places:
+        parts += (data[at:start], int_opcode(value))
+        at = end
+    parts.append(data[at:])
+    return b"".join(parts)
 
 
 def int_opcode(value: int) -> bytes:
