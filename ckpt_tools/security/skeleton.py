@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import bisect
 import io
-from collections.abc import Iterable
 import pickle
 import pickletools
 import re
 from array import array
+from collections.abc import Iterable
 
 # opcode -> bytes of its value (fixed width) / of its value's length prefix (sized)
 _FIXED = {ord("K"): 1, ord("M"): 2, ord("J"): 4, ord("G"): 8}  # BININT1, BININT2, BININT, BINFLOAT
@@ -180,7 +180,6 @@ class Skeleton:
             found.append((start, end))
             i = end
         return found
-
 
     def strings(self) -> dict[bytes, list[int]]:
         """Each string this pickle holds as a value (its UTF-8 bytes) -> the indexes of its
