@@ -495,11 +495,15 @@ def test_a_pickle_referring_back_into_a_row_is_read_the_careful_way(tmp_path, ag
         assert got.planner_data["again"] is got.state_dict_metadata["w"].chunks[2]
 
 
-def _many_rank_metadata(ranks: int = 64, tensors: int = 8, share: bool = False, backwards: bool = False) -> bytes:
+def _many_rank_metadata(ranks: int = 64, tensors: int = 8, share: bool = False, backwards: bool = False,
+                        one_process: bool = False, paths_shared: bool = False) -> bytes:
     """A ``.metadata`` as a many-rank save gathers it, pickled by torch's own classes: every
     key's name its own string, every Size its own object. ``share``: the first two tensors
     hold one chunks list (which torch never writes: a pickle's memo can); ``backwards``: the
-    entries listed from the last rank to the first, against their chunks' order."""
+    entries listed from the last rank to the first, against their chunks' order;
+    ``one_process``: every key's name the state dict's own string (a save that gathered
+    nothing: the pickle refers back to it); ``paths_shared``: a rank's entries share its
+    file's name, as one rank's gathered results do (else each entry has its own string)."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
@@ -512,10 +516,11 @@ def _many_rank_metadata(ranks: int = 64, tensors: int = 8, share: bool = False, 
         if share:
             chunks = first = first or chunks
         state[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2 * ranks, 4]), chunks)
+    names, paths = list(state), [f"__{r}_0.distcp" for r in range(ranks)]
     for r in range(ranks)[::-1 if backwards else 1]:  # (rank by rank, as torch gathers the entries)
         for t in range(tensors):
-            storage[MetadataIndex(f"layers.{t}.w", torch.Size([2 * r, 0]), r)] = \
-                _StorageInfo(f"__{r}_0.distcp", 1000 * t, 32 + t)
+            storage[MetadataIndex(names[t] if one_process else f"layers.{t}.w", torch.Size([2 * r, 0]), r)] = \
+                _StorageInfo(paths[r] if paths_shared else f"__{r}_0.distcp", 1000 * t, 32 + t)
     return pickle.dumps(Metadata(state_dict_metadata=state, storage_data=storage), protocol=4)
 
 
@@ -655,6 +660,35 @@ def test_a_joined_read_moves_each_entry_to_its_chunk_and_nothing_else(tmp_path, 
         assert n <= len(plain.state_dict_metadata)
     else:
         assert n >= len(plain.storage_data) - 2 * len(plain.state_dict_metadata)
+
+
+@pytest.mark.parametrize("one_process", [False, True])
+def test_many_tensors_entries_are_joined_in_runs_as_long_as_a_frame(monkeypatch, tmp_path, one_process):
+    """Many tensors of a few chunks each: every entry names its tensor, or the first offsets
+    value, before any other entry did. Both are entered in the memo within the run, so a run
+    ends only at a frame's end (or a SETITEMS): a few runs per frame, not one per entry, and
+    every entry joined as before (its name a new string or, from a save in one process, a
+    reference to the state dict's)."""
+    calls = []
+    index = dcprows.Rows.index
+
+    def spy(self, *args):
+        calls.append(1)
+        return index(self, *args)
+
+    monkeypatch.setattr(dcprows.Rows, "index", spy)
+    data = _many_rank_metadata(ranks=2, tensors=3000, one_process=one_process, paths_shared=True)
+    p = tmp_path / ".metadata"
+    p.write_bytes(data)
+    plain, stored = load_dcp_metadata(p), dcprows.Stored()
+    calls.clear()
+    got = load_dcp_metadata(p, stored=stored)
+    assert _entries(got, stored) == _entries(plain) and len(plain.storage_data) == 6000
+    # (left in the dict: the first entry, which names the fields, and one across a frame's end)
+    frames = len(data) // (64 << 10) + 1
+    assert _joined(stored) == 6000 - len(got.storage_data) and len(got.storage_data) <= frames + 1 < 20
+    assert len(calls) <= 3 * frames < 60  # (a few a frame: one reads across its end)
+    assert _same(_fast(data), _careful(data))
 
 
 def test_a_run_of_entries_joined_anywhere_but_a_storage_dict_s_keys_is_refused(tmp_path):

@@ -33,7 +33,7 @@ from operator import itemgetter
 from typing import Any
 
 from . import bounded
-from .fastpickle import Decline, Memo, _Unread
+from .fastpickle import Decline, Memo, Widened, _Unread
 
 _U4 = struct.Struct("<I").unpack_from
 _I4 = struct.Struct("<i").unpack_from
@@ -61,9 +61,10 @@ _STORAGE_OF_REF = re.compile(_NEW + _REF + _REF + _REF + _BIG + _REF + _BIG + _E
 # byte of MEMOIZE is read the other way), a Size call
 _INDEX_NAMED = re.compile(_NEW + _REF + rb"\x8c(.)([^\x94]*)\x94" + _REF + _INT + _REF + _SIZE + _END, re.S).match
 # a storage entry whole, as torch lists them (rank by rank: a chunk's at its tensor's cursor):
-# the usual MetadataIndex (as _INDEX_NAMED), its _StorageInfo's class and the usual _StorageInfo
-# (as _STORAGE_OF_REF); and the next one, after its MetadataIndex class's reference
-_PAIR = (_NEW + _REF + rb"\x8c(.)([^\x94]*)\x94" + _REF + _INT + _REF + _SIZE + _END
+# the usual MetadataIndex (as _INDEX_NAMED, or its name a reference to the string pickled before,
+# as a save in one process pickles it), its _StorageInfo's class and the usual _StorageInfo (as
+# _STORAGE_OF_REF); and the next one, after its MetadataIndex class's reference
+_PAIR = (_NEW + _REF + rb"(?:\x8c(.)([^\x94]*)\x94|" + _REF + rb")" + _REF + _INT + _REF + _SIZE + _END
          + _REF + _NEW + _REF + _REF + _REF + _BIG + _REF + _BIG + _END)
 _ENTRY = re.compile(_PAIR, re.S).match
 _NEXT_ENTRY = re.compile(_REF + _PAIR, re.S).match
@@ -368,28 +369,49 @@ class Rows:
         """Where a run of the usual storage entries from ``pos`` (the first one's index record,
         its class read) ends, each joined to its chunk (:meth:`_join`) and its memo entries
         added as it is read; ``pos`` where the first is not one. The usual entry: the index as
-        :meth:`_usual_index` reads it (its name a new string read before, its Size's codes worked
-        out before: a run adds no object to the memo, and never widens it) and its storage info
-        as :meth:`storage` reads it. 256 ranks: 72k entries in ~3,700 runs (they end at a frame's
-        end, a SETITEMS, an offsets value met first), not 145k records and their keys and values
-        on the stack for the joiner: the read 1.24 -> 1.05 s."""
+        :meth:`_usual_index` reads it (its name a new string, or a reference to a string: a save
+        in one process refers to the state dict's), its offsets a Size call, and its storage
+        info as :meth:`storage` reads it. 256 ranks: 72k entries in ~3,700 runs (they end at a
+        frame's end, a SETITEMS), not 145k records and their keys and values on the stack for
+        the joiner: the read 1.24 -> 1.05 s. A name or offsets value met first is entered in the
+        memo in the run (a many-tensor save names each tensor first in its entries: 25k tensors
+        at 16 ranks were read in 52k runs of one entry, now 316)."""
         named, tails, dims, refs, sizes = self._named, self._tail_codes, self._dims, self._refs, self._sizes
         index, storage = self._classes
         index_keys, storage_keys, unbuilt2, join = self._index_keys, self._storage_keys, self._unbuilt2, self._join
-        codes = memo.codes
+        codes, start = memo.codes, pos
         m, g = _ENTRY(buf, pos, fend), 0
         while m is not None:
-            key, short, raw, k1, _, k2, c, d, t, _, cls, k0, ref, sk1, offset, sk2, length = m.groups()[g:]
-            got = named.get(raw)
+            key, short, raw, name, k1, _, k2, c, d, t, _, cls, k0, ref, sk1, offset, sk2, length = m.groups()[g:]
             path = refs.get(ref)
-            if got is None or short[0] != len(raw) or d is None or type(path) is not str or c not in sizes or \
+            if short is not None and short[0] != len(raw) or d is None or type(path) is not str or c not in sizes or \
                     (key, k1, k2) != index_keys or (k0, sk1, sk2) != storage_keys or \
                     self._class_of(cls, memo) is not storage:
                 break
-            # (None for the first entry of each offsets value: read as a record, its codes worked out)
-            offsets, tail = dims.get(d), tails.get(d)
-            if offsets is None or tail is None or len(offsets) != t[0] - 0x84 or \
-                    not join(got[0], offsets, path, _int(offset), self._length(length)):
+            offsets = dims.get(d) or _ints_of(dims, d)
+            if offsets is None or len(offsets) != t[0] - 0x84:
+                break
+            # where entering a name or offsets value widens the memo's codes, the run so far
+            # stands and this entry is read next; with none read yet, the run is read again
+            # (fastpickle reads a Widened record so)
+            if short is None:  # (its name a reference: no memo entry of its own)
+                got = (self._ref(name, memo), b"")
+                if type(got[0]) is not str:
+                    break
+            else:
+                got = named.get(raw)
+            tail = tails.get(d)
+            try:
+                if got is None:
+                    s = str(raw, "utf-8", "surrogatepass")
+                    got = named[raw] = (s, self._pack[2](memo.shared(s)))
+                if tail is None:
+                    tail = self._codes_of(memo, d, offsets, head=False)
+            except Widened:
+                if pos == start:
+                    raise
+                break
+            if not join(got[0], offsets, path, _int(offset), self._length(length)):
                 break
             # index: row, UNREAD, its name, offsets, UNREAD, offsets; storage: row, UNREAD
             codes.frombytes(unbuilt2)
