@@ -131,7 +131,7 @@ class ChunkTable:
     A many-rank DCP's tensors (a chunk per rank, each in its own item): 40 bytes a chunk held
     for the whole command, where a ``Chunk`` with its offset's int was ~130 (9 MB of a 256-rank
     save's 72k chunks); rank files' (:class:`ChunkColumns`), 52 where it was ~104 (15 MB at
-    1,024 ranks). A plan takes what it reads and keeps none (:class:`~.plan.Tiled`)."""
+    1,024 ranks). A plan takes what it reads and keeps none (:data:`~.plan.TILED`)."""
 
     __slots__ = ("offsets", "sizes", "spans", "files", "kind", "keys", "ranks")
 

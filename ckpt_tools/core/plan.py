@@ -101,7 +101,7 @@ _NBYTES: dict[int, int] = {}  # Piece.nbytes's ints, each value once
 
 # not frozen, for a cheaper __init__: built per (tensor, rank) (see core.describe.Location);
 # slots: a many-rank plan holds hundreds of thousands (a __dict__ each was ~100 bytes more)
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Piece:
     """The rectangle ``offsets``/``sizes`` of ``target`` that one destination file holds,
     filled by ``copies`` (plus ``add``, when a low-rank update is folded in)."""
@@ -109,13 +109,20 @@ class Piece:
     target: Target
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    copies: tuple[Copy, ...] | Tiled  # (Tiled: a tuple worked out when read)
+    copies: tuple[Copy, ...] | _Tiled  # (TILED: worked out when read, by copies_of)
     add: LowRank | None = None
     _nbytes: int = field(default=-1, init=False, repr=False, compare=False)
 
     def __hash__(self) -> int:
         # writers key pieces in dicts (by_piece); the copies follow from the rest
         return hash((self.target.name, self.offsets, self.sizes))
+
+    def __eq__(self, other: object) -> bool:
+        # (as the dataclass compares, TILED copies as the tuple they stand for)
+        if type(other) is not Piece:
+            return NotImplemented
+        return (self.target, self.offsets, self.sizes, self.add) == (other.target, other.offsets, other.sizes, other.add) \
+            and (self.copies is other.copies or copies_of(self) == copies_of(other))
 
     @property
     def numel(self) -> int:
@@ -248,86 +255,64 @@ def rows_of(target: Target, world_size: int, rank: int) -> Piece:
 
 def _tiled_rows(target: Target, a: int, b: int) -> Piece:
     """:func:`piece` of rows [a, b) of a target whose source chunks tile its rows
-    (:meth:`TensorInfo.row_tiles`): its copies are :class:`Tiled`, worked out from the rows
-    when asked (a many-rank reshard plans one such piece per tensor and rank)."""
+    (:meth:`TensorInfo.row_tiles`): its copies are :data:`TILED`, worked out from the rows when
+    read (a many-rank reshard plans one such piece per tensor and rank)."""
     zeros = (0,) * (len(target.shape) - 1)
     # equal offsets and sizes as one tuple each: a many-rank plan's are a few distinct values
     # met hundreds of thousands of times
     shared = sharing()
     offsets, sizes = (a, *zeros), (b - a, *target.shape[1:])
-    offsets, sizes = shared(offsets, offsets), shared(sizes, sizes)
-    return Piece(target, offsets, sizes, Tiled(target.source, offsets, sizes))
+    return Piece(target, shared(offsets, offsets), shared(sizes, sizes), TILED)
 
 
-class Tiled:
-    """The copies that fill rows ``[offsets[0], offsets[0] + sizes[0])`` of a tensor whose
-    chunks tile its rows (:meth:`TensorInfo.row_tiles`), as the tuple of them it stands for: the
-    chunks from the one holding the first row, each met in one row interval, in the chunks'
-    order as :func:`piece` gives them. Worked out each time they are read, not kept: a
-    many-rank plan holds one piece per tensor and output rank until its file is written, and
-    a tuple with its ``Copy`` objects was ~230 bytes of each (10 MB of a 256-rank reshard)."""
+class _Tiled:
+    """The copies of a piece whose source chunks tile its rows (:meth:`TensorInfo.row_tiles`):
+    the chunks from the one holding its first row, each met in one row interval, in the
+    chunks' order as :func:`piece` gives them. The piece's own target, offsets and sizes say
+    which, so it holds this one mark, not an object of its own: :func:`copies_of` works them
+    out each time they are read. A many-rank plan holds one piece per tensor and output rank
+    until its file is written; a tuple of ``Copy`` objects was ~230 bytes of each, an object
+    holding the piece's source and rows 56 (12 MB of a 1,024-rank reshard's plan)."""
 
-    __slots__ = ("source", "offsets", "sizes")
-
-    def __init__(self, source: TensorInfo, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> None:
-        self.source, self.offsets, self.sizes = source, offsets, sizes
-
-    def copies(self) -> tuple[Copy, ...]:
-        n = self.sizes[0]
-        if not n:
-            return ()
-        source, a = self.source, self.offsets[0]
-        starts, order, _ = source.rows_index()
-        j = bisect_right(starts, a) - 1  # (the chunk holding row a: the first starts at row 0)
-        stop = bisect_left(starts, a + n, j)
-        chunks, zeros = source.chunks, self.offsets[1:]
-        if stop - j == 1:  # (one chunk holds the rows: the piece is its rows from a on)
-            return (Copy(chunks[order[j]], (a - starts[j], *zeros), (0, *zeros), self.sizes),)
-        b, rest = a + n, self.sizes[1:]
-        got = []
-        for k in range(j, stop):
-            c0, i = starts[k], order[k]
-            chunk = chunks[i]
-            lo, hi = max(a, c0), min(b, c0 + chunk.sizes[0])
-            got.append((i, Copy(chunk, (lo - c0, *zeros), (lo - a, *zeros), (hi - lo, *rest))))
-        got.sort(key=_first)  # in the chunks' order, as piece() gives them
-        return tuple([c for _, c in got])
-
-    def __iter__(self) -> Iterator[Copy]:
-        return iter(self.copies())
-
-    def __len__(self) -> int:  # (tiling: each chunk from the first row's on meets the rows)
-        n = self.sizes[0]
-        if not n:
-            return 0
-        starts, a = self.source.rows_index()[0], self.offsets[0]
-        j = bisect_right(starts, a) - 1
-        return bisect_left(starts, a + n, j) - j
-
-    def __bool__(self) -> bool:
-        return self.sizes[0] > 0
-
-    def __getitem__(self, i):
-        return self.copies()[i]
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Tiled):
-            other = other.copies()
-        return self.copies() == other if isinstance(other, tuple) else NotImplemented
-
-    __hash__ = None  # (as the tuple it stands for would not be hashed: a piece's hash leaves its copies out)
+    __slots__ = ()
 
     def __repr__(self) -> str:
-        return repr(self.copies())
+        return "TILED"
 
-    def __reduce__(self) -> tuple:
-        return Tiled, (self.source, self.offsets, self.sizes)
+    def __reduce__(self) -> str:  # (one mark, in a worker process too)
+        return "TILED"
+
+
+TILED = _Tiled()
+
+
+def _tiled_copies(source: TensorInfo, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[Copy, ...]:
+    """The copies :data:`TILED` stands for in the piece ``offsets``/``sizes`` of ``source``."""
+    n = sizes[0]
+    if not n:
+        return ()
+    a = offsets[0]
+    starts, order, _ = source.rows_index()
+    j = bisect_right(starts, a) - 1  # (the chunk holding row a: the first starts at row 0)
+    stop = bisect_left(starts, a + n, j)
+    chunks, zeros = source.chunks, offsets[1:]
+    if stop - j == 1:  # (one chunk holds the rows: the piece is its rows from a on)
+        return (Copy(chunks[order[j]], (a - starts[j], *zeros), (0, *zeros), sizes),)
+    b, rest = a + n, sizes[1:]
+    got = []
+    for k in range(j, stop):
+        c0, i = starts[k], order[k]
+        chunk = chunks[i]
+        lo, hi = max(a, c0), min(b, c0 + chunk.sizes[0])
+        got.append((i, Copy(chunk, (lo - c0, *zeros), (lo - a, *zeros), (hi - lo, *rest))))
+    got.sort(key=_first)  # in the chunks' order, as piece() gives them
+    return tuple([c for _, c in got])
 
 
 def copies_of(piece: Piece) -> tuple[Copy, ...]:
-    """``piece``'s copies as a tuple (a :class:`Tiled` worked out once: no length asked first)."""
+    """``piece``'s copies as a tuple (:data:`TILED` ones worked out: each time they are read)."""
     copies = piece.copies
-    return copies if type(copies) is tuple else copies.copies()
+    return copies if copies is not TILED else _tiled_copies(piece.target.source, piece.offsets, piece.sizes)
 
 
 def _whole_chunk(target: Target) -> Chunk | None:

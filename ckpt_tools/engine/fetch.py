@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.describe import Checkpoint, Chunk, Location, TensorInfo
-from ..core.plan import Copy, FileJob
+from ..core.plan import Copy, FileJob, copies_of
 from ..errors import BadInput
 from ..storage import remote
 from .reader import Reader
@@ -92,7 +92,7 @@ class Planner:
 
     def _copies(self, job: FileJob) -> Iterable[tuple[TensorInfo, Chunk, Copy | None]]:
         for p in job.pieces:
-            for c in p.copies:
+            for c in copies_of(p):
                 yield p.target.source, c.chunk, c
             if p.add is not None:
                 for t in (p.add.a, p.add.b):

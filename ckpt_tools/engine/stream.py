@@ -74,7 +74,7 @@ def spans_of(reader: Reader, piece: Piece, *, casts: bool = False) -> Span | Cas
     itemsize = src_dtype.itemsize
     tail = piece.sizes[1:]
     row = math.prod(tail) * itemsize
-    copies = copies_of(piece)  # (once: a plan's Tiled copies are worked out when read)
+    copies = copies_of(piece)  # (once: a plan's TILED copies are worked out when read)
     if len(copies) > 2 or len(copies) == 2 and copies[1].dst_start < copies[0].dst_start:
         copies = sorted(copies, key=_dst_start)
     found: dict[int, tuple | None] = {}  # a row-permuted piece copies from each chunk many times

@@ -485,7 +485,7 @@ def with_crcs(parts: Sequence[tuple[Path, int, int]], crc_of: Callable[[Path, in
     CRC is combined, not recomputed from the bytes) when every part is one; else ``parts``.
     ``copies``: the plan's copies the parts are of; a part is no whole record where its copy is
     not a whole chunk (most parts of a reshard to other ranks: a few rows of a chunk), so then
-    nothing is looked up. A plan's ``Tiled`` copies (worked out when read) are not looked at:
+    nothing is looked up. A plan's ``TILED`` copies (worked out when read) are not looked at:
     each part's lookup answers as well."""
     if type(copies) is tuple and any(c.sizes != c.chunk.sizes for c in copies):
         return parts
