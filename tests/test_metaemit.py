@@ -169,3 +169,28 @@ def test_records_are_rendered_not_saved_one_object_at_a_time(monkeypatch):
     # of 4,000 chunks, 4,000 index entries (in 8 files), 500 tensors and 500 paths
     assert saved["chunk"] <= 1 + frames and saved["entry"] <= 1 + 8 + frames, saved
     assert saved["tensor"] <= 1 + frames and saved["path"] <= 1 + frames, saved
+
+
+def test_the_storage_index_reads_as_its_rows_and_holds_columns():
+    """Entries holds columns and reads, every way the emitter and the pickler's stand-ins read
+    it (iterated, indexed from either end, sliced in batches), as the rows it was given, each
+    an Anew where given as one; a row's ints are not held as objects. The chunks of one value
+    share one pair."""
+    rows = [("w", (i, 0), "__0_0.distcp", 2 ** 40 + i, 4096 + i) for i in range(2500)] + [("obj", None, "f", 7, 9)]
+    rows = [metaemit.Anew(r) if i % 3 else r for i, r in enumerate(rows)]
+    e = metaemit.Entries(rows)
+    assert len(e) == len(rows) and list(e) == rows
+    assert [type(r) for r in e] == [type(r) for r in rows]
+    assert e[0] == rows[0] and e[-1] == rows[-1] and type(e[1]) is metaemit.Anew and e[-2501] == rows[0]
+    with pytest.raises(IndexError):
+        e[len(rows)]
+    assert e[999:2001] == rows[999:2001]
+    assert [len(b) for b in metaemit._batches(e, closed=True)] == [len(b) for b in mp.batches(rows, closed=True)]
+    assert [len(b) for b in metaemit._batches(e[:2000], closed=True)] == [1000, 1000, 0]
+    assert not any(type(x) is int for x in e._refs)  # (the numbers in an array)
+
+    files = [(f"__{r}_0.distcp", [("tensor", (("model", f"m{k}"), "float32", (8, 2), (r, 0), (1, 2)), 64 * k, 8)
+                                  for k in range(40)]) for r in range(8)]
+    meta, _ = metadata_of(files)
+    pairs = [c for md in meta.state_dict_metadata.values() for c in md.chunks]
+    assert len(pairs) == 320 and len({id(c) for c in pairs}) == 8  # (one a rank: every tensor's chunk there alike)

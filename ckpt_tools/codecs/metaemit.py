@@ -23,9 +23,11 @@ Tested byte for byte against :func:`.metapickle.dumps` (itself tested against to
 
 from __future__ import annotations
 
+import operator
 import struct
 import sys
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from . import metapickle as mp
@@ -58,11 +60,55 @@ class Chunks(list):
     ``ChunkStorageMetadata(offsets=Size(offsets), sizes=Size(sizes))`` it stands for."""
 
 
-class Entries(list):
+class Entries:
     """The storage index as ``(fqn, offsets or None, file, offset, length)`` per item, in order:
     pickled as the dict ``{MetadataIndex(fqn, Size(offsets)): _StorageInfo(file, offset,
     length)}`` it stands for. ``fqn`` and ``file`` are the string objects the writer built
-    (pickle memoizes by identity: which of them are one object decides the bytes)."""
+    (pickle memoizes by identity: which of them are one object decides the bytes).
+
+    Read (iterated, indexed, sliced) as that list of rows, each an :class:`Anew` where added
+    so; held as columns, the rows made as they are read: three references, two 8-byte numbers
+    and a flag an item, ~41 bytes, where a row and its two ints were ~144 (a 1,024 -> 768
+    reshard's index is 223k items, made at once when its ``.metadata`` is written)."""
+
+    __slots__ = ("_refs", "_spans", "_anew")
+
+    def __init__(self, rows: Iterable[tuple] = ()) -> None:
+        self._refs: list = []  # fqn, offsets, file each
+        self._spans = array("q")  # offset, length each
+        self._anew = bytearray()
+        for row in rows:
+            self.append(row)
+
+    def add(self, fqn: str, offsets: tuple | None, file: str, start: int, length: int, fresh: bool = False) -> None:
+        """The row ``(fqn, offsets, file, start, length)``, an :class:`Anew` one if ``fresh``."""
+        self._refs += (fqn, offsets, file)
+        self._spans.extend((start, length))
+        self._anew.append(fresh)
+
+    def append(self, row: tuple) -> None:
+        fqn, offsets, file, start, length = row
+        self.add(fqn, offsets, file, start, length, type(row) is Anew)
+
+    def __len__(self) -> int:
+        return len(self._anew)
+
+    def _row(self, i: int) -> tuple:
+        refs, spans = self._refs, self._spans
+        row = (refs[3 * i], refs[3 * i + 1], refs[3 * i + 2], spans[2 * i], spans[2 * i + 1])
+        return Anew(row) if self._anew[i] else row
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._row(k) for k in range(*i.indices(len(self)))]
+        i = operator.index(i)
+        if not -len(self) <= i < len(self):
+            raise IndexError("Entries index out of range")
+        return self._row(i % len(self))
+
+    def __iter__(self) -> Iterator[tuple]:
+        for i in range(len(self)):
+            yield self._row(i)
 
 
 class Anew(tuple):
@@ -282,7 +328,7 @@ class _Emitter:
         if len(items) == 1:
             one(items[0])
             self.write(b"a")
-        for batch in mp.batches(items, closed=False):
+        for batch in _batches(items, closed=False):
             self.write(b"(")
             for x in batch:
                 one(x)
@@ -293,7 +339,7 @@ class _Emitter:
         if len(items) == 1:
             one(items[0])
             self.write(b"s")
-        for batch in mp.batches(items, closed=True):
+        for batch in _batches(items, closed=True):
             self.write(b"(")
             for x in batch:
                 one(x)
@@ -438,6 +484,18 @@ class _Emitter:
         whether it is new; None for one of 256 bytes or more (BINUNICODE: left to :meth:`save`)."""
         i = self.memo.get(id(s))
         return (self.get(i), 0) if i is not None else self._new_name(s)
+
+
+def _batches(items: Any, *, closed: bool) -> Iterator[list]:
+    """:func:`.metapickle.batches`, a batch at a time (an :class:`Entries`' rows are made as
+    they are read: never all at once)."""
+    n = len(items)
+    if n <= 1:
+        return
+    for at in range(0, n, mp.BATCH):
+        yield items[at:at + mp.BATCH]
+    if closed and n % mp.BATCH == 0:
+        yield []
 
 
 def _size_ops(dims: tuple) -> tuple[bytes, int]:

@@ -447,17 +447,21 @@ def metadata_of(files: list, *, top_level_model: bool = False, consume: bool = F
     # per item: an Anew row says so, the string not built and held per item (at 256 ranks,
     # 3.6 MB of names and 3.6 MB of the emitter's memo of them, each met once)
     seen: dict[tuple, tuple[str, Any, bool]] = {}
+    # a chunk's (offsets, sizes): one pair per distinct value (a many-rank plan's are a few,
+    # met 10^5 times; the pickle is the same whichever object holds them)
+    pairs: dict[tuple, tuple] = {}
     for rel, records in files:
         file = rel.rpartition("/")[2]
         for kind, what, start, length in records:
             if kind == "tensor":
                 key, dtype, shape, offsets, sizes = what
                 got = seen.get(key)
+                pair = (offsets, sizes)
+                pair = pairs.setdefault(pair, pair)
                 if got is not None:
                     fqn, md, one = got
-                    md.chunks.append((offsets, sizes))
-                    row = (fqn, offsets, file, start, length)
-                    storage.append(row if one else metaemit.Anew(row))
+                    md.chunks.append(pair)
+                    storage.add(fqn, offsets, file, start, length, not one)
                     continue
                 path_ = key[1:] if top_level_model and key[0] == "model" else key
                 path_ = canonical(path_, canon)
@@ -468,8 +472,8 @@ def metadata_of(files: list, *, top_level_model: bool = False, consume: bool = F
                         properties=mp.TensorProperties(dtype=mp.dtype(dtype)), size=mp.Size(shape),
                         chunks=metaemit.Chunks())
                     seen[key] = (fqn, md, len(path_) == 1 and fqn is path_[0])
-                md.chunks.append((offsets, sizes))
-                storage.append((fqn, offsets, file, start, length))
+                md.chunks.append(pair)
+                storage.add(fqn, offsets, file, start, length)
             else:
                 if kind == "object":
                     path_ = canonical(what, canon)
@@ -477,7 +481,7 @@ def metadata_of(files: list, *, top_level_model: bool = False, consume: bool = F
                 else:
                     fqn, path_ = what[0], canonical(what[1], canon)
                 state[fqn] = mp.BytesStorageMetadata()
-                storage.append((fqn, None, file, start, length))
+                storage.add(fqn, None, file, start, length)
             planner[fqn] = path_
         if consume:
             records.clear()
