@@ -528,7 +528,8 @@ def test_the_memo_keeps_codes_and_each_distinct_part_once(monkeypatch):
     """A many-record ``.metadata``'s memo (as a 64-rank save gathers it: every record's
     ``torch.Size`` its own object): four bytes an entry, the records and their unbuilt parts
     one code (UNREAD), each distinct Size value and name one object however many records
-    hold it, two bytes an entry; and the tree read is the careful reader's."""
+    hold it, two bytes an entry; and the tree read is the careful reader's, each distinct
+    chunk in it one row."""
     ranks = 64
     data = _many_rank_metadata(ranks=ranks, tensors=8)
 
@@ -542,8 +543,13 @@ def test_the_memo_keeps_codes_and_each_distinct_part_once(monkeypatch):
             seen.append(self)
 
     monkeypatch.setattr(fastpickle, "Memo", Spy)
-    assert _same(_fast(data), _careful(data))
+    fast = _fast(data)
+    assert _same(fast, _careful(data))
     memo, = seen
+    # each distinct chunk one row, its tensors' chunks alike (but the first, read as a record,
+    # and one across a frame's end)
+    rows = [c for md in fast.state_dict_metadata.values() for c in md.chunks]
+    assert len(rows) == 8 * ranks and ranks <= len({id(c) for c in rows}) <= ranks + 1 + len(data) // (64 << 10) + 1
     assert memo.codes.itemsize == 2  # (it names fewer than 65,536 objects)
     assert len(memo.codes) > 12 * 8 * ranks  # (every MEMOIZE of the pickle has its entry)
     assert memo.objs[0] is fastpickle.UNREAD and memo.codes.count(0) > len(memo.codes) // 2
