@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from array import array
 from pathlib import Path
 
 import pytest
@@ -305,6 +306,31 @@ def test_reader_reads_small_ranges_through_windows_as_pread_does(tmp_path, monke
                 assert r._pread(f, at, 50) == data[f][at:at + 50]
 
 
+@pytest.mark.parametrize("broken", [None, 0, 1, 5, 11])
+def test_chunk_columns_hold_a_repeated_key_and_ranks_in_order_compactly_until_they_differ(broken):
+    """A table's key column is one key while every chunk's is that object, its rank column a
+    range while chunk i is rank i's; a chunk that breaks either (at any place) turns it into a
+    list or array from there, and the table reads as the chunks added, every way."""
+    from ckpt_tools.core import describe as core
+
+    key, other = ("w",), ("v",)
+    chunks = [core.Chunk.at((2 * i, 0), (2, 4), f"f{i % 3}", "raw", 64 * i, 32,
+                            other if i == broken else key, 7 if i == broken else i) for i in range(12)]
+    cols = core.ChunkColumns([], {})
+    for c in chunks:
+        cols.append(c)
+    table = cols.chunks()
+    assert type(table) is core.ChunkTable and tuple(table) == tuple(chunks)
+    assert [table[i] for i in range(-12, 12)] == chunks + chunks and table[3:9] == tuple(chunks[3:9])
+    assert list(core.holders(table)) == [(c.rank, c.sizes) for c in chunks]
+    assert (type(table.keys), type(table.ranks)) == ((core.Repeated, range) if broken is None else (list, array))
+    assert list(table.keys) == [c.key for c in chunks] and list(table.ranks) == [c.rank for c in chunks]
+    rep = core.Repeated(key, 3)
+    assert list(rep) == [key] * 3 and rep[-3] is key and rep[1:] == [key, key] and rep == [key] * 3
+    with pytest.raises(IndexError):
+        rep[3]
+
+
 def test_many_rank_files_are_described_as_columns_that_read_as_their_chunks(tmp_path, monkeypatch):
     """Rank files' tensors of many chunks (a chunk per rank, model and optimizer) are kept as
     ChunkTables with their keys and ranks: read in every way (index, slice, iteration, columns,
@@ -325,6 +351,8 @@ def test_many_rank_files_are_described_as_columns_that_read_as_their_chunks(tmp_
     many = [t for t in tables.tensors if len(t.chunks) >= 8]
     assert {t.group for t in many} == {"model", "optimizer"}
     assert all(type(t.chunks) is core.ChunkTable and list(t.chunks.ranks) == list(range(16)) for t in many)
+    # (a tensor's one storage key and its ranks in order: held as one key and a range)
+    assert all(type(t.chunks.keys) is core.Repeated and type(t.chunks.ranks) is range for t in many)
     assert all(type(t.chunks) is tuple for t in chunked.tensors) and tables.tensors == chunked.tensors
     for t, twin in zip(tables.tensors, chunked.tensors):
         got, want = t.chunks, twin.chunks

@@ -186,6 +186,42 @@ class ChunkTable:
         return _chunks, (list(self),)
 
 
+class Repeated(Sequence):
+    """``value`` ``n`` times, read as a list of it: a :class:`ChunkTable` column whose every
+    chunk holds the one object (a rank file's tensor: one storage key on every rank), where a
+    list was 8 bytes a chunk (2.4 MB of a 1,024-rank description)."""
+
+    __slots__ = ("value", "n")
+
+    def __init__(self, value: Any, n: int) -> None:
+        self.value, self.n = value, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.value] * len(range(*i.indices(self.n)))
+        i = operator.index(i)
+        if not -self.n <= i < self.n:
+            raise IndexError("Repeated index out of range")
+        return self.value
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.repeat(self.value, self.n)
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented
+
+    __hash__ = None
+
+
+def _in_order(order: array) -> array | range:
+    """``order`` as ``range(n)`` where it is ``0 .. n-1`` (chunks met in row order already: a
+    rank file's); either reads alike."""
+    return range(len(order)) if all(x == i for i, x in enumerate(order)) else order
+
+
 class ChunkColumns:
     """A tensor's chunks gathered as a :class:`ChunkTable`'s columns while rank files are read,
     rank by rank: :meth:`add` a chunk's fields (or :meth:`append` a Chunk), no Chunk kept.
@@ -198,8 +234,11 @@ class ChunkColumns:
     def __init__(self, files: list[str], ids: dict[str, int]) -> None:
         self.offsets: list[tuple[int, ...]] = []
         self.sizes: list[tuple[int, ...]] = []
-        self.keys: list[tuple[Any, ...]] = []
-        self.spans, self.ranks = array("q"), array("i")
+        # (a key column while every chunk's is one object, a rank column while chunk i is rank
+        # i's: a rank file's tensor, its 1,024 chunks 12 KB less)
+        self.keys: list[tuple[Any, ...]] | Repeated = Repeated(None, 0)
+        self.ranks: array | range = range(0)
+        self.spans = array("q")
         self.kind: str | None = None
         self.files, self.ids = files, ids
         self.odd: list[Chunk] | None = None  # (the chunks, once they are not all of one kind with a rank)
@@ -218,9 +257,20 @@ class ChunkColumns:
             self.files.append(file)
         self.offsets.append(offsets)
         self.sizes.append(sizes)
-        self.keys.append(key)
         self.spans.extend((i, offset, length))
-        self.ranks.append(rank)
+        keys, ranks = self.keys, self.ranks
+        if type(keys) is not Repeated:
+            keys.append(key)
+        elif key is keys.value or not keys.n:
+            keys.value, keys.n = key, keys.n + 1
+        else:
+            self.keys = [*keys, key]
+        if type(ranks) is not range:
+            ranks.append(rank)
+        elif rank == len(ranks):
+            self.ranks = range(rank + 1)
+        else:
+            self.ranks = array("i", [*ranks, rank])
 
     def _odd(self, offsets: tuple[int, ...], sizes: tuple[int, ...], file: str, kind: str, offset: int,
              length: int, key: tuple[Any, ...], rank: int | None) -> bool:
@@ -336,8 +386,9 @@ class TensorInfo:
                     if z[0] > most:
                         most = z[0]
             live.sort()
-            # (as arrays: 8 bytes an entry, kept for the command; lists of ints were ~50)
-            got = (array("q", [o for o, _ in live]), array("q", [i for _, i in live]), most)
+            # (as arrays: 8 bytes an entry, kept for the command, where lists of ints were ~50;
+            # the order as a range where the chunks are in row order already, a rank file's)
+            got = (array("q", [o for o, _ in live]), _in_order(array("q", [i for _, i in live])), most)
             object.__setattr__(self, "_rows_index", got)
         return got
 
