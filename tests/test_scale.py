@@ -325,6 +325,16 @@ def test_chunk_columns_hold_a_repeated_key_and_ranks_in_order_compactly_until_th
     assert list(core.holders(table)) == [(c.rank, c.sizes) for c in chunks]
     assert (type(table.keys), type(table.ranks)) == ((core.Repeated, range) if broken is None else (list, array))
     assert list(table.keys) == [c.key for c in chunks] and list(table.ranks) == [c.rank for c in chunks]
+    # offsets, sizes and lengths: codes into the palette a description's tables share
+    assert all(type(col) is core.Coded for col in (table.offsets, table.sizes, table.lengths))
+    assert table.offsets == [c.offsets for c in chunks] and table.offsets[-1] == chunks[-1].offsets
+    assert table.sizes[2:5] == [c.sizes for c in chunks[2:5]] and list(table.lengths) == [32] * 12
+    again = core.ChunkColumns([], {}, cols.columns.palette)
+    for c in reversed(chunks):
+        again.append(c)
+    assert tuple(again.chunks()) == tuple(reversed(chunks))
+    assert len(cols.columns.palette.values) == 12 + 1 + 1  # (each distinct offsets, the one size and length)
+    assert again.chunks()[0].offsets is table[-1].offsets  # (one object per value, every table)
     rep = core.Repeated(key, 3)
     assert list(rep) == [key] * 3 and rep[-3] is key and rep[1:] == [key, key] and rep == [key] * 3
     with pytest.raises(IndexError):
@@ -339,14 +349,14 @@ def test_many_rank_files_are_described_as_columns_that_read_as_their_chunks(tmp_
     import io
     import pickle
 
-    from ckpt_tools.core import describe as core
+    from ckpt_tools.core import chunks, describe as core
     from ckpt_tools.formats import describe
     from ckpt_tools.runtime import private
 
     make_verl(tmp_path / "src", 16, optim=True, shapes=SHAPES)
     tables = describe(tmp_path / "src")
     with monkeypatch.context() as m:
-        m.setattr(core, "TABLE_MIN", 1 << 30)
+        m.setattr(chunks, "TABLE_MIN", 1 << 30)
         chunked = describe(tmp_path / "src")
     many = [t for t in tables.tensors if len(t.chunks) >= 8]
     assert {t.group for t in many} == {"model", "optimizer"}
@@ -367,7 +377,7 @@ def test_many_rank_files_are_described_as_columns_that_read_as_their_chunks(tmp_
 
     _run("reshard", str(tmp_path / "src"), str(tmp_path / "a"), "--to", "12")
     with monkeypatch.context() as m:
-        m.setattr(core, "TABLE_MIN", 1 << 30)
+        m.setattr(chunks, "TABLE_MIN", 1 << 30)
         _run("reshard", str(tmp_path / "src"), str(tmp_path / "b"), "--to", "12")
     names = sorted(p.name for p in (tmp_path / "a").iterdir())
     assert names == sorted(p.name for p in (tmp_path / "b").iterdir()) and len(names) > 12

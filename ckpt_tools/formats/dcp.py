@@ -12,7 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.describe import TABLE_MIN, Checkpoint, ChunkTable, FileEntry, Location, ObjectInfo, TensorInfo, extents
+from ..core.describe import (TABLE_MIN, Checkpoint, ChunkTable, FileEntry, Location, ObjectInfo, Palette, TableColumns,
+                             TensorInfo, extents)
 from ..core.groups import Roots, find_roots
 from ..core.dtypes import as_torch
 from ..core.state import gather, param_groups_keyed
@@ -131,13 +132,15 @@ def _describe_one(path: Path, prefix: str):
             name = joined_files[f] = prefix + rel
         return name
 
-    table_files: list[str] = []  # the files of this part's chunk tables, by index (one list for all)
+    # this part's chunk tables' file names (one list for all) and values (Palette)
+    table_files: list[str] = []
     table_ids: dict[str, int] = {}
+    palette = Palette()
     via = [-1] * len(stored.files)  # a joined entry's file id -> its index in table_files
 
     def table_of(fqn: str, rows: list, table: Any, n: int, rank: int, what: str) -> ChunkTable:
         # a tensor's chunks as columns: what the tuple of them holds, the same entries checked
-        offsets, sizes, spans = [], [], array("q")
+        columns = TableColumns(table_files, table_ids, palette)
         for at, c in zip(range(0, 3 * len(rows), 3), rows):
             if type(c) is ChunkRow and len(c[0]) == rank:  # (non-negative ints of one length already)
                 o, z = c
@@ -145,26 +148,15 @@ def _describe_one(path: Path, prefix: str):
                     f = table[at]
                     i = via[f]
                     if i < 0:
-                        i = via[f] = table_index(name_of(fqn, f))
-                    spans.extend((i, table[at + 1], table[at + 2]))
-                    offsets.append(o)
-                    sizes.append(z)
+                        i = via[f] = columns.file_index(name_of(fqn, f))
+                    columns.put(o, z, i, table[at + 1], table[at + 2])
                     continue
             else:
                 o = safefs.check_dims(c.offsets, what=f"{what} chunk offsets", rank=rank)
                 z = safefs.check_dims(c.sizes, what=f"{what} chunk sizes", rank=rank)
             loc = location(fqn, o)
-            spans.extend((table_index(loc.file), loc.offset, loc.length))
-            offsets.append(o)
-            sizes.append(z)
-        return ChunkTable(offsets, sizes, spans, table_files, "torch_item")
-
-    def table_index(name: str) -> int:
-        i = table_ids.get(name)
-        if i is None:
-            i = table_ids[name] = len(table_files)
-            table_files.append(name)
-        return i
+            columns.add(o, z, loc.file, loc.offset, loc.length)
+        return columns.table("torch_item")
 
     def location(fqn: str, offset: tuple[int, ...] | None = None, kind: str = "torch_item") -> Location:
         # (``offset``: a chunk's, checked to be a tuple of ints: the index's key as it stands)

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..codecs.torchpickler import dumps
-from ..core.describe import Checkpoint, Chunk, ChunkColumns, FileEntry, Location, ObjectInfo, TensorInfo, chunk_rows
+from ..core.describe import (Checkpoint, Chunk, ChunkColumns, FileEntry, Location, ObjectInfo, Palette, TensorInfo,
+                             chunk_rows)
 from ..core.dtypes import DType
 from ..core.plan import Span, by_piece, Piece
 from ..core.state import gather, param_groups_keyed
@@ -126,7 +127,8 @@ def _describe_trees(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
     template is not learned, rank 1's file is parsed too, and files that differ from one parsed
     only in their rank (:class:`~.shardtree.RankTemplate`) repeat it (:class:`~.rankread.Kind`)."""
     pieces: dict[tuple[str, str], dict[str, Any]] = {}
-    add = functools.partial(_add, chunk_files=([], {}))  # (the files of the tensors' chunk columns, shared)
+    # (the files and values of the tensors' chunk columns, shared)
+    add = functools.partial(_add, chunk_files=([], {}, Palette()))
     objects: list[ObjectInfo] = []
     param_order: tuple[str, ...] = ()
     details: dict[str, Any] = {"fsdp": None}
@@ -254,7 +256,8 @@ def _describe_torch(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
     from ..security.safeload import load_torch
 
     pieces: dict[tuple[str, str], dict[str, Any]] = {}
-    add = functools.partial(_add, chunk_files=([], {}))  # (the files of the tensors' chunk columns, shared)
+    # (the files and values of the tensors' chunk columns, shared)
+    add = functools.partial(_add, chunk_files=([], {}, Palette()))
     objects: list[ObjectInfo] = []
     entries = _entries(path)
     mesh_shape: tuple[int, ...] | None = None
@@ -305,8 +308,8 @@ def _describe_torch(path: Path, ws: int, found: dict[str, dict[int, str]]) -> Ch
 def _add(pieces: dict, key: tuple[str, str], shape: tuple[int, ...], dtype: DType, chunk: Chunk | None,
          file: Path, param: str | None = None, state: str | None = None, *, table: list | None = None,
          d: shardtree.DTensorNode | None = None, local: shardtree.Local | None = None,
-         chunk_files: tuple[list[str], dict[str, int]]) -> None:
-    """``chunk`` added to tensor ``key``'s columns (``chunk_files``: their files; ``table``: noted
+         chunk_files: tuple[list[str], dict[str, int], Palette]) -> None:
+    """``chunk`` added to tensor ``key``'s columns (``chunk_files``: their files and values; ``table``: noted
     there, with its DTensor ``d`` and local tensor, for :func:`.rankread.repeat` to place on another rank)."""
     dtype = DType.of(dtype)
     entry = pieces.get(key)

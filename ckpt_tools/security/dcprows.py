@@ -33,10 +33,9 @@ from operator import itemgetter
 from typing import Any
 
 from . import bounded
-from .fastpickle import Decline, Memo, Widened, _Unread
+from .fastpickle import Decline, Memo, Widened, _Unread, pickled_int, pickled_ints
 
 _U4 = struct.Struct("<I").unpack_from
-_I4 = struct.Struct("<i").unpack_from
 
 # The records as torch pickles them, opcode by opcode. Every record: EMPTY_TUPLE NEWOBJ MEMOIZE
 # (after its class), its state: EMPTY_DICT MEMOIZE MARK, key value ..., SETITEMS BUILD. Keys
@@ -419,7 +418,7 @@ class Rows:
                 if pos == start:
                     raise
                 break
-            if not join(got[0], offsets, path, _int(offset), self._length(length)):
+            if not join(got[0], offsets, path, pickled_int(offset), self._length(length)):
                 break
             # index: row, UNREAD, its name, offsets, UNREAD, offsets; storage: row, UNREAD
             codes.frombytes(unbuilt2)
@@ -472,7 +471,7 @@ class Rows:
             path = self._refs.get(ref)
             if type(path) is str and (k0, k1, k2) == self._storage_keys:
                 memo.codes.frombytes(self._unbuilt2)  # (row, UNREAD)
-                return StorageRow((path, _int(offset), self._length(length))), m.end()
+                return StorageRow((path, pickled_int(offset), self._length(length))), m.end()
         path, new, p, key = self._head("relative_path", buf, pos, fend, memo)
         m = None if p < 0 else _STORAGE(buf, p, fend)
         if m is None:
@@ -484,7 +483,7 @@ class Rows:
         self._storage_keys = (key, k1, k2)  # (where its fields' names are: the next one's, too)
         memo.codes.frombytes(self._unbuilt2)
         memo.codes.frombytes(new)
-        return StorageRow((path, _int(offset), self._length(length))), m.end()
+        return StorageRow((path, pickled_int(offset), self._length(length))), m.end()
 
     def _bind(self, memo: Memo) -> None:
         # a new memo, or this one's codes widened: its names keep their strings (each one object,
@@ -512,7 +511,7 @@ class Rows:
         theirs: the description keeps one per chunk)."""
         n = self._lengths.get(pickled)
         if n is None:
-            n = self._lengths[pickled] = _int(pickled)
+            n = self._lengths[pickled] = pickled_int(pickled)
         return n
 
     def _head(self, field: str, buf: bytes, pos: int, fend: int, memo: Memo) -> tuple[Any, bytes, int, bytes]:
@@ -574,34 +573,10 @@ class Rows:
         return None, ()
 
 
-def _int(b: bytes) -> int:
-    """An int as pickled: BININT1, BININT2, BININT or LONG1 (its opcode first)."""
-    op = b[0]
-    if op == 0x4b:
-        return b[1]
-    if op == 0x4d:
-        return b[1] | b[2] << 8
-    if op == 0x4a:
-        return _I4(b, 1)[0]
-    return int.from_bytes(b[2:], "little", signed=True)
-
-
 def _ints_of(known: dict[bytes, tuple[int, ...]], b: bytes) -> tuple[int, ...] | None:
-    """:func:`_ints` of ``b``, kept in ``known`` (a Size's ints recur: each tensor's sizes, each rank's offsets)."""
-    t = _ints(b)
+    """:func:`~.fastpickle.pickled_ints` of ``b``, kept in ``known`` (a Size's ints recur: each
+    tensor's sizes, each rank's offsets)."""
+    t = pickled_ints(b)
     if t is not None:
         known[b] = t
     return t
-
-
-def _ints(b: bytes) -> tuple[int, ...] | None:
-    """The non-negative ints of a run of BININT1, BININT2 and BININT opcodes; None if one is negative."""
-    out, i = [], 0
-    while i < len(b):
-        n = 2 if b[i] == 0x4b else 3 if b[i] == 0x4d else 5
-        v = _int(b[i:i + n])
-        if v < 0:
-            return None
-        out.append(v)
-        i += n
-    return tuple(out)

@@ -492,3 +492,28 @@ def _put(memo: list[Any] | Memo, i: int, x: Any, records: dict | None = None) ->
         memo.append(x)
     else:
         raise Decline("BINPUT past the memo's end")
+
+
+def pickled_int(b: bytes) -> int:
+    """An int as pickled: BININT1, BININT2, BININT or LONG1 (its opcode first)."""
+    op = b[0]
+    if op == 0x4b:
+        return b[1]
+    if op == 0x4d:
+        return b[1] | b[2] << 8
+    if op == 0x4a:
+        return _I4(b, 1)[0]
+    return int.from_bytes(b[2:], "little", signed=True)
+
+
+def pickled_ints(b: bytes) -> tuple[int, ...] | None:
+    """The non-negative ints of a run of BININT1, BININT2 and BININT opcodes; None if one is negative."""
+    out, i = [], 0
+    while i < len(b):
+        n = 2 if b[i] == 0x4b else 3 if b[i] == 0x4d else 5
+        v = pickled_int(b[i:i + n])
+        if v < 0:
+            return None
+        out.append(v)
+        i += n
+    return tuple(out)

@@ -152,7 +152,7 @@ def _blob_records(blob: bytes | memoryview, regions: list[tuple[int, int]]) -> d
     return records if at == cd_end and len(records) == count else None
 
 
-# not frozen, for a cheaper __init__: built per (tensor, rank) (see core.describe.Location)
+# not frozen, for a cheaper __init__: built per (tensor, rank) (see core.chunks.Location)
 @dataclass(slots=True, unsafe_hash=True)
 class Record:
     """A zip entry: ``name`` relative to the prefix; ``offset``: where its stored bytes start."""
