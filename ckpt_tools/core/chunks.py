@@ -195,9 +195,16 @@ class ChunkTable:
             if isinstance(i, slice):
                 return tuple([self[k] for k in range(*i.indices(len(self.offsets)))])
             i = operator.index(i)
-        offsets = self.offsets[i]  # (an IndexError past the end, as a tuple's; a negative i as a tuple's)
-        return Chunk.at(offsets, self.sizes[i], self.files[self.where[i]], self.kind, self.starts[i], self.lengths[i],
-                        () if self.keys is None else self.keys[i], None if self.ranks is None else self.ranks[i])
+        o, z, n = self.offsets, self.sizes, self.lengths
+        # (an IndexError past the end, as a tuple's; a negative i as a tuple's)
+        if type(o) is Coded and type(z) is Coded and type(n) is Coded:  # (the usual: read here, a plan reads many)
+            offsets, sizes, length = o.values[o.codes[i]], z.values[z.codes[i]], n.values[n.codes[i]]
+        else:
+            offsets, sizes, length = o[i], z[i], n[i]
+        keys = self.keys  # (i is in range: its codes were read)
+        key = () if keys is None else keys.value if type(keys) is Repeated else keys[i]
+        return Chunk.at(offsets, sizes, self.files[self.where[i]], self.kind, self.starts[i], length, key,
+                        None if self.ranks is None else self.ranks[i])
 
     def __iter__(self) -> Iterator[Chunk]:
         at, kind, n = Chunk.at, self.kind, len(self.offsets)

@@ -95,7 +95,7 @@ class TensorInfo:
         got = self.__dict__.get("_row_tiles")
         if got is None:
             starts, order, _ = self.rows_index()
-            offsets, sizes = columns(self.chunks)
+            offsets, sizes = map(list, columns(self.chunks))  # (indexed below: a table's codes read once)
             rest, end, got = self.shape[1:], 0, bool(self.shape)
             for start, i in zip(starts, order):
                 z = sizes[i]
