@@ -73,7 +73,7 @@ class Target:
         return self.numel * dtype_size(self.dtype)
 
 
-# not frozen, for a cheaper __init__: built per (tensor, rank) (see core.describe.Location)
+# not frozen, for a cheaper __init__: built per (tensor, rank) (see core.chunks.Location)
 @dataclass(slots=True, unsafe_hash=True)
 class Copy:
     """Copy ``sizes`` elements from ``chunk`` (starting at ``src_start`` within it) to
@@ -99,7 +99,7 @@ class LowRank:
 _NBYTES: dict[int, int] = {}  # Piece.nbytes's ints, each value once
 
 
-# not frozen, for a cheaper __init__: built per (tensor, rank) (see core.describe.Location);
+# not frozen, for a cheaper __init__: built per (tensor, rank) (see core.chunks.Location);
 # slots: a many-rank plan holds hundreds of thousands (a __dict__ each was ~100 bytes more)
 @dataclass(slots=True, eq=False)
 class Piece:
