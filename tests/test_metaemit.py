@@ -185,8 +185,8 @@ def test_the_storage_index_reads_as_its_rows_and_holds_columns():
     with pytest.raises(IndexError):
         e[len(rows)]
     assert e[999:2001] == rows[999:2001]
-    assert [len(b) for b in metaemit._batches(e, closed=True)] == [len(b) for b in mp.batches(rows, closed=True)]
-    assert [len(b) for b in metaemit._batches(e[:2000], closed=True)] == [1000, 1000, 0]
+    assert [len(b) for b in mp.batches(e, closed=True)] == [len(b) for b in mp.batches(rows, closed=True)]
+    assert [len(b) for b in mp.batches(e[:2000], closed=True)] == [1000, 1000, 0]
     assert not any(type(x) is int for x in e._refs)  # (the numbers in an array)
 
     files = [(f"__{r}_0.distcp", [("tensor", (("model", f"m{k}"), "float32", (8, 2), (r, 0), (1, 2)), 64 * k, 8)

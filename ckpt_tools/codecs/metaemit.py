@@ -328,7 +328,7 @@ class _Emitter:
         if len(items) == 1:
             one(items[0])
             self.write(b"a")
-        for batch in _batches(items, closed=False):
+        for batch in mp.batches(items, closed=False):
             self.write(b"(")
             for x in batch:
                 one(x)
@@ -339,7 +339,7 @@ class _Emitter:
         if len(items) == 1:
             one(items[0])
             self.write(b"s")
-        for batch in _batches(items, closed=True):
+        for batch in mp.batches(items, closed=True):
             self.write(b"(")
             for x in batch:
                 one(x)
@@ -484,18 +484,6 @@ class _Emitter:
         whether it is new; None for one of 256 bytes or more (BINUNICODE: left to :meth:`save`)."""
         i = self.memo.get(id(s))
         return (self.get(i), 0) if i is not None else self._new_name(s)
-
-
-def _batches(items: Any, *, closed: bool) -> Iterator[list]:
-    """:func:`.metapickle.batches`, a batch at a time (an :class:`Entries`' rows are made as
-    they are read: never all at once)."""
-    n = len(items)
-    if n <= 1:
-        return
-    for at in range(0, n, mp.BATCH):
-        yield items[at:at + mp.BATCH]
-    if closed and n % mp.BATCH == 0:
-        yield []
 
 
 def _size_ops(dims: tuple) -> tuple[bytes, int]:

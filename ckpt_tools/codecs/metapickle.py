@@ -27,6 +27,7 @@ import io
 import pickle
 import sys
 import types
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 # one object per module, as each torch module's classes share their module's ``__name__``;
@@ -250,15 +251,19 @@ class _Pickler(pickle._Pickler):
 BATCH = 1000  # pickle's _BATCHSIZE
 
 
-def batches(items: list, *, closed: bool) -> list[list]:
+def batches(items: Sequence, *, closed: bool) -> Iterator[list]:
     """The runs of MARK ... APPENDS (a list's) or MARK ... SETITEMS (a dict's, ``closed``) the C
     pickler writes an exact list's or dict's items in: 1,000 a run, a dict's full last run
     followed by an empty one; none for a lone item (APPEND / SETITEM) or none. pickle.py differs
-    at those edges (a lone last item by APPEND / SETITEM, no empty run)."""
-    if len(items) <= 1:
-        return []
-    runs = [items[at:at + BATCH] for at in range(0, len(items), BATCH)]
-    return runs + [[]] if closed and len(items) % BATCH == 0 else runs
+    at those edges (a lone last item by APPEND / SETITEM, no empty run). A run at a time (the
+    emitter's storage index makes its rows as they are read: never all at once)."""
+    n = len(items)
+    if n <= 1:
+        return
+    for at in range(0, n, BATCH):
+        yield items[at:at + BATCH]
+    if closed and n % BATCH == 0:
+        yield []
 
 
 def dumps(meta: Metadata, protocol: int | None = None) -> bytes:

@@ -117,9 +117,9 @@ class Palette:
 
     __slots__ = ("values", "codes")
 
-    def __init__(self) -> None:
-        self.values: list[Any] = []
-        self.codes: dict[Any, int] = {}  # value -> its index in values
+    def __init__(self, values: list[Any] | None = None, codes: dict[Any, int] | None = None) -> None:
+        self.values: list[Any] = values if values is not None else []
+        self.codes: dict[Any, int] = codes if codes is not None else {}  # value -> its index in values
 
     def code(self, value: Any) -> int:
         """``value``'s code (an int, or a tuple of ints)."""
@@ -231,26 +231,18 @@ class ChunkTable:
 
 class TableColumns:
     """The columns of a :class:`ChunkTable` being gathered, a chunk at a time (:meth:`add`):
-    ``files`` and ``ids`` (file names and their indices) and the :class:`Palette` shared by a
-    description's tables."""
+    ``files`` and ``ids`` (file names and their indices, ``names``: the palette of them) and the
+    :class:`Palette` of values shared by a description's tables."""
 
-    __slots__ = ("offsets", "sizes", "where", "starts", "lengths", "files", "ids", "palette")
+    __slots__ = ("offsets", "sizes", "where", "starts", "lengths", "names", "palette")
 
     def __init__(self, files: list[str], ids: dict[str, int], palette: Palette) -> None:
         self.offsets, self.sizes, self.lengths = palette.column(), palette.column(), palette.column()
         self.where, self.starts = array("I"), array("q")
-        self.files, self.ids, self.palette = files, ids, palette
+        self.names, self.palette = Palette(files, ids), palette
 
     def add(self, offsets: tuple[int, ...], sizes: tuple[int, ...], file: str, start: int, length: int) -> None:
-        self.put(offsets, sizes, self.file_index(file), start, length)
-
-    def file_index(self, file: str) -> int:
-        """``file``'s index in ``files`` (added, the first time)."""
-        i = self.ids.get(file)
-        if i is None:
-            i = self.ids[file] = len(self.files)
-            self.files.append(file)
-        return i
+        self.put(offsets, sizes, self.names.code(file), start, length)
 
     def put(self, offsets: tuple[int, ...], sizes: tuple[int, ...], i: int, start: int, length: int) -> None:
         """:meth:`add`, its file by its index."""
@@ -266,7 +258,8 @@ class TableColumns:
         self.starts.append(start)
 
     def table(self, kind: str, keys: Sequence | None = None, ranks: Sequence | None = None) -> ChunkTable:
-        return ChunkTable(self.offsets, self.sizes, self.where, self.starts, self.lengths, self.files, kind, keys, ranks)
+        return ChunkTable(self.offsets, self.sizes, self.where, self.starts, self.lengths, self.names.values, kind, keys,
+                          ranks)
 
 
 class Repeated(Sequence):

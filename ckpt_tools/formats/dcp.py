@@ -148,7 +148,7 @@ def _describe_one(path: Path, prefix: str):
                     f = table[at]
                     i = via[f]
                     if i < 0:
-                        i = via[f] = columns.file_index(name_of(fqn, f))
+                        i = via[f] = columns.names.code(name_of(fqn, f))
                     columns.put(o, z, i, table[at + 1], table[at + 2])
                     continue
             else:
