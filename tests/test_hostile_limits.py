@@ -611,3 +611,54 @@ def test_check_tree_knows_leaf_types_by_type_and_never_a_container():
     finally:
         del bounded._NODES[Box]
         bounded._OPAQUE.clear()
+
+
+def test_check_tree_notes_only_what_is_held_twice():
+    """check_tree notes the size of a container held by two holders or more, never of one held
+    once (most of a torch pickle's): a bomb shared through any kind of container or node is
+    refused at once, whatever its children are (the container itself, a tuple made for the
+    walk, a view of the node's fields, a list the node keeps), and a tree of 200,000 nodes held
+    once is walked without a table of them."""
+    import tracemalloc
+    from collections import OrderedDict
+
+    from ckpt_tools.security import bounded
+    from ckpt_tools.security.torchfile import Global, NewObj, Reduce
+
+    class Fields:  # children a view of its fields, as dcpmeta's records
+        def __init__(self, *kids):
+            self.a, self.b = kids
+
+    class Kept:  # children a list it keeps
+        def __init__(self, *kids):
+            self.kids = list(kids)
+
+    bounded.register(Fields, lambda r: vars(r).values())
+    bounded.register(Kept, lambda r: r.kids)
+    g = Global("m", "f")
+    kinds = {"tuple": lambda a: (a, a), "list": lambda a: [a, a], "dict": lambda a: {"x": a, "y": a},
+             "OrderedDict": lambda a: OrderedDict(x=a, y=a), "Reduce": lambda a: Reduce(g, (a, a)),
+             "Reduce args": lambda a: Reduce(g, a) if type(a) is tuple else Reduce(g, (a,)),
+             "NewObj state": lambda a: NewObj(g, (a,), {"s": a}), "fields": lambda a: Fields(a, a),
+             "kept": lambda a: Kept(a, a), "one holder, then two": lambda a: ([a], [a])}
+    try:
+        for kind, make in kinds.items():
+            bomb: object = [[1, 2, 3]]
+            for _ in range(45):  # (2**45 paths; two levels each through a node and its args)
+                bomb = make(bomb)
+            if kind == "Reduce args":  # (held once at every level: a chain, not a bomb)
+                bounded.check_tree(bomb, where="t")
+                continue
+            with pytest.raises(bounded.HostileTree, match="stand for about 2\\^"):
+                bounded.check_tree(bomb, where=kind)
+        many = [Reduce(g, ([i, i + 1], {"k": (i, [i])})) for i in range(200_000)]
+        tracemalloc.start()
+        try:
+            bounded.check_tree(many, where="t")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 << 20  # (a table of its ~1,000,000 containers is ~60 MB)
+    finally:
+        del bounded._NODES[Fields], bounded._NODES[Kept]
+        bounded._OPAQUE.clear()

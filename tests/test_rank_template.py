@@ -182,6 +182,32 @@ def test_only_mesh_rank():
     assert not shardtree.only_mesh_rank({"a": 1}, S)  # no mesh
 
 
+def test_only_mesh_rank_walks_a_node_held_twice_once():
+    """The walk notes the nodes held by two holders or more (only those: most of a tree's are
+    held once) and walks each once: 2**60 paths to the bottom through any kind of node take a
+    step per node, and the bottom is still looked at; 200,000 nodes held once are walked
+    without a table of them."""
+    g = Global("m", "f")
+    kinds = [lambda a: (a, a), lambda a: [a, a], lambda a: {"x": a, "y": a},
+             lambda a: torchfile.Reduce(g, (a, a)), lambda a: NewObj(g, (a,), {"s": a})]
+    for make in kinds:
+        for bottom, holds in (((_mesh(S), 1), True), ((_mesh(S), S), False), ((1, 2), False)):
+            node: object = bottom
+            for _ in range(60):
+                node = make(node)
+            assert shardtree.only_mesh_rank(node, S) is holds
+    import tracemalloc
+
+    many = [torchfile.Reduce(g, ([i, i + 1], {"k": (i, [i])})) for i in range(200_000)]
+    tracemalloc.start()
+    try:
+        assert shardtree.only_mesh_rank([_mesh(S), many], S)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20  # (its stack only: a set of its ~1,000,000 containers' ids is ~60 MB)
+
+
 def test_a_template_is_learned_only_where_the_group_repeats(tmp_path, monkeypatch, rank_only):
     """Learning waits for a file like the second (a few bits apart: their ranks); files that go on
     changing (each rank its own local sizes) never pay for a learn, and are described as parsed."""

@@ -18,6 +18,7 @@ import functools
 import math
 import os
 import struct
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -147,11 +148,17 @@ class RankTemplate:
             return None
 
 
+# the references to a node just popped from a walk's stack that one holder makes: the holder's,
+# the walk's name for it and getrefcount's argument. A node held once is met once: a walk notes
+# only the others (a 25k-tensor rank file's tree has ~500k containers, whose ids in a set cost 55 MB)
+_HELD_ONCE = 3
+
+
 def only_mesh_rank(tree: Any, value: int) -> bool:
     """Whether ``tree`` holds one DeviceMesh node, whose rank and coordinate are ``value``, and
     ``value`` nowhere else (the int leaves of every node, storages' included, looked at)."""
     meshes: list[NewObj] = []
-    seen: set[int] = set()
+    seen: set[int] = set()  # the nodes met that are held more than once
     stack = [tree]
     while stack:
         x = stack.pop()
@@ -171,8 +178,10 @@ def only_mesh_rank(tree: Any, value: int) -> bool:
             seen.add(id(x))
             stack += [x.key, x.location, x.numel]
         elif (kids := bounded.children(x)) is not None:  # (leaves are not noted: most of a tree's nodes)
-            seen.add(id(x))
+            if sys.getrefcount(x) > _HELD_ONCE + (kids is x):  # (a tuple or list is its own children)
+                seen.add(id(x))
             stack += kids
+            kids = None  # (a list of them may be new: it must not count as a holder of theirs)
     if len(meshes) != 1:
         return False
     state = _state_dict(meshes[0])
