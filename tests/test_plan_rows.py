@@ -181,3 +181,45 @@ def test_a_chunk_keeps_its_location_s_fields_and_is_the_value_it_was():
     back = private.load(io.BytesIO(pickle.dumps(a)))
     assert back == a and back.location == loc and back.rank == 3
     assert repr(a) == f"Chunk(offsets=(4, 0), sizes=(2, 6), location={loc!r}, rank=3)"
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_rank_pieces_are_rows_of_made_when_asked_for(seed):
+    """A rank's pieces made on demand (:class:`RankPieces`, as a many-rank plan holds them) are
+    ``rows_of``'s for each target (tiled, one whole chunk, a 0-dim, a general one, one whole on
+    every rank), in order; their bytes are worked out without making them; they are made once
+    and kept, the same objects, until let go, then made again, equal."""
+    import pickle
+
+    from ckpt_tools.core.plan import FileJob, RankPieces, RankRows
+
+    rng = random.Random(seed)
+    targets = []
+    for i in range(6):
+        rows = rng.randrange(1, 30)
+        boxes = _split(rows, rng.randrange(1, 9), rng)
+        rng.shuffle(boxes)
+        targets.append(Target(_tensor(rows, boxes), "model", f"t{i}", DType("float32")))
+    one = _tensor(7, [((0, 0), (7, 6))])  # (a safetensors tensor)
+    gaps = _tensor(8, [((0, 0), (8, 3)), ((0, 3), (8, 3))])  # (its chunks split columns: no tiling)
+    scalar = TensorInfo("model", "s", (), DType("int64"), (Chunk((), (), Location("f", "raw", 0, 8), 0),))
+    targets += [Target(one, "model", "one", one.dtype), Target(gaps, "model", "gaps", gaps.dtype),
+                Target(scalar, "model", "step", scalar.dtype), Target(one, "model", "kept", DType("float32"))]
+    wholes = {id(targets[-1]): whole(targets[-1])}
+    for world_size in (1, 3, 8, 40):
+        rows = RankRows(targets, wholes, world_size)
+        for r in range(world_size):
+            lazy = RankPieces(rows, r)
+            eager = tuple(wholes[id(t)] if id(t) in wholes else rows_of(t, world_size, r) for t in targets)
+            assert lazy.nbytes == sum(p.nbytes for p in eager)  # (nothing made)
+            assert lazy._made is None
+            assert len(lazy) == len(targets) and lazy == eager and tuple(lazy) == eager
+            first = lazy[0]
+            assert lazy[0] is first and next(iter(lazy)) is first  # (made once, kept)
+            assert lazy[-1] is wholes[id(targets[-1])]
+            job = FileJob("f", lazy, rank=r)
+            assert job.nbytes == sum(p.nbytes for p in eager) and job.tensors() == len(targets)
+            job.unload()
+            assert lazy[0] is not first and lazy[0] == first  # (let go, made again)
+            sent = pickle.loads(pickle.dumps(lazy))  # (to a worker process: what it makes them from)
+            assert sent == eager and sent._made is None or sent._made == eager

@@ -382,3 +382,38 @@ def test_many_rank_files_are_described_as_columns_that_read_as_their_chunks(tmp_
     names = sorted(p.name for p in (tmp_path / "a").iterdir())
     assert names == sorted(p.name for p in (tmp_path / "b").iterdir()) and len(names) > 12
     assert all((tmp_path / "a" / n).read_bytes() == (tmp_path / "b" / n).read_bytes() for n in names)
+
+
+def test_a_many_rank_plan_holds_no_file_s_pieces_once_checked(tmp_path):
+    """Rank files planned for many ranks hold each file's pieces only while it is checked or
+    written (made from the targets when asked for, let go after): once the dry run has checked
+    every file, the plan holds no rank's pieces but the few whole ones every rank shares, and
+    each file's are made again, equal, as it is written."""
+    import gc
+
+    from ckpt_tools.core.plan import Piece, RankPieces, rows_of, targets_from, whole
+    from ckpt_tools.engine.reader import Reader
+    from ckpt_tools.formats import writers
+    from ckpt_tools.layouts import describe
+
+    make_verl(tmp_path / "src", 64, optim=True, shapes=SHAPES)
+    ckpt = describe(tmp_path / "src")
+    targets = targets_from(ckpt.tensors)
+    gc.collect()
+    before = sum(type(o) is Piece for o in gc.get_objects())
+    writer, jobs = writers.rank_files(ckpt, targets, ckpt.objects, 48, rank_local="drop",
+                                      open_reader=lambda: Reader(ckpt), keep=True)
+    gc.collect()
+    held = sum(type(o) is Piece for o in gc.get_objects()) - before
+    tensor_jobs = [j for j in jobs if j.kind in ("model", "optim")]
+    assert len(tensor_jobs) == 96 and all(type(j.pieces) is RankPieces for j in tensor_jobs)
+    # the first file of each kind's, kept by the dry run for its write, and the whole ones
+    firsts = [next(j for j in tensor_jobs if j.kind == kind) for kind in ("model", "optim")]
+    wholes = {(t.group, t.name) for j in firsts for t in j.pieces.targets if (t.group, t.name) in j.meta["plain"]}
+    assert held <= sum(len(j.pieces) for j in firsts) + len(wholes) < sum(len(j.pieces) for j in tensor_jobs) / 20, held
+    for job in tensor_jobs:
+        plain = job.meta["plain"]
+        want = tuple(whole(t) if (t.group, t.name) in plain else rows_of(t, 48, job.rank)
+                     for t in job.pieces.targets)
+        assert job.pieces == want and job.nbytes == sum(p.nbytes for p in want)
+        job.unload()

@@ -93,7 +93,7 @@ def written_dtype(targets: Iterable[Target], cast: str | None = None) -> str | N
 def planned_files(jobs: Sequence[FileJob]) -> dict[str, tuple[int, int]]:
     """Each file of a plan: its (tensors, tensor bytes), for the report (taken before the plan
     is handed to the engine, which may let its pieces go as it writes)."""
-    return {j.path: (len({p.target.name for p in j.pieces}), j.nbytes) for j in jobs}
+    return {j.path: (j.tensors(), j.nbytes) for j in jobs}
 
 
 def summary(dst: Path, jobs: Sequence[FileJob], targets: Sequence[Target], *, dry_run: bool,

@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from ..core.describe import Checkpoint, ObjectInfo, TensorInfo
-from ..core.plan import FileJob, Piece, Target, rows_of, whole
+from ..core.plan import FileJob, Piece, RankPieces, RankRows, Target, rows_of, whole
 from ..core.state import per_rank_extras
 from ..errors import BadInput
 from ..security import bounded
@@ -141,8 +141,8 @@ def layout_sharded(src: Checkpoint, targets: list[Target], world_size: int, extr
     (optimizer state in FSDP1's flat parameters instead, when ``flat_units`` are given); those
     of ``ranks`` only, when given; the model tensors named in ``buffers`` whole on every rank."""
     plain = {t.key for t in src.tensors if _replicated(t, src)}
-    model = [t for t in targets if t.group == "model"]
-    optim = [t for t in targets if t.group == "optimizer"]
+    model = tuple(t for t in targets if t.group == "model")
+    optim = tuple(t for t in targets if t.group == "optimizer")
     plain_targets = {(t.group, t.name) for t in targets
                      if t.source.key in plain or not t.shape or t.group == "model" and t.name in buffers}
     objects = src.rooted(src.objects)
@@ -151,16 +151,16 @@ def layout_sharded(src: Checkpoint, targets: list[Target], world_size: int, extr
     jobs = []
     with bounded.gc_paused():  # a plan is many small objects and no cycles: linear without the collector
         wholes = {id(t): whole(t) for t in targets if (t.group, t.name) in plain_targets}  # every rank's the same
+        # (each file's pieces made as it is checked, then as it is written: a few files' at a time)
+        model_rows, optim_rows = RankRows(model, wholes, world_size), RankRows(optim, wholes, world_size)
         for r in range(world_size) if ranks is None else ranks:
-            def pieces(ts):
-                return tuple(wholes[id(t)] if id(t) in wholes else rows_of(t, world_size, r) for t in ts)
-            jobs.append(FileJob(sharded.file_name("model", world_size, r), pieces(model), mobj, r, "model",
+            jobs.append(FileJob(sharded.file_name("model", world_size, r), RankPieces(model_rows, r), mobj, r, "model",
                                 {"plain": plain_targets}))
             if optim and flat_units:
                 flat, plan = flatparams.layout(optim, flat_units, world_size, r)
                 jobs.append(FileJob(sharded.file_name("optim", world_size, r), flat, oobj, r, "optim", {"flat": plan}))
             elif optim:
-                jobs.append(FileJob(sharded.file_name("optim", world_size, r), pieces(optim), oobj, r, "optim",
+                jobs.append(FileJob(sharded.file_name("optim", world_size, r), RankPieces(optim_rows, r), oobj, r, "optim",
                                     {"plain": plain_targets}))
             if extras and extras[r]:
                 jobs.append(FileJob(sharded.file_name("extra_state", world_size, r), (), (), r, "extra",
@@ -304,6 +304,7 @@ def _dry_run(writer: sharded.Writer, jobs: list[FileJob], extras: list[dict] | N
     needs no plan), so that each process of a launch chooses the writer the whole plan would."""
     for job in jobs:
         writer.check(job)
+        job.unload()  # (its pieces made again as it is written)
     planned = {j.path for j in jobs}
     for r, extra in enumerate(extras or ()):
         name = sharded.file_name("extra_state", writer.world_size, r)
