@@ -219,7 +219,40 @@ def test_rank_pieces_are_rows_of_made_when_asked_for(seed):
             assert lazy[-1] is wholes[id(targets[-1])]
             job = FileJob("f", lazy, rank=r)
             assert job.nbytes == sum(p.nbytes for p in eager) and job.tensors() == len(targets)
+            assert lazy.targets() == list(targets) == job.targets()
             job.unload()
             assert lazy[0] is not first and lazy[0] == first  # (let go, made again)
             sent = pickle.loads(pickle.dumps(lazy))  # (to a worker process: what it makes them from)
             assert sent == eager and sent._made is None or sent._made == eager
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_dcp_file_s_pieces_made_when_asked_for_are_its_plan_s(seed):
+    """A DCP file's pieces made on demand (``RankRows(..., empty=False, first=scalars)``, as
+    ``layout_dcp`` holds them) are the eager plan's: the rows of each tensor the rank holds
+    any of (none of one it holds no rows of), then, on rank 0 alone, each scalar whole; how
+    many, their names and bytes worked out without making them."""
+    from ckpt_tools.core.plan import FileJob, RankPieces, RankRows
+
+    rng = random.Random(seed)
+    targets = []
+    for i in range(6):
+        rows = rng.randrange(1, 12)
+        boxes = _split(rows, rng.randrange(1, 6), rng)
+        targets.append(Target(_tensor(rows, boxes), "model", f"t{i}", DType("float32")))
+    flat = TensorInfo("model", "flat", (5, 0), DType("float32"), (Chunk((0, 0), (5, 0), Location("f", "raw", 0, 0), 0),))
+    targets.append(Target(flat, "model", "flat", flat.dtype))  # (rows of no elements: held by no file)
+    scalars = [Target(TensorInfo("optimizer", f"step{i}", (), DType("int64"),
+                                 (Chunk((), (), Location("f", "raw", 8 * i, 8), 0),)), "optimizer", f"step{i}",
+                      DType("int64")) for i in range(2)]
+    for world_size in (1, 4, 9, 16):
+        rows = RankRows(targets, {}, world_size, empty=False, first=scalars)
+        for r in range(world_size):
+            eager = tuple(p for t in targets for p in [rows_of(t, world_size, r)] if p.numel)
+            if r == 0:
+                eager += tuple(whole(t) for t in scalars)
+            lazy = RankPieces(rows, r)
+            assert len(lazy) == len(eager) and lazy.nbytes == sum(p.nbytes for p in eager)
+            assert lazy.targets() == [p.target for p in eager]
+            assert lazy._made is None  # (none of that made them)
+            assert lazy == eager and FileJob("f", lazy, rank=r).tensors() == len({p.target.name for p in eager})

@@ -409,11 +409,46 @@ def test_a_many_rank_plan_holds_no_file_s_pieces_once_checked(tmp_path):
     assert len(tensor_jobs) == 96 and all(type(j.pieces) is RankPieces for j in tensor_jobs)
     # the first file of each kind's, kept by the dry run for its write, and the whole ones
     firsts = [next(j for j in tensor_jobs if j.kind == kind) for kind in ("model", "optim")]
-    wholes = {(t.group, t.name) for j in firsts for t in j.pieces.targets if (t.group, t.name) in j.meta["plain"]}
+    wholes = {(t.group, t.name) for j in firsts for t in j.pieces.rows.targets if (t.group, t.name) in j.meta["plain"]}
     assert held <= sum(len(j.pieces) for j in firsts) + len(wholes) < sum(len(j.pieces) for j in tensor_jobs) / 20, held
     for job in tensor_jobs:
         plain = job.meta["plain"]
         want = tuple(whole(t) if (t.group, t.name) in plain else rows_of(t, 48, job.rank)
-                     for t in job.pieces.targets)
+                     for t in job.pieces.rows.targets)
         assert job.pieces == want and job.nbytes == sum(p.nbytes for p in want)
         job.unload()
+
+
+def test_a_many_rank_dcp_plan_holds_no_file_s_pieces_once_checked(tmp_path):
+    """The same of a DCP's files (``layout_dcp``): the writer checks their targets, no piece is
+    made before a file is written, and then they are the eager plan's; written, the DCP loads
+    as the source's tensors."""
+    import gc
+
+    from ckpt_tools.core.plan import Piece, RankPieces, rows_of, targets_from, whole
+    from ckpt_tools.engine.reader import Reader
+    from ckpt_tools.formats import writers
+    from ckpt_tools.layouts import describe
+
+    state = make_verl(tmp_path / "src", 64, optim=True, shapes=SHAPES)
+    ckpt = describe(tmp_path / "src")
+    targets = targets_from(ckpt.tensors)
+    gc.collect()
+    before = sum(type(o) is Piece for o in gc.get_objects())
+    writer, jobs = writers.dcp_dir(ckpt, targets, ckpt.objects, 48, rank_local="drop",
+                                   open_reader=lambda: Reader(ckpt), keep_parts=False)
+    gc.collect()
+    assert sum(type(o) is Piece for o in gc.get_objects()) - before == 0
+    assert all(type(j.pieces) is RankPieces for j in jobs)
+    for job in jobs:
+        want = tuple(p for t in targets if t.shape for p in [rows_of(t, 48, job.rank)] if p.numel)
+        want += tuple(whole(t) for t in targets if not t.shape) if job.rank == 0 else ()
+        assert job.pieces == want and job.nbytes == sum(p.nbytes for p in want)
+        job.unload()
+    _run("convert", str(tmp_path / "src"), str(tmp_path / "out"), "--to", "dcp", "--world-size", "48", "--quiet")
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(tmp_path / "out"), str(tmp_path / "out.pt"))
+    got = torch.load(tmp_path / "out.pt", weights_only=False)
+    for k, v in state.items():
+        assert torch.equal(got["model"][k], v), k

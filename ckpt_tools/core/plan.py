@@ -164,10 +164,14 @@ class FileJob:
         pieces = self.pieces
         return pieces.nbytes if type(pieces) is RankPieces else sum(p.nbytes for p in pieces)
 
+    def targets(self) -> list[Target]:
+        """The targets of this file's pieces, in order (pieces made on demand are not made)."""
+        pieces = self.pieces
+        return pieces.targets() if type(pieces) is RankPieces else [p.target for p in pieces]
+
     def tensors(self) -> int:
         """How many tensors this file holds (pieces made on demand are not made)."""
-        pieces = self.pieces
-        return len({t.name for t in (pieces.targets if type(pieces) is RankPieces else (p.target for p in pieces))})
+        return len({t.name for t in self.targets()})
 
     def unload(self) -> None:
         """Let go of pieces made on demand (:class:`RankPieces`), to be made again when next
@@ -185,42 +189,82 @@ class FileJob:
 class RankRows:
     """What every rank's file of one kind holds under FSDP2's ``Shard(0)`` at ``world_size``:
     a piece of each of ``targets`` (:func:`rows_of`), in order; those in ``wholes``
-    (``id(target) -> piece``) the same whole piece on every rank. Each rank's pieces are made
-    from it when asked for (:class:`RankPieces`), and its bytes worked out without them."""
+    (``id(target) -> piece``) the same whole piece on every rank. ``empty``: whether a piece
+    without elements is held (a rank file holds every tensor; a DCP file only those it has
+    rows of); ``first``: targets held whole by rank 0 alone, after the rest (a DCP's scalars).
+    Each rank's pieces are made from it when asked for (:class:`RankPieces`); how many there
+    are, their targets and bytes are worked out without them."""
 
-    def __init__(self, targets: Sequence[Target], wholes: dict[int, Piece], world_size: int) -> None:
+    def __init__(self, targets: Sequence[Target], wholes: dict[int, Piece], world_size: int, *,
+                 empty: bool = True, first: Sequence[Target] = ()) -> None:
         self.targets, self.wholes, self.world_size = tuple(targets), wholes, world_size
-        fixed, rows = 0, Counter()
+        self.empty, self.first = empty, tuple(first)
+        fixed, rows = [0, 0], Counter()
         for t in self.targets:
             piece = wholes.get(id(t))
             if piece is not None or not t.shape:
-                fixed += piece.nbytes if piece is not None else dtype_size(t.dtype)
+                size = piece.nbytes if piece is not None else dtype_size(t.dtype)
+                fixed[0] += size
+                fixed[1] += bool(size)
             else:  # (by rows and a row's bytes: a model's tensors are a few shapes)
                 rows[(t.shape[0], math.prod(t.shape[1:]) * dtype_size(t.dtype))] += 1
-        self._fixed, self._rows = fixed, tuple(rows.items())
+        self._fixed, self._rows = tuple(fixed), tuple(rows.items())
+        self._first_bytes = sum(whole(t).nbytes for t in self.first)
         # how each target's piece is made (its whole piece; True: rows of tiled chunks, as
         # rows_of finds them; else None: rows_of), found once for every rank
         self._how = tuple([wholes.get(id(t)) or (True if _tiles_rows(t) else None) for t in self.targets])
 
     def pieces(self, rank: int) -> tuple[Piece, ...]:
-        ws, got = self.world_size, []
+        ws, empty, got = self.world_size, self.empty, []
         for t, how in zip(self.targets, self._how):
             if how is True:
                 n = t.shape[0]
                 size = -(-n // ws)  # (chunk_rows, inline: a many-rank plan asks it ~10^5 times)
                 start = min(rank * size, n)
-                got.append(_tiled_rows(t, start, min(start + size, n)))
+                p = _tiled_rows(t, start, min(start + size, n))
             else:
-                got.append(how if how is not None else rows_of(t, ws, rank))
+                p = how if how is not None else rows_of(t, ws, rank)
+            if empty or p.numel:
+                got.append(p)
+        if rank == 0:
+            got += [whole(t) for t in self.first]
         return tuple(got)
 
     def nbytes(self, rank: int) -> int:
         """``sum(p.nbytes for p in self.pieces(rank))``, nothing made."""
-        total = self._fixed
+        total = self._fixed[0] + (self._first_bytes if rank == 0 else 0)
         for (n, row), count in self._rows:
             start, stop = chunk_rows(n, self.world_size, rank)
             total += count * (stop - start) * row
         return total
+
+    def count(self, rank: int) -> int:
+        """``len(self.pieces(rank))``, nothing made."""
+        first = len(self.first) if rank == 0 else 0
+        if self.empty:
+            return len(self.targets) + first
+        held = self._fixed[1] + first
+        for (n, row), count in self._rows:
+            start, stop = chunk_rows(n, self.world_size, rank)
+            held += count if stop > start and row else 0
+        return held
+
+    def held(self, rank: int) -> list[Target]:
+        """The targets of ``self.pieces(rank)``, in order, nothing made."""
+        if self.empty:
+            return [*self.targets, *(self.first if rank == 0 else ())]
+        ws, wholes, got = self.world_size, self.wholes, []
+        for t in self.targets:
+            piece = wholes.get(id(t))
+            if piece is not None or not t.shape:
+                if (piece.numel if piece is not None else 1) == 0:
+                    continue
+            else:
+                start, stop = chunk_rows(t.shape[0], ws, rank)
+                if stop == start or not math.prod(t.shape[1:]):
+                    continue
+            got.append(t)
+        return got + list(self.first if rank == 0 else ())
 
 
 class RankPieces(Sequence):
@@ -237,12 +281,11 @@ class RankPieces(Sequence):
         self._made: tuple[Piece, ...] | None = None
 
     @property
-    def targets(self) -> tuple[Target, ...]:
-        return self.rows.targets
-
-    @property
     def nbytes(self) -> int:
         return self.rows.nbytes(self.rank)
+
+    def targets(self) -> list[Target]:
+        return self.rows.held(self.rank)
 
     def made(self) -> tuple[Piece, ...]:
         got = self._made
@@ -254,7 +297,7 @@ class RankPieces(Sequence):
         self._made = None
 
     def __len__(self) -> int:
-        return len(self.rows.targets)
+        return self.rows.count(self.rank)
 
     def __getitem__(self, i):  # type: ignore[override]
         return self.made()[i]

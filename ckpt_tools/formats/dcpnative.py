@@ -332,9 +332,9 @@ class Writer:
         for job in jobs:
             if job.meta.get("extra") and not self.extras:
                 raise NotNative("extra state merged through torch's loader")
-            for p in job.pieces:
-                if str(p.target.dtype) not in STORAGE_OF:
-                    raise NotNative(f"{p.target.dtype} has no legacy storage class")
+            for t in job.targets():  # (pieces made on demand are not made for it)
+                if str(t.dtype) not in STORAGE_OF:
+                    raise NotNative(f"{t.dtype} has no legacy storage class")
             for _, _, leaf in self._rest(job):
                 if leaf.blob is None and not plain(leaf.value):
                     raise NotNative("an object that is not plain data")

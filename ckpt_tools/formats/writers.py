@@ -200,11 +200,18 @@ def layout_dcp(targets: list[Target], objects: tuple[ObjectInfo, ...], world_siz
             mine = [t for t in targets if part_of(t) == part]
             objs = tuple(o for o in objects if part_of(o) == part)
             prefix = f"{part}/" if part else ""
+            # FSDP2's rows: each file's pieces made as it is checked and written (see
+            # layout_sharded); rows a naming scheme orders its own way: made now
+            rows = RankRows([t for t in mine if t.shape], {}, world_size, empty=False,
+                            first=[t for t in mine if not t.shape]) if piece_of is rows_of else None
             for r in range(world_size) if ranks is None else ranks:
-                pieces = tuple(p for t in mine if t.shape for p in [piece_of(t, world_size, r)] if p.numel)
-                if r == 0:
-                    pieces += tuple(whole(t) for t in mine if not t.shape)
-                elif not pieces:
+                if rows is not None:
+                    pieces = RankPieces(rows, r)
+                else:
+                    pieces = tuple(p for t in mine if t.shape for p in [piece_of(t, world_size, r)] if p.numel)
+                    if r == 0:
+                        pieces += tuple(whole(t) for t in mine if not t.shape)
+                if r != 0 and not len(pieces):
                     continue
                 meta = {"extra": extra or {}} if r == 0 and part == home else {}
                 jobs.append(FileJob(f"{prefix}__{r}_0.distcp", pieces, objs if r == 0 else (), r,
