@@ -384,27 +384,36 @@ def test_many_rank_files_are_described_as_columns_that_read_as_their_chunks(tmp_
     assert all((tmp_path / "a" / n).read_bytes() == (tmp_path / "b" / n).read_bytes() for n in names)
 
 
+def _planned(tmp_path: Path, plan) -> tuple[dict, list, list, int]:
+    """A 64-rank save with moments, planned by ``plan(ckpt, targets, open_reader)`` (a writer
+    and its jobs, at 48 ranks): its state, targets, jobs, and the ``Piece`` objects the
+    planning left alive."""
+    import gc
+
+    from ckpt_tools.core.plan import Piece, targets_from
+    from ckpt_tools.engine.reader import Reader
+    from ckpt_tools.layouts import describe
+
+    state = make_verl(tmp_path / "src", 64, optim=True, shapes=SHAPES)
+    ckpt = describe(tmp_path / "src")
+    targets = targets_from(ckpt.tensors)
+    gc.collect()
+    before = sum(type(o) is Piece for o in gc.get_objects())
+    _, jobs = plan(ckpt, targets, lambda: Reader(ckpt))
+    gc.collect()
+    return state, targets, jobs, sum(type(o) is Piece for o in gc.get_objects()) - before
+
+
 def test_a_many_rank_plan_holds_no_file_s_pieces_once_checked(tmp_path):
     """Rank files planned for many ranks hold each file's pieces only while it is checked or
     written (made from the targets when asked for, let go after): once the dry run has checked
     every file, the plan holds no rank's pieces but the few whole ones every rank shares, and
     each file's are made again, equal, as it is written."""
-    import gc
-
-    from ckpt_tools.core.plan import Piece, RankPieces, rows_of, targets_from, whole
-    from ckpt_tools.engine.reader import Reader
+    from ckpt_tools.core.plan import RankPieces, rows_of, whole
     from ckpt_tools.formats import writers
-    from ckpt_tools.layouts import describe
 
-    make_verl(tmp_path / "src", 64, optim=True, shapes=SHAPES)
-    ckpt = describe(tmp_path / "src")
-    targets = targets_from(ckpt.tensors)
-    gc.collect()
-    before = sum(type(o) is Piece for o in gc.get_objects())
-    writer, jobs = writers.rank_files(ckpt, targets, ckpt.objects, 48, rank_local="drop",
-                                      open_reader=lambda: Reader(ckpt), keep=True)
-    gc.collect()
-    held = sum(type(o) is Piece for o in gc.get_objects()) - before
+    _, _, jobs, held = _planned(tmp_path, lambda ckpt, targets, reader: writers.rank_files(
+        ckpt, targets, ckpt.objects, 48, rank_local="drop", open_reader=reader, keep=True))
     tensor_jobs = [j for j in jobs if j.kind in ("model", "optim")]
     assert len(tensor_jobs) == 96 and all(type(j.pieces) is RankPieces for j in tensor_jobs)
     # the first file of each kind's, kept by the dry run for its write, and the whole ones
@@ -423,22 +432,12 @@ def test_a_many_rank_dcp_plan_holds_no_file_s_pieces_once_checked(tmp_path):
     """The same of a DCP's files (``layout_dcp``): the writer checks their targets, no piece is
     made before a file is written, and then they are the eager plan's; written, the DCP loads
     as the source's tensors."""
-    import gc
-
-    from ckpt_tools.core.plan import Piece, RankPieces, rows_of, targets_from, whole
-    from ckpt_tools.engine.reader import Reader
+    from ckpt_tools.core.plan import RankPieces, rows_of, whole
     from ckpt_tools.formats import writers
-    from ckpt_tools.layouts import describe
 
-    state = make_verl(tmp_path / "src", 64, optim=True, shapes=SHAPES)
-    ckpt = describe(tmp_path / "src")
-    targets = targets_from(ckpt.tensors)
-    gc.collect()
-    before = sum(type(o) is Piece for o in gc.get_objects())
-    writer, jobs = writers.dcp_dir(ckpt, targets, ckpt.objects, 48, rank_local="drop",
-                                   open_reader=lambda: Reader(ckpt), keep_parts=False)
-    gc.collect()
-    assert sum(type(o) is Piece for o in gc.get_objects()) - before == 0
+    state, targets, jobs, held = _planned(tmp_path, lambda ckpt, targets, reader: writers.dcp_dir(
+        ckpt, targets, ckpt.objects, 48, rank_local="drop", open_reader=reader, keep_parts=False))
+    assert held == 0
     assert all(type(j.pieces) is RankPieces for j in jobs)
     for job in jobs:
         want = tuple(p for t in targets if t.shape for p in [rows_of(t, 48, job.rank)] if p.numel)
