@@ -272,17 +272,21 @@ def _c_dumps(tree: Any, slots: list[tuple[Any, int, int]]) -> bytes | None:
     except Exception:  # noqa: BLE001 - anything it cannot write, _Emitter writes or refuses
         return None
     data = buf.getvalue()
-    for module, n in pickler.globals.items():
+    # let go of its memo (a table of every object written and the tuples reducer_override made
+    # for them: ~37 MB for a 25k-tensor file) before the splices copy the pickle
+    named, strs, slotted = pickler.globals, pickler.strs, pickler.slotted
+    del pickler, buf
+    for module, n in named.items():
         stand, real = b"c" + _STANDS[module] + b"\n", b"c" + module.encode("ascii") + b"\n"
         if data.count(stand) != n:
             return None
         data = data.replace(stand, real)
-    if pickler.strs:
-        data = _splice_strs(data, pickler.strs)
+    if strs:
+        data = _splice_strs(data, strs)
         if data is None:
             return None
-    if pickler.slotted:
-        data = _splice_slots(data, pickler.slotted, slots)
+    if slotted:
+        data = _splice_slots(data, slotted, slots)
     return data
 
 

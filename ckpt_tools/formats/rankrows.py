@@ -80,6 +80,7 @@ class RowsTemplate:
             ints = ((start, _int_end_of(zf.pickle, start), sentinels[start]) for start in sorted(sentinels))
             probe = loads_like(with_ints(zf.pickle, ints), zf.shape(), where=str(zf.path))
             proved = shardtree.only_mesh_rank(probe, _RANK_SENTINEL) and _rows_proved(entries_of(probe), table, places)
+            del probe  # (before the template's own tables: none of them amid the probe's freed nodes)
         except (BadInput, shardtree.NotSimple, TypeError, ValueError, KeyError, IndexError, AttributeError):
             return None  # (what the probe's reader refuses: the files are parsed one by one)
         return cls(zf, tuple(ranks), places, row_elements) if proved else None
