@@ -256,3 +256,29 @@ def test_a_dcp_file_s_pieces_made_when_asked_for_are_its_plan_s(seed):
             assert lazy.targets() == [p.target for p in eager]
             assert lazy._made is None  # (none of that made them)
             assert lazy == eager and FileJob("f", lazy, rank=r).tensors() == len({p.target.name for p in eager})
+
+
+def test_a_tensors_row_caches_keep_its_dict_small():
+    """rows_index and row_tiles cache their answers in the tensor's dict, whose slots are there
+    from the start: a dict that CPython shares the keys of stays so (a key added later made
+    each 25k-tensor job's tensor's dict its own, ~300 bytes more), and the answers stay exact
+    and out of the hand-over to --workers."""
+    import pickle
+    import tracemalloc
+
+    many = [_tensor(8, [((0, 0), (4, 6)), ((4, 0), (4, 6))]) for _ in range(500)]
+    tracemalloc.start()
+    try:
+        assert all(t.row_tiles() for t in many)
+        grown = tracemalloc.get_traced_memory()[0] / len(many)
+    finally:
+        tracemalloc.stop()
+    assert grown < 450, grown  # (the answers, ~270 bytes; ~670 with each dict made its own)
+    t = many[0]
+    starts, order, most = t.rows_index()
+    assert (list(starts), list(order), most) == ([0, 4], [0, 1], 4)
+    back = pickle.loads(pickle.dumps(t))
+    assert back == t and back.__dict__.get("_rows_index") is None  # (arrays made again there)
+    assert back.row_tiles() is True and list(back.rows_index()[0]) == [0, 4]
+    gap = _tensor(8, [((0, 0), (4, 6)), ((5, 0), (3, 6))])
+    assert gap.row_tiles() is False

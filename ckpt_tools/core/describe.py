@@ -45,6 +45,13 @@ class TensorInfo:
     # written from this source keeps it, so no key is renamed, nested or un-nested.
     path: tuple[Any, ...] = field(default=(), compare=False)
 
+    def __post_init__(self) -> None:
+        # the caches of rows_index and row_tiles, in its dict from the start: set later, they
+        # turned the dict CPython shares the keys of into one of its own (464 bytes against
+        # 152: ~8 MB at 25k tensors)
+        object.__setattr__(self, "_rows_index", None)
+        object.__setattr__(self, "_row_tiles", None)
+
     def __hash__(self) -> int:
         # not the chunks: a tensor of a 1,024-rank save has 1,024 of them, and plans hash
         # pieces (hence their tensors) per entry; equal tensors still hash equal
@@ -53,7 +60,7 @@ class TensorInfo:
     def __getstate__(self) -> dict:
         # (for --workers: not the row index, arrays the hand-over does not take; made again there)
         state = self.__dict__
-        return {k: v for k, v in state.items() if k != "_rows_index"} if "_rows_index" in state else state
+        return {k: v for k, v in state.items() if k != "_rows_index"} if state.get("_rows_index") is not None else state
 
     @property
     def key(self) -> tuple[str, str]:
