@@ -358,7 +358,7 @@ class _ZipLayout:
     utf8: bool
     columns: _Columns
     crc_at: array
-    headers: Sequence[int]
+    headers: array
     lens: bytes
     checks: tuple[tuple[int, int, Callable[[bytes], tuple[int, ...]], tuple[int, ...]], ...] | None = None
 
@@ -447,7 +447,8 @@ def _read_layout(fd: int, central: bytes, count: int) -> tuple[str, _ZipLayout, 
     archive folder, the layout and the records' CRCs."""
     entries, names, prefix, at = [], set(), None, 0
     keep = bytearray(b"\xff") * len(central)  # the mask's bytes: 0 where a file's own values lie
-    name_at, folder_len, utf8, crcs = array("q"), 0, False, array("I")
+    name_at, crc_at, headers, crcs = array("q"), array("q"), array("q"), array("I")
+    folder_len, utf8 = 0, False
     for _ in range(count):
         if at + _CENTRAL.size > len(central):
             return None
@@ -456,7 +457,8 @@ def _read_layout(fd: int, central: bytes, count: int) -> tuple[str, _ZipLayout, 
         raw = central[at + _CENTRAL.size:at + _CENTRAL.size + name_len]
         keep[at + 16:at + 20] = bytes(4)
         crcs.append(crc)
-        crc_at = at + 16
+        crc_at.append(at + 16)
+        name_at.append(at_name := at + _CENTRAL.size)
         at += _CENTRAL.size + name_len + extra_len + comment_len
         if (sig != b"PK\x01\x02" or flags & 1 or method != zipfile.ZIP_STORED or csize != size or disk
                 or 0xFFFFFFFF in (size, header) or len(raw) != name_len):
@@ -476,27 +478,25 @@ def _read_layout(fd: int, central: bytes, count: int) -> tuple[str, _ZipLayout, 
         if name == full or name in names or bool(flags & 0x800) != utf8:
             return None
         names.add(name)
-        name_at.append(at_name := crc_at - 16 + _CENTRAL.size)
         keep[at_name:at_name + folder_len] = bytes(folder_len)
-        entries.append((name, header, size, crc_at))
+        headers.append(header)
+        entries.append((name, header, size))
     if at != len(central) or prefix is None:
         return None
-    headers = tuple(e[1] for e in entries)
     heads = _local_heads(fd, headers)
     records = []
-    for (name, header, size, crc_at), head in zip(entries, heads):
+    for (name, header, size), head in zip(entries, heads):
         if len(head) < 30 or head[:4] != b"PK\x03\x04":
             return None
         local_name, local_extra = struct.unpack_from("<HH", head, 26)
-        records.append((name, header + 30 + local_name + local_extra, size, crc_at))
+        records.append((name, header + 30 + local_name + local_extra, size))
     mask = int.from_bytes(keep, "little")
     checks = _head_checks(headers, heads) if count <= _SMALL else None  # (~300 bytes a record)
     # (its places as arrays, its header lengths as one string: a layout of 25k records held
     # ~11 MB in tuples of ints, slices and strings, now ~6 MB, most of it its two masks)
     return prefix, _ZipLayout(mask, int.from_bytes(central, "little") & mask, name_at, folder_len, utf8,
-                              _Columns.of(records), array("q", [r[3] for r in records]),
-                              headers if count <= _SMALL else array("q", headers),
-                              b"".join([h[26:30] for h in heads]), checks), crcs
+                              _Columns.of(records), crc_at, headers, b"".join([h[26:30] for h in heads]),
+                              checks), crcs
 
 
 def records_of(path: Path) -> tuple[str, Records]:
