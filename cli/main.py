@@ -25,6 +25,28 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
+def _interrupted() -> None:
+    from ckpt_tools.storage.atomic import interrupted_message
+
+    # cleanup already ran on the way out (staging removed); an import the interrupt cut in half
+    # can make the interpreter's own shutdown end by SIGINT instead of exit 130
+    click.echo(f"error: {one_line(interrupted_message())}", err=True)
+    entry.exit_now(130)
+
+
+def _wraps_interrupt(e: BaseException | None) -> bool:
+    """Whether ``e`` was raised from a KeyboardInterrupt: Python 3.11 raises one that a Ctrl-C
+    caused while a class was being made (in a descriptor's ``__set_name__``, as a module the
+    command imports loads) as a RuntimeError from it."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__
+    return False
+
+
 def command(fn: Callable) -> Callable:
     """Common flags (--quiet, --debug) and the mapping of errors to CONTRACT.md's exit codes."""
 
@@ -44,15 +66,12 @@ def command(fn: Callable) -> Callable:
                 traceback.print_exc()
             _fail(str(e), e.exit_code)
         except KeyboardInterrupt:
-            from ckpt_tools.storage.atomic import interrupted_message
-
-            # cleanup already ran on the way out (staging removed); an import the interrupt cut
-            # in half can make the interpreter's own shutdown end by SIGINT instead of exit 130
-            click.echo(f"error: {one_line(interrupted_message())}", err=True)
-            entry.exit_now(130)
+            _interrupted()
         except click.exceptions.Exit:
             raise
         except Exception as e:  # a bug: say so, point at --debug
+            if _wraps_interrupt(e):
+                _interrupted()
             if debug:
                 traceback.print_exc()
             _fail(f"internal error: {type(e).__name__}: {e} (re-run with --debug for the traceback, and report it)", 5)

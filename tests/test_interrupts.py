@@ -208,3 +208,26 @@ def test_ctrl_c_while_the_program_loads(tmp_path, startup_seconds, factor):
         pytest.skip("finished before the signal")
     assert rc == 130 and "Traceback" not in text, text
     assert [line for line in text.splitlines() if line.strip()] == [text.strip()] and text.startswith("error: "), text
+
+
+def test_ctrl_c_while_a_class_is_made_is_an_interrupt(tmp_path):
+    """A Ctrl-C that lands in a descriptor's ``__set_name__`` while a module the command imports
+    makes a class (Python 3.11 raises it as a RuntimeError from the KeyboardInterrupt) ends the
+    command as any other interrupt: one line, exit 130, not an internal error."""
+    script = (
+        "import click\n"
+        "from ckpt_tools.cli.main import command\n"
+        "class Cut:\n"
+        "    def __set_name__(self, owner, name):\n"
+        "        raise KeyboardInterrupt\n"
+        "@click.command()\n"
+        "@command\n"
+        "def cmd(progress):\n"
+        "    class Layout:\n"
+        "        fields = Cut()\n"
+        "cmd(['--quiet'])\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 130, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "internal error" not in lines[0], proc.stderr
