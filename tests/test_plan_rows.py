@@ -227,11 +227,14 @@ def test_rank_pieces_are_rows_of_made_when_asked_for(seed):
 
 
 @pytest.mark.parametrize("seed", range(10))
-def test_a_dcp_file_s_pieces_made_when_asked_for_are_its_plan_s(seed):
+def test_a_dcp_file_s_pieces_made_when_asked_for_are_its_plan_s(seed, monkeypatch):
     """A DCP file's pieces made on demand (``RankRows(..., empty=False, first=scalars)``, as
     ``layout_dcp`` holds them) are the eager plan's: the rows of each tensor the rank holds
     any of (none of one it holds no rows of), then, on rank 0 alone, each scalar whole; how
-    many, their names and bytes worked out without making them."""
+    many, their names and bytes worked out without making them. Ranks asked in any order, and
+    again, get the same; only the pieces a rank holds are made (a file of many small tensors
+    holds few of them: its pieces cost what it holds, not what the job holds)."""
+    from ckpt_tools.core import plan
     from ckpt_tools.core.plan import FileJob, RankPieces, RankRows
 
     rng = random.Random(seed)
@@ -245,9 +248,14 @@ def test_a_dcp_file_s_pieces_made_when_asked_for_are_its_plan_s(seed):
     scalars = [Target(TensorInfo("optimizer", f"step{i}", (), DType("int64"),
                                  (Chunk((), (), Location("f", "raw", 8 * i, 8), 0),)), "optimizer", f"step{i}",
                       DType("int64")) for i in range(2)]
+    made = []
+    for name in ("rows_of", "_tiled_rows"):
+        monkeypatch.setattr(plan, name, lambda *a, _f=getattr(plan, name), **k: made.append(1) or _f(*a, **k))
     for world_size in (1, 4, 9, 16):
         rows = RankRows(targets, {}, world_size, empty=False, first=scalars)
-        for r in range(world_size):
+        order = [*range(world_size)] * 2
+        rng.shuffle(order)
+        for r in order:
             eager = tuple(p for t in targets for p in [rows_of(t, world_size, r)] if p.numel)
             if r == 0:
                 eager += tuple(whole(t) for t in scalars)
@@ -255,7 +263,9 @@ def test_a_dcp_file_s_pieces_made_when_asked_for_are_its_plan_s(seed):
             assert len(lazy) == len(eager) and lazy.nbytes == sum(p.nbytes for p in eager)
             assert lazy.targets() == [p.target for p in eager]
             assert lazy._made is None  # (none of that made them)
+            made.clear()
             assert lazy == eager and FileJob("f", lazy, rank=r).tensors() == len({p.target.name for p in eager})
+            assert len(made) == len(eager) - (len(scalars) if r == 0 else 0)  # (no piece made to be dropped)
 
 
 def test_a_tensors_row_caches_keep_its_dict_small():

@@ -10,6 +10,7 @@ the kernel to copy; :func:`by_piece` serves a stream of pieces to a writer in it
 from __future__ import annotations
 
 import math
+from array import array
 from collections import Counter
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -213,10 +214,51 @@ class RankRows:
         # how each target's piece is made (its whole piece; True: rows of tiled chunks, as
         # rows_of finds them; else None: rows_of), found once for every rank
         self._how = tuple([wholes.get(id(t)) or (True if _tiles_rows(t) else None) for t in self.targets])
+        # (without ``empty``) how many ranks, from rank 0, hold elements of each target: torch.chunk
+        # gives a tensor's rows to the first ranks, so a rank holds those whose count exceeds it.
+        # A rank's targets are found by these counts, not by making every target's piece: a file
+        # of many small tensors (an MoE's experts cut finer than the ranks) holds few of them.
+        # (Worked out when first asked, where the pieces are made: arrays, which the hand-over
+        # to --workers does not take.)
+        self._holders: array | None = None
+        self._levels: list[int] = []
+        self._last: tuple[int, array] | None = None  # the last rank's targets: (level, indices)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_holders": None, "_levels": [], "_last": None}
+
+    def _holders_of(self, t: Target) -> int:
+        """How many ranks (the first ones) hold elements of ``t`` (see :meth:`held`)."""
+        ws, piece = self.world_size, self.wholes.get(id(t))
+        if piece is not None or not t.shape:
+            return ws if (piece.numel if piece is not None else 1) else 0
+        n = t.shape[0]
+        if not n or not math.prod(t.shape[1:]):
+            return 0
+        size = -(-n // ws)  # (chunk_rows: rank r holds rows while r * size < n)
+        return min(ws, -(-n // size))
+
+    def _held_at(self, rank: int) -> array:
+        """The indices in ``targets`` of those rank ``rank`` holds elements of, in order (the
+        same for the ranks between two levels of the holders' counts: the last kept)."""
+        if self._holders is None:  # (the levels first: a thread that finds the counts finds them)
+            holders = array("q", [self._holders_of(t) for t in self.targets])
+            self._levels = sorted(set(holders))
+            self._holders = holders
+        level = bisect_right(self._levels, rank)
+        last = self._last
+        if last is None or last[0] != level:
+            last = self._last = (level, array("q", [i for i, n in enumerate(self._holders) if n > rank]))
+        return last[1]
 
     def pieces(self, rank: int) -> tuple[Piece, ...]:
         ws, empty, got = self.world_size, self.empty, []
-        for t, how in zip(self.targets, self._how):
+        targets, how_of = self.targets, self._how
+        if empty:
+            pairs = zip(targets, how_of)
+        else:
+            pairs = ((targets[i], how_of[i]) for i in self._held_at(rank))
+        for t, how in pairs:
             if how is True:
                 n = t.shape[0]
                 size = -(-n // ws)  # (chunk_rows, inline: a many-rank plan asks it ~10^5 times)
@@ -251,20 +293,11 @@ class RankRows:
 
     def held(self, rank: int) -> list[Target]:
         """The targets of ``self.pieces(rank)``, in order, nothing made."""
+        first = list(self.first if rank == 0 else ())
         if self.empty:
-            return [*self.targets, *(self.first if rank == 0 else ())]
-        ws, wholes, got = self.world_size, self.wholes, []
-        for t in self.targets:
-            piece = wholes.get(id(t))
-            if piece is not None or not t.shape:
-                if (piece.numel if piece is not None else 1) == 0:
-                    continue
-            else:
-                start, stop = chunk_rows(t.shape[0], ws, rank)
-                if stop == start or not math.prod(t.shape[1:]):
-                    continue
-            got.append(t)
-        return got + list(self.first if rank == 0 else ())
+            return [*self.targets, *first]
+        targets = self.targets
+        return [targets[i] for i in self._held_at(rank)] + first
 
 
 class RankPieces(Sequence):
