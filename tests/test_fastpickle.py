@@ -40,8 +40,7 @@ def _fast(data: bytes, rows: bool = True, window: int | None = None):
     ``window``: read from a file that many bytes at a time, as load_dcp_metadata reads it."""
     u = dcpmeta.MetadataUnpickler(io.BytesIO(data))
     u.proto = 4
-    readers = dcprows.Rows().readers(dcpmeta.ChunkStorageMetadata, dcpmeta.MetadataIndex,
-                                     dcpmeta.StorageInfo) if rows else None
+    readers = dcpmeta.fast_readers(dcprows.Rows()) if rows else None
     if window is None:
         tree = fastpickle.load(data, u.find_class, readers)
     else:
@@ -82,6 +81,8 @@ def _shape(x, ids: dict) -> object:
         return ("tuple", repr(x))
     if isinstance(x, dcpmeta._Record) and (row := _as_row(x)) is not None:
         return (type(row).__name__, repr(row))
+    if type(x) is dcpmeta.TensorProperties:  # one object per distinct record, shared: by value
+        return ("TensorProperties", _shape(vars(x), {}))
     if id(x) in ids:
         return ("shared", ids[id(x)])
     ids[id(x)] = len(ids)
@@ -441,6 +442,32 @@ def test_every_form_of_a_record_reads_the_same(tmp_path):
     assert got.storage_data[("obj", None)].length == 8
 
 
+def test_tensors_properties_are_one_object_per_distinct_record(tmp_path):
+    """A tensor's ``TensorProperties`` is read in one step, one object for each distinct record
+    (its dtype, requires_grad, pin_memory...) shared by the tensors that have it, each reading
+    as the careful reader's: many tensors' properties were an object, a dict and a tuple each."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    kinds = [dict(dtype=torch.float32), dict(dtype=torch.bfloat16), dict(dtype=torch.float32, requires_grad=True),
+             dict(dtype=torch.int64, pin_memory=True)]
+    state = {f"t{i}": TensorStorageMetadata(TensorProperties(**kinds[i % 4]), torch.Size([2]),
+                                            [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([2]))])
+             for i in range(400)}  # (past 256 memo entries: LONG_BINGET references too)
+    data = pickle.dumps(Metadata(state_dict_metadata=state), protocol=4)
+    fast, careful = _fast(data), _careful(data)
+    assert _same(fast, careful)
+    got = {id(md.properties): md.properties for md in fast.state_dict_metadata.values()}
+    assert len(got) < 20  # (not one per tensor: a record referring to its fields another way is another)
+    for name, md in careful.state_dict_metadata.items():
+        mine = fast.state_dict_metadata[name].properties
+        assert vars(mine) == vars(md.properties) and type(mine) is dcpmeta.TensorProperties
+    p = tmp_path / ".metadata"
+    p.write_bytes(data)
+    assert load_dcp_metadata(p).state_dict_metadata["t2"].properties.requires_grad is True
+
+
 @pytest.mark.parametrize("name", ["w.weight", "w\u2014w", "\u00e9" * 40])
 def test_an_index_named_again_is_read_in_one_step_or_the_careful_way(name):
     """A tensor's storage entries after its first name it anew, as torch pickles each key: read
@@ -564,7 +591,7 @@ def test_the_memo_widens_to_four_bytes_an_entry_wherever_it_must(monkeypatch, tm
     """Past 65,536 objects the memo's codes widen from two bytes to four, once, wherever that
     falls: between records, or inside a record reader (the Size or name that needs the wider
     code: the record read again, nothing of it added twice). Swept over every point it can
-    fall at (the memo made to widen sooner), and at its real limit (a file of 7,000 tensors),
+    fall at (the memo made to widen sooner), and at its real limit (a file of 9,000 tensors),
     the tree read is the careful reader's."""
     seen, raised = [], []
 
@@ -615,7 +642,7 @@ def test_the_memo_widens_to_four_bytes_an_entry_wherever_it_must(monkeypatch, tm
     assert raised
 
     Spy.room, raised[:] = 0xFFFF, []
-    data = _many_rank_metadata(ranks=2, tensors=7000)
+    data = _many_rank_metadata(ranks=2, tensors=9000)
     assert _same(_fast(data), _careful(data))
     memo = seen[-1]
     assert len(memo.objs) > 0x10000 and memo.codes.itemsize == 4 and max(memo.codes) == len(memo.objs) - 1

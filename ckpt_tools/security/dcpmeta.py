@@ -13,8 +13,10 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 import struct
 from enum import Enum
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -278,6 +280,58 @@ bounded.register(_Record, lambda r: vars(r).values())
 # every file a DCP may hold; tests set it lower)
 FAST_MAX_BYTES = safefs.MAX_METADATA_BYTES
 
+# a TensorProperties record as torch pickles it after its class: EMPTY_TUPLE NEWOBJ MEMOIZE
+# MARK, its 5 fields (6 from torch 2.15, strides None), each a memo reference, a bool or None,
+# TUPLE MEMOIZE BUILD
+_PROPERTIES = re.compile(rb"\)\x81\x94\(((?:h.|j....|\x88|\x89|N){5,6})t\x94b", re.S).match
+_VALUE = re.compile(rb"h(.)|j(....)|.", re.S).finditer
+_CONSTANT = {0x88: True, 0x89: False, 0x4E: None}  # NEWTRUE, NEWFALSE, NONE
+_U4 = struct.Struct("<I").unpack
+
+
+def _value_of(m: re.Match, memo: fastpickle.Memo) -> Any:
+    """One field of a record :data:`_PROPERTIES` matched: what a memo reference (BINGET,
+    LONG_BINGET) names, or a constant."""
+    short, long = m.groups()
+    if short is not None:
+        return memo[short[0]]
+    return memo[_U4(long)[0]] if long is not None else _CONSTANT[m.group()[0]]
+
+
+class _SharedProperties:
+    """A :func:`~ckpt_tools.security.fastpickle.load` record reader of ``TensorProperties``:
+    one object per distinct record, shared by the tensors whose records are alike (every tensor
+    of one dtype). Each was an object, its dict and its state tuple, ~400 bytes of every tensor
+    a ``.metadata`` lists (a 25k-tensor file's ~10 MB), and a dozen opcodes read one by one. Its
+    state is checked by the same ``__setstate__`` as the careful reader's; its memo entries,
+    the record and its state tuple, are :data:`~ckpt_tools.security.fastpickle.UNREAD` (torch
+    never refers back to them; a pickle that does is read the careful way)."""
+
+    def __init__(self) -> None:
+        self._made: dict[bytes, TensorProperties] = {}  # the record's fields, as pickled -> the object
+
+    def __call__(self, buf: bytes, pos: int, fend: int, memo: fastpickle.Memo) -> tuple[Any, int] | None:
+        m = _PROPERTIES(buf, pos, fend)
+        if m is None:
+            return None
+        fields = m.group(1)
+        obj = self._made.get(fields)
+        if obj is None:
+            state = tuple(map(_value_of, _VALUE(fields), repeat(memo)))
+            obj = TensorProperties.__new__(TensorProperties)
+            obj.__setstate__(state)  # (refusing as the careful reader refuses: it reads it then)
+            if len(self._made) >= 1 << 12:
+                self._made.clear()
+            self._made[fields] = obj
+        memo.codes.extend((0, 0))  # (the record and its state: UNREAD)
+        return obj, m.end()
+
+
+def fast_readers(rows: dcprows.Rows) -> dict[type, Any]:
+    """The record readers :func:`~ckpt_tools.security.fastpickle.load` takes for a ``.metadata``:
+    chunks and storage entries as ``rows``' rows, tensors' properties shared."""
+    return {**rows.readers(ChunkStorageMetadata, MetadataIndex, StorageInfo), TensorProperties: _SharedProperties()}
+
 
 def _unpickle(f: Any, size: int, fast: bool, stored: dcprows.Stored | None = None) -> Any:
     """The pickle in ``f``: by :func:`fastpickle.load` (DCP's many-rank records read as rows,
@@ -289,7 +343,7 @@ def _unpickle(f: Any, size: int, fast: bool, stored: dcprows.Stored | None = Non
     careful.proto = 4  # what its find_class consults; fastpickle reads protocol 4 and 5 only
     try:
         reader = dcprows.Rows()
-        rows = reader.readers(ChunkStorageMetadata, MetadataIndex, StorageInfo)
+        rows = fast_readers(reader)
         pairs = reader.joiner(TensorStorageMetadata, MetadataIndex, stored) if stored is not None else None
         # read a window at a time: the file is never held whole
         return fastpickle.load(f.read(fastpickle.WINDOW), careful.find_class, rows, more=f.read, pairs=pairs)
