@@ -204,7 +204,10 @@ class _Emitter:
         self._entry: tuple | None = None
         self._tensor: tuple | None = None
         self.rendered: dict[int, Callable[[Any], None]] = {}
-        self._names: dict[str, tuple[bytes, int] | None] = {}  # a name's opcodes as a new string
+        # a name's opcodes as a new string, for the names met since the last _NAMES_KEPT (a name
+        # is met again within its tensor's entries; all of them kept were ~330 bytes a tensor,
+        # 8 MB of a 25k-tensor file's, to save an encode each in the next section)
+        self._names: dict[str, tuple[bytes, int] | None] = {}
 
     # -- pickle's framer and memo
 
@@ -476,6 +479,8 @@ class _Emitter:
         if got is _NO_NAME:
             encoded = s.encode("utf-8", "surrogatepass")
             got = (b"\x8c" + bytes([len(encoded)]) + encoded + b"\x94", 1) if len(encoded) <= 0xFF else None
+            if len(self._names) >= _NAMES_KEPT:
+                self._names.clear()
             self._names[s] = got
         return got
 
@@ -484,6 +489,9 @@ class _Emitter:
         whether it is new; None for one of 256 bytes or more (BINUNICODE: left to :meth:`save`)."""
         i = self.memo.get(id(s))
         return (self.get(i), 0) if i is not None else self._new_name(s)
+
+
+_NAMES_KEPT = 1 << 12
 
 
 def _size_ops(dims: tuple) -> tuple[bytes, int]:
