@@ -494,20 +494,24 @@ def test_an_index_named_again_is_read_in_one_step_or_the_careful_way(name):
     assert _rows_in(fast)[dcprows.IndexKey] == 5
 
 
-@pytest.mark.parametrize("again", ["state", "record"])
+@pytest.mark.parametrize("again", ["state", "record", "tensor state", "properties"])
 def test_a_pickle_referring_back_into_a_row_is_read_the_careful_way(tmp_path, again):
     """A chunk's state dict and a ``torch.Size`` call's arguments are not built when the chunk
-    is read as a row, and the memo does not keep the record itself; a pickle that refers to
-    either again (torch never does) is declined by the tree check and read again by the careful
-    reader: the same tree as the careful one."""
+    is read as a row, and the memo does not keep the record itself; nor does it keep the state
+    dict of a record read opcode by opcode once spent (a tensor's), nor a tensor's properties
+    record (one object shared by the tensors alike). A pickle that refers to any of these again
+    (torch never does) is declined by the tree check and read again by the careful reader: the
+    same tree as the careful one."""
     import torch
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
                                                        TensorStorageMetadata)
 
     chunks = [ChunkStorageMetadata(offsets=torch.Size([i, 0]), sizes=torch.Size([1, 3])) for i in range(3)]
-    meta = Metadata(state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32),
-                                                                    torch.Size([3, 3]), chunks)},
-                    planner_data={"w": ("w",), "again": chunks[2].__dict__ if again == "state" else chunks[2]})
+    tensors = {n: TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([3, 3]), chunks)
+               for n in ("w", "v")}  # (the second's properties read in one step, its fields memoized)
+    target = {"state": chunks[2].__dict__, "record": chunks[2], "tensor state": tensors["v"].__dict__,
+              "properties": tensors["v"].properties}[again]
+    meta = Metadata(state_dict_metadata=tensors, planner_data={"w": ("w",), "again": target})
     data = pickle.dumps(meta, protocol=4)
     with pytest.raises(fastpickle.Decline, match="refers back"):
         _fast(data)
@@ -518,8 +522,12 @@ def test_a_pickle_referring_back_into_a_row_is_read_the_careful_way(tmp_path, ag
     assert all(type(c) is dcpmeta.ChunkStorageMetadata for c in got.state_dict_metadata["w"].chunks)
     if again == "state":
         assert got.planner_data["again"] == {"offsets": (2, 0), "sizes": (1, 3)}
-    else:
+    elif again == "record":
         assert got.planner_data["again"] is got.state_dict_metadata["w"].chunks[2]
+    elif again == "tensor state":
+        assert got.planner_data["again"].keys() == {"properties", "size", "chunks"}
+    else:
+        assert got.planner_data["again"] is got.state_dict_metadata["v"].properties
 
 
 def _many_rank_metadata(ranks: int = 64, tensors: int = 8, share: bool = False, backwards: bool = False,
@@ -591,7 +599,7 @@ def test_the_memo_widens_to_four_bytes_an_entry_wherever_it_must(monkeypatch, tm
     """Past 65,536 objects the memo's codes widen from two bytes to four, once, wherever that
     falls: between records, or inside a record reader (the Size or name that needs the wider
     code: the record read again, nothing of it added twice). Swept over every point it can
-    fall at (the memo made to widen sooner), and at its real limit (a file of 9,000 tensors),
+    fall at (the memo made to widen sooner), and at its real limit (a file of 12,000 tensors),
     the tree read is the careful reader's."""
     seen, raised = [], []
 
@@ -642,7 +650,7 @@ def test_the_memo_widens_to_four_bytes_an_entry_wherever_it_must(monkeypatch, tm
     assert raised
 
     Spy.room, raised[:] = 0xFFFF, []
-    data = _many_rank_metadata(ranks=2, tensors=9000)
+    data = _many_rank_metadata(ranks=2, tensors=12000)
     assert _same(_fast(data), _careful(data))
     memo = seen[-1]
     assert len(memo.objs) > 0x10000 and memo.codes.itemsize == 4 and max(memo.codes) == len(memo.objs) - 1

@@ -213,7 +213,10 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type,
                     if buf.startswith(_STATE_OPENS, pos):  # its state dict begun: EMPTY_DICT MEMOIZE MARK
                         x = {}
                         append(x)
-                        memoize(x)
+                        # its memo entry UNREAD: the dict is spent by the BUILD that ends the
+                        # record (a pickler never refers back to it; one that does is refused
+                        # by the tree check), not held to the end (a 25k-tensor file's, 6 MB)
+                        memo.codes.append(0)
                         metastack.append(stack)
                         stack = []
                         append = stack.append
@@ -234,9 +237,9 @@ def _load(buf: bytes, find_class: Callable[[str, str], Any], records: dict[type,
                 memoize(x)
                 pos += 1
                 if buf.startswith(_CALLED_WITH_IT, pos):  # TUPLE1 MEMOIZE REDUCE MEMOIZE: f(x), as torch.Size((...)) pickles
-                    memoize(args := (x,))
+                    memo.codes.append(0)  # (the call's argument tuple, spent by it: UNREAD, as above)
                     stack.pop()
-                    stack[-1] = x = stack[-1](*args)
+                    stack[-1] = x = stack[-1](x)
                     memoize(x)
                     pos += 4
             continue
