@@ -301,9 +301,9 @@ def _value_of(m: re.Match, memo: fastpickle.Memo) -> Any:
 class _SharedProperties:
     """A :func:`~ckpt_tools.security.fastpickle.load` record reader of ``TensorProperties``:
     one object per distinct record, shared by the tensors whose records are alike (every tensor
-    of one dtype). Each was an object, its dict and its state tuple, ~400 bytes of every tensor
-    a ``.metadata`` lists (a 25k-tensor file's ~10 MB), and a dozen opcodes read one by one. Its
-    state is checked by the same ``__setstate__`` as the careful reader's; its memo entries,
+    of one dtype). Each was an object, its dict and its state tuple, ~200 bytes of every tensor
+    a ``.metadata`` lists (5 MB of a 25k-tensor file's, traced), and a dozen opcodes read one by
+    one. Its state is checked by the same ``__setstate__`` as the careful reader's; its memo entries,
     the record and its state tuple, are :data:`~ckpt_tools.security.fastpickle.UNREAD` (torch
     never refers back to them; a pickle that does is read the careful way)."""
 
