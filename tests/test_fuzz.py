@@ -114,6 +114,52 @@ def test_read_header_baseline_is_valid(scratch: Path) -> None:
     assert set(header) == {"a", "b"} and start == len(_valid_safetensors()) - 22
 
 
+def test_read_header_entries_are_held_compact_and_read_as_their_json(scratch: Path) -> None:
+    """Each entry is an ``hf.Entry`` (a 100k-tensor header held as dicts of lists was ~55 MB),
+    read as the dict it was parsed from; equal shapes are one tuple; an entry spelled otherwise
+    (a float, an extra key, another order) becomes one once its values are checked."""
+    header = {"__metadata__": {"format": "pt"},
+              "a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+              "b": {"shape": [2, 2], "data_offsets": [16, 32], "dtype": "F32"},
+              "c": {"dtype": "BF16", "shape": [3.0], "data_offsets": [32, 38]},
+              "d": {"dtype": "U8", "shape": [], "data_offsets": [38, 39], "note": "x"}}
+    p = scratch / "entries.safetensors"
+    p.write_bytes(_safetensors(json.dumps(header).encode(), bytes(39), None))
+    got, _ = hf.read_header(p)
+    assert list(got) == ["a", "b", "c", "d"] and all(type(e) is hf.Entry for e in got.values())
+    assert got["a"] == header["a"] and got["b"] == header["b"] and dict(got["a"]) == header["a"]
+    assert got["a"]["shape"] == [2, 2] and got["a"]["data_offsets"] == [0, 16] and got["a"]["dtype"] == "F32"
+    assert repr(got["b"]) == repr({"dtype": "F32", "shape": [2, 2], "data_offsets": [16, 32]})
+    assert got["a"].shape is got["b"].shape and got["a"].dtype is got["b"].dtype
+    assert got["c"] == {"dtype": "BF16", "shape": [3], "data_offsets": [32, 38]} and type(got["c"].shape[0]) is int
+    assert got["d"] == {"dtype": "U8", "shape": [], "data_offsets": [38, 39]}
+    with pytest.raises(KeyError):
+        got["a"]["note"]
+    raw = hf.read_raw_header(p).entries  # (unchecked: as parsed, an Entry only where well-formed)
+    assert type(raw["a"]) is hf.Entry and raw["c"] == header["c"] and type(raw["c"]) is dict
+    described = {t.name: t for t in hf.describe(p).tensors}
+    assert described["a"].shape == (2, 2) and described["c"].shape == (3,)
+    assert [(c.offsets, c.byte_offset, c.length) for c in described["b"].chunks] == [((0, 0), 8 + len(json.dumps(header)) + 16, 16)]
+
+
+def test_a_header_spelled_like_an_entry_is_read_as_its_names(scratch: Path) -> None:
+    p = scratch / "top.safetensors"
+    p.write_bytes(_safetensors(b'{"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}', b"\0" * 4, None))
+    assert hf.read_raw_header(p).entries == {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}
+    with pytest.raises(BadInput, match="tensor 'dtype': malformed header entry"):
+        hf.read_header(p)
+
+
+@pytest.mark.parametrize("entry", [b'{"dtype": "F32", "dtype": "F32", "shape": [1]}',
+                                   b'{"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "shape": [1]}',
+                                   b'{"dtype": "F32", "shape": [true], "data_offsets": [0, 4], "dtype": "F32"}'])
+def test_read_header_refuses_a_duplicate_key_in_an_entry(scratch: Path, entry: bytes) -> None:
+    p = scratch / "dup.safetensors"
+    p.write_bytes(_safetensors(b'{"w": ' + entry + b"}", b"\0" * 4, None))
+    with pytest.raises(BadInput, match="not valid UTF-8 JSON"):
+        hf.read_header(p)
+
+
 
 
 @pytest.mark.parametrize("field", ["shape", "data_offsets"])

@@ -235,8 +235,7 @@ def read_sources(model_dir: Path) -> dict[str, SourceTensor]:
         for key, entry in header.items():
             if key in sources:
                 raise BadInput(f"{base / name}: tensor {key!r} is also in {sources[key].file}")
-            sources[key] = SourceTensor(key, name, tuple(entry["shape"]), hf.DTYPES[entry["dtype"]],
-                                        data_start + entry["data_offsets"][0])
+            sources[key] = SourceTensor(key, name, entry.shape, hf.DTYPES[entry.dtype], data_start + entry.begin)
     return sources
 
 
