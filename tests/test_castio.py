@@ -151,3 +151,36 @@ def test_sharded_cast_from_dcp_is_torchs(tmp_path):
         for k in a:
             assert a[k].dtype == torch.bfloat16 and torch.equal(a[k]._local_tensor, b[k]._local_tensor), k
 
+
+def test_a_cast_to_dcp_is_torchs_and_its_small_items_are_the_streamed_zips(tmp_path, monkeypatch):
+    """Small cast items are converted in memory and rendered from the item template, as small
+    copies are; larger ones are streamed into their zip. Either way torch reads back its own
+    cast, and the small ones are the bytes the streamed zip would have been, of one byte range
+    or of several (whose blocks come in buffers that are reused)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from ckpt_tools.formats import dcpnative
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    g = torch.Generator().manual_seed(6)
+    state = {"model.w": torch.randn(400, 400, generator=g), "model.b": torch.randn(7, generator=g),
+             "model.m": torch.randn(64, 64, generator=g),
+             "model.s": torch.randn(3, 5, generator=g), "model.i": torch.arange(4)}
+    save_file(state, src / "model.safetensors")
+    # from 8 ranks to 2: a piece is rows of up to 4 source chunks, so as many byte ranges
+    ckpt_tools.convert(src, tmp_path / "dcp8", to="dcp", world_size=8, progress=False)
+    src = tmp_path / "dcp8"
+    ckpt_tools.convert(src, tmp_path / "dcp", to="dcp", world_size=2, dtype="bf16", progress=False)
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "back.pt")
+    got = torch.load(tmp_path / "back.pt", weights_only=True)["model"]
+    assert sorted(got) == sorted(state)
+    for k, v in state.items():
+        want = v.bfloat16() if v.is_floating_point() else v
+        assert got[k].dtype == want.dtype and torch.equal(got[k], want), k
+    monkeypatch.setattr(dcpnative, "SMALL_RECORD", -1)  # every item streamed into its own zip
+    ckpt_tools.convert(src, tmp_path / "streamed", to="dcp", world_size=2, dtype="bf16", progress=False)
+    names = sorted(p.name for p in (tmp_path / "dcp").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "streamed").iterdir()) and "__0_0.distcp" in names
+    for name in names:
+        assert (tmp_path / "dcp" / name).read_bytes() == (tmp_path / "streamed" / name).read_bytes(), name

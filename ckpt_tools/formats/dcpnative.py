@@ -27,6 +27,7 @@ import functools
 
 import os
 import pickle
+from zlib import crc32
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -365,6 +366,13 @@ class Writer:
                     blob = _item_template(str(p.target.dtype), tuple(p.sizes), size).render(data, crc)
                     records.tensor(self._head(p.target), p.offsets, p.sizes, batch.add(blob), len(blob))
                     continue
+            elif isinstance(values, CastSpan) and values.nbytes <= SMALL_RECORD:
+                # a small cast, converted in memory and rendered as a small copy is (its zip
+                # written record by record was ~3/4 of a many-tensor cast's time)
+                data = b"".join([bytes(block) for block in blocks(values)])  # (each valid until the next)
+                blob = _item_template(str(p.target.dtype), tuple(p.sizes), len(data)).render(data, crc32(data))
+                records.tensor(self._head(p.target), p.offsets, p.sizes, batch.add(blob), len(blob))
+                continue
             batch.flush()
             start = os.lseek(fd, 0, os.SEEK_CUR)
             with TorchZipWriter(path, "archive", fd=fd, flusher=flusher, sources=sources) as z:
