@@ -231,7 +231,13 @@ def blocks(cast: CastSpan, *, block: int = BLOCK_ELEMENTS, use_numpy: bool = Tru
             for at in range(0, len(done), WRITE_BYTES):
                 yield done[at:at + WRITE_BYTES]
         else:
-            yield from _ahead(ranges, free, fds)
+            def opened(path: Path) -> int:
+                if path not in fds:
+                    fds[path] = os.open(path, os.O_RDONLY)
+                return fds[path]
+
+            jobs = ((opened(path), offset, length) for path, offset, length in ranges)
+            yield from converted_ahead(free, jobs, _Buffers.convert, _converters(), "ckpt-cast")
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -240,21 +246,20 @@ def blocks(cast: CastSpan, *, block: int = BLOCK_ELEMENTS, use_numpy: bool = Tru
         _SPARE[kind] = mine
 
 
-def _ahead(ranges: list[tuple[Path, int, int]], free: list[_Buffers], fds: dict[Path, int]) -> Iterator[memoryview]:
-    """:func:`blocks` of ``ranges``, converted ``len(free)`` blocks ahead of the writer by a
-    small pool; the files opened are left in ``fds`` for the caller to close."""
-    with concurrent.futures.ThreadPoolExecutor(_converters(), thread_name_prefix="ckpt-cast") as pool:
+def converted_ahead(free: list, jobs: Iterator[tuple], work: Callable[..., memoryview], workers: int,
+                    name: str) -> Iterator[memoryview]:
+    """``work(buffer, *job)`` for each of ``jobs`` in order, by a pool of ``workers`` threads
+    (``name``) ``len(free)`` jobs ahead of the writer, each into a buffer of ``free`` the writer
+    is done with (it asked for the next); the results as views of at most ``WRITE_BYTES``, each
+    valid until the next one is asked for. The jobs are taken on the writer's thread."""
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=name) as pool:
         pending: deque = deque()
-        it = iter(ranges)
 
         def submit() -> None:
-            nxt = next(it, None)
-            if nxt is not None:
-                path, offset, length = nxt
-                if path not in fds:
-                    fds[path] = os.open(path, os.O_RDONLY)
+            job = next(jobs, None)
+            if job is not None:
                 buf = free.pop()
-                pending.append((buf, pool.submit(buf.convert, fds[path], offset, length)))
+                pending.append((buf, pool.submit(work, buf, *job)))
 
         for _ in range(len(free)):
             submit()

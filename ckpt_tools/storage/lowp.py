@@ -22,18 +22,16 @@ this module knows blocks, codes and scales only.
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
 import os
 import threading
-from collections import deque
 from collections.abc import Iterator
 from functools import cache
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .castio import AHEAD, CastSpan, _read
+from .castio import AHEAD, CastSpan, _read, converted_ahead
 from .diskio import WRITE_BYTES
 from ..core.dtypes import DType, as_torch
 
@@ -171,25 +169,8 @@ class DequantSpan(CastSpan):
             work.span = self
         mine = list(free)
         try:
-            with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ckpt-dequant") as pool:
-                starts = iter(range(self.rows[0], self.rows[1], step))
-                pending: deque = deque()
-
-                def submit() -> None:
-                    r0 = next(starts, None)
-                    if r0 is not None:
-                        work = free.pop()
-                        pending.append((work, pool.submit(work.rows, fds, r0, min(r0 + step, self.rows[1]))))
-
-                for _ in range(AHEAD):
-                    submit()
-                while pending:
-                    work, fut = pending.popleft()
-                    data = fut.result()
-                    for at in range(0, len(data), WRITE_BYTES):
-                        yield data[at:at + WRITE_BYTES]
-                    free.append(work)  # the writer is done with it: it asked for the next chunk
-                    submit()
+            jobs = ((fds, r0, min(r0 + step, self.rows[1])) for r0 in range(self.rows[0], self.rows[1], step))
+            yield from converted_ahead(free, jobs, _Work.rows, workers, "ckpt-dequant")
         finally:
             for fd in fds.values():
                 os.close(fd)
