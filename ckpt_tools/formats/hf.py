@@ -48,8 +48,9 @@ def detect(path: Path) -> bool:
 class Entry(Mapping):
     """A well-formed header entry, ``{"dtype", "shape", "data_offsets"}``, held as its values
     (read as the dict it was parsed from; lists made when asked): a slotted object where the
-    dict, its lists and their ints were ~550 bytes, at 100k tensors ~55 MB of a header read whole
-    before its first tensor is described. Equal shapes are one tuple, dtypes one string each."""
+    dict, its lists and their ints were several hundred bytes, held whole before the first tensor
+    is described (an ``inspect`` of 99k tensors peaked 46 MB higher). Equal shapes are one
+    tuple, dtypes one string each."""
 
     __slots__ = ("dtype", "shape", "begin", "end")
     _KEYS = ("dtype", "shape", "data_offsets")
