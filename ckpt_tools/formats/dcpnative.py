@@ -359,18 +359,18 @@ class Writer:
             got, values = next(it)
             if got is not p:
                 raise RuntimeError("the engine's stream is out of the plan's order")
+            small = None  # a small item's bytes and CRC-32, for its zip rendered from the template
             if isinstance(values, Span):
                 size = parts_size(values.parts)
                 if size <= SMALL_RECORD:
-                    data, crc = sources.small(values.parts, size)
-                    blob = _item_template(str(p.target.dtype), tuple(p.sizes), size).render(data, crc)
-                    records.tensor(self._head(p.target), p.offsets, p.sizes, batch.add(blob), len(blob))
-                    continue
+                    small = sources.small(values.parts, size)
             elif isinstance(values, CastSpan) and values.nbytes <= SMALL_RECORD:
-                # a small cast, converted in memory and rendered as a small copy is (its zip
-                # written record by record was ~3/4 of a many-tensor cast's time)
+                # a small cast, converted in memory (its zip written record by record was ~3/4
+                # of a many-tensor cast's time)
                 data = b"".join([bytes(block) for block in blocks(values)])  # (each valid until the next)
-                blob = _item_template(str(p.target.dtype), tuple(p.sizes), len(data)).render(data, crc32(data))
+                small = data, crc32(data)
+            if small is not None:
+                blob = _item_template(str(p.target.dtype), tuple(p.sizes), len(small[0])).render(*small)
                 records.tensor(self._head(p.target), p.offsets, p.sizes, batch.add(blob), len(blob))
                 continue
             batch.flush()
