@@ -97,6 +97,34 @@ def test_tabled_span_is_the_formula_bit_for_bit(tmp_path, scale_dtype, dst, bloc
         assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
 
 
+def test_a_dequantized_span_of_one_chunk_is_computed_on_the_writers_thread(tmp_path, monkeypatch):
+    """A span of one chunk (a small FP8 weight: many of a model's tensors) is computed where the
+    writer asks for it, not by a pool of its own (~0.9 ms a span); one of several chunks is
+    still computed ahead, on the pool's threads. The bytes are the same either way."""
+    import threading
+
+    from ckpt_tools.core.dtypes import DType
+    from ckpt_tools.storage import lowp
+
+    on = []
+    rows = lowp._Work.rows
+    monkeypatch.setattr(lowp._Work, "rows", lambda self, *a: on.append(threading.get_ident()) or rows(self, *a))
+    shape, block = (300, 2200), (128, 128)
+    q, grid = codes(shape, 3), (3, 18)
+    s = torch.rand(grid, generator=torch.Generator().manual_seed(4)) * 1e-2 + 1e-4
+    path = tmp_path / "w.bin"
+    path.write_bytes(q.view(torch.uint8).numpy().tobytes() + s.numpy().tobytes())
+    span = lowp.DequantSpan(((path, 0, q.numel()),), DType("float8_e4m3fn"), DType("bfloat16"),
+                            (path, q.numel(), s.numel() * 4), DType("float32"), lowp.Grid(1, *shape, block, grid),
+                            (0, shape[0]))
+    want = formula(q, s, block).to(torch.bfloat16).view(torch.int16)
+    for elements, chunks, writers in ((1 << 20, 1, True), (100_000, 3, False)):
+        on.clear()
+        got = b"".join(bytes(b) for b in span.blocks(elements=elements))
+        assert torch.equal(torch.frombuffer(bytearray(got), dtype=torch.int16).view(shape), want)
+        assert len(on) == chunks and (set(on) == {threading.get_ident()}) == writers, elements
+
+
 # -- verify --atol, streamed -----------------------------------------------------------------
 
 def _peak_verify(a: Path, b: Path) -> tuple[int, int]:
