@@ -160,7 +160,6 @@ class DequantSpan(CastSpan):
         step = g.rows if g.transposed else max(g.block[0], elements // max(g.cols, 1) // g.block[0] * g.block[0])
         step = min(step, max(1, self.rows[1] - self.rows[0]))
         fds = {p: os.open(p, os.O_RDONLY) for p in {self.parts[0][0], self.scale_part[0]}}
-        workers = max(1, min(2, os.cpu_count() or 1))
         kind = (step, g.cols, g.row_bytes, g.block, g.e2m1, g.transposed, str(self.src), str(self.dst))
         with _SPARE_LOCK:
             free = _SPARE.pop(kind, [])
@@ -170,13 +169,20 @@ class DequantSpan(CastSpan):
         mine = list(free)
         try:
             jobs = ((fds, r0, min(r0 + step, self.rows[1])) for r0 in range(self.rows[0], self.rows[1], step))
-            yield from converted_ahead(free, jobs, _Work.rows, workers, "ckpt-dequant")
+            yield from converted_ahead(free, jobs, _Work.rows, _workers(), "ckpt-dequant")
         finally:
             for fd in fds.values():
                 os.close(fd)
         with _SPARE_LOCK:  # only after a clean end: after an error a writer may still hold a chunk
             _SPARE.clear()  # one kind kept: a model's weights come in a few shapes, often in a row
             _SPARE[kind] = mine
+
+
+@cache
+def _workers() -> int:
+    """Threads computing a span's chunks: two at most (worked out once: ``os.cpu_count`` reads a
+    file, and a model of many small weights asks per span)."""
+    return max(1, min(2, os.cpu_count() or 1))
 
 
 _SPARE: dict[tuple, list] = {}  # the buffers of the last finished span, for the next of its kind
