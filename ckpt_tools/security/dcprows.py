@@ -411,6 +411,7 @@ class Rows:
             try:
                 if got is None:
                     s = str(raw, "utf-8", "surrogatepass")
+                    s = memo.strings.setdefault(s, s)  # (its metadata's key, read before)
                     got = named[raw] = (s, self._pack[2](memo.shared(s)))
                 if tail is None:
                     tail = self._codes_of(memo, d, offsets, head=False)
@@ -535,6 +536,7 @@ class Rows:
         got = self._named.get(raw)
         if got is None:
             s = str(raw, "utf-8", "surrogatepass")
+            s = memo.strings.setdefault(s, s)  # (its metadata's key, read before)
             got = self._named[raw] = (s, self._pack[2](memo.shared(s)))
         return got[0], got[1], end + 1, key
 
