@@ -410,9 +410,7 @@ class Rows:
             tail = tails.get(d)
             try:
                 if got is None:
-                    s = str(raw, "utf-8", "surrogatepass")
-                    s = memo.strings.setdefault(s, s)  # (its metadata's key, read before)
-                    got = named[raw] = (s, self._pack[2](memo.shared(s)))
+                    got = self._new_name(raw, memo)
                 if tail is None:
                     tail = self._codes_of(memo, d, offsets, head=False)
             except Widened:
@@ -535,10 +533,17 @@ class Rows:
         raw = buf[m.end():end]
         got = self._named.get(raw)
         if got is None:
-            s = str(raw, "utf-8", "surrogatepass")
-            s = memo.strings.setdefault(s, s)  # (its metadata's key, read before)
-            got = self._named[raw] = (s, self._pack[2](memo.shared(s)))
+            got = self._new_name(raw, memo)
         return got[0], got[1], end + 1, key
+
+    def _new_name(self, raw: bytes, memo: Memo) -> tuple[str, bytes]:
+        """A name (or path) read for the first time, from its UTF-8 bytes ``raw``: the string,
+        the one the load read before where it did (its metadata's key), and its memo code,
+        noted by its bytes; :class:`Widened` (nothing noted) where the code widened the memo."""
+        s = str(raw, "utf-8", "surrogatepass")
+        s = memo.strings.setdefault(s, s)
+        got = self._named[raw] = (s, self._pack[2](memo.shared(s)))
+        return got
 
     def _ref(self, ref: bytes, memo: Memo) -> Any:
         """What the memo reference ``ref`` names (only strings and ``tuple``, the Size global, and

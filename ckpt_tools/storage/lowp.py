@@ -154,8 +154,9 @@ class DequantSpan(CastSpan):
     def blocks(self, *, elements: int = 1 << 20) -> Iterator[memoryview]:
         """The dequantized bytes in order, a few block-rows (or, transposed, one slab) at a
         time, computed with numpy (see :class:`_Work`) by a small pool that works ``AHEAD``
-        chunks ahead of the writer (numpy releases the GIL), into buffers made once and reused:
-        each view is valid until the next one is asked for."""
+        chunks ahead of the writer (numpy releases the GIL; a span of one chunk is computed on
+        the writer's thread), into buffers made once and reused: each view is valid until the
+        next one is asked for."""
         g = self.grid
         step = g.rows if g.transposed else max(g.block[0], elements // max(g.cols, 1) // g.block[0] * g.block[0])
         step = min(step, max(1, self.rows[1] - self.rows[0]))
