@@ -3,6 +3,7 @@ bytes as one process."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -59,6 +60,58 @@ assert len(forked) == 2, forked
     assert [k for k in got if got[k] != single[name][k]] == []
 
 
+# logs each file hashed for the manifest (its process's rank under torchrun, its pid, its path)
+_HASHED = """
+import os
+from ckpt_tools.storage import manifest
+_digest = manifest.file_digest
+def _logged(path):
+    with open({log!r}, "a") as f:
+        f.write(f"{{os.environ.get('RANK', '-')}} {{os.getpid()}} {{path}}\\n")
+    return _digest(path)
+manifest.file_digest = _logged
+"""
+
+
+def _hashed(log: Path, by: int) -> dict[str, list[str]]:
+    """The files each process hashed (field ``by`` of a log line: 0 its rank, 1 its pid), by
+    their name under the staging directory they were written in."""
+    out: dict[str, list[str]] = {}
+    for line in log.read_text().splitlines():
+        fields = line.split(" ", 2)
+        parts = Path(fields[2]).parts
+        staging = next(i for i, part in enumerate(parts) if ".ckpt-tmp-" in part)
+        out.setdefault(fields[by], []).append("/".join(parts[staging + 1:]))
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama_sharded_ws8", "llama_dcp"])
+def test_workers_seal_the_files_they_write(name: str, fixtures_dir: Path, tmp_path: Path, single) -> None:
+    """Each --workers process hashes (and fsyncs) its files as it writes them, as one process
+    does, and reports their digests: the parent reads none of them back for the manifest (a
+    many-rank job's whole output, one file after the other), only the files it writes itself
+    (a DCP's .metadata). Every file is hashed once, and the manifest is one process's."""
+    dst, log = tmp_path / "out", tmp_path / "hashed"
+    script = _HASHED.format(log=str(log)) + f"""
+import ckpt_tools
+ckpt_tools.reshard({str(fixtures_dir / name)!r}, {str(dst)!r}, to=3, workers=2, progress=False)
+print(os.getpid())
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hashed = _hashed(log, by=1)
+    parent = hashed.pop(proc.stdout.split()[-1], [])
+    workers = [f for files in hashed.values() for f in files]
+    assert len(hashed) == 2 and all(hashed.values()), hashed
+    listed = json.loads((dst / ".ckpt-manifest.json").read_text())["files"]
+    assert sorted(parent + workers) == sorted(listed)  # each file once
+    if name == "llama_dcp":
+        assert parent == [".metadata"]
+    got = _files(dst)
+    assert [k for k in got if got[k] != single[name][k]] == []
+
+
 def _twice(x: int) -> int:
     return 2 * x
 
@@ -106,6 +159,30 @@ def test_torchrun_processes_write_their_share(fixtures_dir: Path, tmp_path: Path
     assert got.keys() == single["llama_sharded_ws8"].keys()
     assert [k for k in got if got[k] != single["llama_sharded_ws8"][k]] == []
     assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp-" in p.name], "staging left behind"
+
+
+def test_torchrun_processes_seal_the_files_they_write(fixtures_dir: Path, tmp_path: Path, single) -> None:
+    """Under torchrun each process hashes the files it writes and reports their digests: rank
+    0 does not read the other processes' files back for the manifest (on a shared filesystem,
+    other nodes' bytes, all of them, one after the other). Every file is hashed once."""
+    dst, log = tmp_path / "out", tmp_path / "hashed"
+    script = tmp_path / "run.py"
+    script.write_text(_HASHED.format(log=str(log)) + f"""
+import sys
+from ckpt_tools.cli.main import run
+sys.argv = ["ckpt", "reshard", {str(fixtures_dir / "llama_sharded_ws8")!r}, {str(dst)!r}, "--to", "3", "--quiet"]
+run()
+""")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hashed = _hashed(log, by=0)
+    assert sorted(hashed) == ["0", "1"] and hashed["1"], hashed
+    listed = json.loads((dst / ".ckpt-manifest.json").read_text())["files"]
+    assert sorted(hashed["0"] + hashed["1"]) == sorted(listed)  # each file once
+    got = _files(dst)
+    assert [k for k in got if got[k] != single["llama_sharded_ws8"][k]] == []
 
 
 def test_torchrun_refuses_existing_destination_on_every_process(fixtures_dir: Path, tmp_path: Path) -> None:

@@ -65,14 +65,15 @@ def _execute(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path
     fetch.side_files(src)  # a remote source's files no plan reads but layouts copy (nothing when local)
     if env.world() > 1 and not writer.single_file:
         parallel.execute_torchrun(src, writer, jobs, dst, overwrite=overwrite, progress=progress, desc=desc,
-                                  complete=complete, own_share=own_share)
+                                  complete=complete, sealed=sealed, own_share=own_share)
         return
     check_destination(src.root, dst, overwrite=overwrite)
     with staged(dst, overwrite=overwrite, is_dir=not writer.single_file) as tmp:
         if workers > 1 and len(jobs) > 1 and not writer.single_file:
             with fetch.Ahead(src, jobs) as ahead:
                 ahead.all()  # the workers read the stand-in this process filled
-            written = parallel.run_parallel(src, writer, jobs, tmp, workers=workers, progress=progress, desc=desc)
+            written = parallel.run_parallel(src, writer, jobs, tmp, workers=workers, progress=progress, desc=desc,
+                                            sealed=sealed)
         else:
             # a remote DST: each file's parts are uploaded as it is written (nothing when local)
             written = run_jobs(src, writer, jobs, tmp, progress=progress, desc=desc,

@@ -36,17 +36,31 @@ def balance(jobs: Sequence[FileJob], k: int) -> list[list[FileJob]]:
     return shares
 
 
-def _run_share(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path) -> dict[str, Any]:
+def _run_share(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path
+               ) -> tuple[dict[str, Any], dict[str, tuple[int, str]]]:
     if "torch" in sys.modules:  # workers share the cores: one intra-op thread each
         sys.modules["torch"].set_num_threads(1)
-    return run_jobs(src, writer, jobs, out, progress=False, desc="")
+    sealed: dict[Path, tuple[int, str]] = {}
+    return run_jobs(src, writer, jobs, out, progress=False, desc="", sealed=sealed), _relative(sealed, out)
+
+
+def _relative(sealed: dict[Path, tuple[int, str]], out: Path) -> dict[str, tuple[int, str]]:
+    """The files a process sealed (hashed and fsynced as it wrote them: :class:`~ckpt_tools.storage.manifest.Sealer`),
+    by their name under ``out``: what it reports, for the manifest's writer to take as known
+    rather than read every process's files again, one after the other, once all are written."""
+    return {p.relative_to(out).as_posix(): digest for p, digest in sealed.items()}
+
+
+def _absolute(digests: dict[str, tuple[int, str]], out: Path) -> dict[Path, tuple[int, str]]:
+    return {out / rel: digest for rel, digest in digests.items()}
 
 
 def run_parallel(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: Path, *,
-                 workers: int, progress: bool, desc: str) -> dict[str, Any]:
+                 workers: int, progress: bool, desc: str, sealed: dict[Path, tuple[int, str]]) -> dict[str, Any]:
     """Write ``jobs`` with ``workers`` helper processes (:mod:`ckpt_tools.runtime.procs`: they
-    never import the caller's ``__main__``), each taking whole files. An interrupt or a failed
-    worker stops the others; the first failure is raised here."""
+    never import the caller's ``__main__``), each taking whole files and sealing them as it
+    writes them (their digests added to ``sealed``). An interrupt or a failed worker stops the
+    others; the first failure is raised here."""
     shares = [share for share in balance(jobs, workers) if share]
     written: dict[str, Any] = {}
     work = Path(tempfile.mkdtemp(prefix="ckpt-workers-"))
@@ -61,7 +75,8 @@ def run_parallel(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: 
             while (done := procs.wait_any(children)) is not None:
                 outcome = done.outcome()
                 if outcome[0] == "ok":
-                    written.update(outcome[1])
+                    written.update(outcome[1][0])
+                    sealed.update(_absolute(outcome[1][1], out))
                     bar.update(sum(j.nbytes for j in share_of[done.name]))
                 elif outcome[0] == "error":
                     raise outcome[1]
@@ -76,7 +91,7 @@ def run_parallel(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], out: 
 
 def execute_torchrun(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path, *, overwrite: bool,
                      progress: bool, desc: str, complete: Callable[[Path, dict[str, Any]], None],
-                     own_share: bool = False) -> None:
+                     sealed: dict[Path, tuple[int, str]], own_share: bool = False) -> None:
     """Every process of the launch writes its share of ``jobs`` (``own_share``: ``jobs`` are its
     share, the only files it planned) into one staging directory; rank 0 then writes the
     describing files from what every process reports it wrote, and commits. Any process's error
@@ -95,7 +110,7 @@ def execute_torchrun(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], d
         try:
             _same_writer(writer)
             _execute_to_store(src, writer, mine, dst, dest, rank=rank, world=world, progress=progress, desc=desc,
-                              complete=complete)
+                              complete=complete, sealed=sealed)
         finally:
             if own:
                 dist.destroy_process_group()
@@ -124,22 +139,23 @@ def execute_torchrun(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], d
         (error,) = _bcast(error)
         if error is not None:
             raise error
-        written, error = {}, None
+        written, mine_sealed, error = {}, {}, None
         try:
-            written = run_jobs(src, writer, mine, tmp, progress=progress and rank == 0, desc=desc)
+            written = run_jobs(src, writer, mine, tmp, progress=progress and rank == 0, desc=desc, sealed=mine_sealed)
         except Exception as e:  # reported to every process, raised everywhere
             error = CkptError(f"process {rank} of the torchrun launch failed: {e}")
             error.exit_code = getattr(e, "exit_code", 5)
         gathered: list = [None] * world
-        dist.all_gather_object(gathered, (written, error))
-        failed = [e for _, e in gathered if e is not None]
+        dist.all_gather_object(gathered, (written, _relative(mine_sealed, tmp), error))
+        failed = [e for *_, e in gathered if e is not None]
         if rank == 0:
             if failed:
                 remove_path(tmp)
             else:
                 merged: dict[str, Any] = {}
-                for w, _ in gathered:
+                for w, digests, _ in gathered:
                     merged.update(w)
+                    sealed.update(_absolute(digests, tmp))
                 with discarded_on_error(tmp, dst):
                     complete(tmp, merged)
                     fsync_tree(tmp)
@@ -158,7 +174,7 @@ def execute_torchrun(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], d
 
 def _execute_to_store(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], dst: Path, dest: remote.Destination, *,
                       rank: int, world: int, progress: bool, desc: str,
-                      complete: Callable[..., None]) -> None:
+                      complete: Callable[..., None], sealed: dict[Path, tuple[int, str]]) -> None:
     """A remote DST under torchrun, no shared filesystem: each process writes its share into its
     own private staging directory (``dst``, a path of its own) and uploads it; once every upload
     is done, rank 0 writes the describing files (with the digests the others report) and
@@ -177,7 +193,6 @@ def _execute_to_store(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], 
     remove_path(dst)
     dst.mkdir(parents=True)
     written: dict[str, Any] = {}
-    sealed: dict[Path, tuple[int, str]] = {}
     uploaded: list[str] = []
     try:
         written = run_jobs(src, writer, jobs, dst, progress=progress and rank == 0, desc=desc, sealed=sealed)
@@ -185,7 +200,7 @@ def _execute_to_store(src: Checkpoint, writer: Writer, jobs: Sequence[FileJob], 
     except Exception as e:  # reported to every process, raised everywhere
         error = CkptError(f"process {rank} of the torchrun launch failed: {e}")
         error.exit_code = getattr(e, "exit_code", 5)
-    digests = {str(p.relative_to(dst)): v for p, v in sealed.items()}
+    digests = _relative(sealed, dst)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (written, digests, uploaded, error))
     failed = [e for *_, e in gathered if e is not None]
