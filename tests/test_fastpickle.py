@@ -531,14 +531,15 @@ def test_a_pickle_referring_back_into_a_row_is_read_the_careful_way(tmp_path, ag
 
 
 def _many_rank_metadata(ranks: int = 64, tensors: int = 8, share: bool = False, backwards: bool = False,
-                        one_process: bool = False, paths_shared: bool = False) -> bytes:
+                        one_process: bool = False, paths_shared: bool = False, at=None) -> bytes:
     """A ``.metadata`` as a many-rank save gathers it, pickled by torch's own classes: every
     key's name its own string, every Size its own object. ``share``: the first two tensors
     hold one chunks list (which torch never writes: a pickle's memo can); ``backwards``: the
     entries listed from the last rank to the first, against their chunks' order;
     ``one_process``: every key's name the state dict's own string (a save that gathered
     nothing: the pickle refers back to it); ``paths_shared``: a rank's entries share its
-    file's name, as one rank's gathered results do (else each entry has its own string)."""
+    file's name, as one rank's gathered results do (else each entry has its own string);
+    ``at(r, t)``: the byte offset of tensor ``t``'s item on rank ``r`` (else ``1000 * t``)."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
@@ -555,7 +556,7 @@ def _many_rank_metadata(ranks: int = 64, tensors: int = 8, share: bool = False, 
     for r in range(ranks)[::-1 if backwards else 1]:  # (rank by rank, as torch gathers the entries)
         for t in range(tensors):
             storage[MetadataIndex(names[t] if one_process else f"layers.{t}.w", torch.Size([2 * r, 0]), r)] = \
-                _StorageInfo(paths[r] if paths_shared else f"__{r}_0.distcp", 1000 * t, 32 + t)
+                _StorageInfo(paths[r] if paths_shared else f"__{r}_0.distcp", at(r, t) if at else 1000 * t, 32 + t)
     return pickle.dumps(Metadata(state_dict_metadata=state, storage_data=storage), protocol=4)
 
 
@@ -701,6 +702,23 @@ def test_a_joined_read_moves_each_entry_to_its_chunk_and_nothing_else(tmp_path, 
         assert n <= len(plain.state_dict_metadata)
     else:
         assert n >= len(plain.storage_data) - 2 * len(plain.state_dict_metadata)
+
+
+def test_an_entrys_offset_is_joined_as_pickled_at_every_width_and_a_negative_one_is_not(tmp_path):
+    """A storage entry's byte offset, pickled at the width its value needs (BININT1, BININT2,
+    BININT, LONG1), is joined as that value; a negative one (a BININT is signed) is not joined:
+    it stays in the dict as read, as the plain read has it."""
+    def at(r, t):
+        return (5, 70_000 + r, 1 << 40, -7 - r)[t % 4] if r % 2 else 1000 * t
+
+    p = tmp_path / ".metadata"
+    p.write_bytes(_many_rank_metadata(ranks=16, tensors=8, paths_shared=True, at=at))
+    plain, stored = load_dcp_metadata(p), dcprows.Stored()
+    got = load_dcp_metadata(p, stored=stored)
+    assert _entries(got, stored) == _entries(plain)
+    negative = {k for k, v in _entries(plain).items() if v[1] < 0}
+    assert len(negative) == 8 * 2 and negative <= {k._key() if hasattr(k, "_key") else tuple(k) for k in got.storage_data}
+    assert _joined(stored) >= 16 * 8 - len(negative) - 8  # (the rest: all but the first few)
 
 
 @pytest.mark.parametrize("one_process", [False, True])
