@@ -229,6 +229,8 @@ def main() -> None:
 
     compile_package()  # as pip install does: else a checkout under PYTHONDONTWRITEBYTECODE compiles every run
     load = os.getloadavg()[0]
+    if a.work is not None:
+        Path(a.work).mkdir(parents=True, exist_ok=True)  # (a fresh scratch place, named, not there yet)
     with tempfile.TemporaryDirectory(dir=a.work) as tmp:
         rows = run(a.ranks, a.tensors, Path(tmp), a.tile)
         rows += run_moments(a.moments, Path(tmp)) if a.moments else []
