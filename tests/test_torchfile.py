@@ -818,6 +818,16 @@ def _zip_mutations(tmp_path: Path) -> list[Path]:
     out.append(p)
     (p := tmp_path / "jobH.pt").write_bytes(job[:at + 3] + b"\x05" + job[at + 4:])  # its signature damaged
     out.append(p)
+    # the layout's names with other sizes, so other places (a rank holding other rows): read by it
+    torch.save({"w": torch.arange(9.0), "b": torch.ones(2, dtype=torch.int64)}, p := tmp_path / "jobI.pt")
+    out.append(p)
+    at = job.index(b"PK\x01\x02")  # the first record's central directory entry
+    size = int.from_bytes(job[at + 20:at + 24], "little")
+    (p := tmp_path / "jobJ.pt").write_bytes(job[:at + 20] + (size + 1).to_bytes(4, "little") + job[at + 24:])  # compressed?
+    out.append(p)
+    place = int.from_bytes(job[at + 42:at + 46], "little")
+    (p := tmp_path / "jobK.pt").write_bytes(job[:at + 42] + (place + 1).to_bytes(4, "little") + job[at + 46:])  # no header there
+    out.append(p)
     at = job.rindex(b"jobC/data/0")  # its name in the central directory
     (p := tmp_path / "jobE.pt").write_bytes(job[:at] + b"jobC/data/1" + job[at + 11:])  # a repeated name
     out.append(p)
@@ -853,7 +863,7 @@ def test_zip_records_fast_path_reads_as_zipfile_does(tmp_path, monkeypatch, smal
     monkeypatch.setattr(zipdir, "_plain_records", lambda *a: used.append(r := plain_records(*a)) or r)
     monkeypatch.setattr(zipdir, "_same_layout", lambda *a: same.append(r := same_layout(*a)) or r)
     for path in _zip_mutations(tmp_path):
-        if path.stem in ("jobD", "jobE", "jobF", "jobG", "jobH"):
+        if path.stem in ("jobD", "jobE", "jobF", "jobG", "jobH", "jobI", "jobJ", "jobK"):
             for _ in range(1 if small else 2):  # (large: kept once read twice, after the last file's)
                 zipdir.zip_records(tmp_path / "jobC.pt")  # the layout each is compared with: jobC's
         used.clear()
@@ -865,9 +875,9 @@ def test_zip_records_fast_path_reads_as_zipfile_does(tmp_path, monkeypatch, smal
         assert fast == slow, path.name
         if path.stem in ("plain", "accented", "jobA", "jobB", "jobC"):
             assert used and used[0] is not None, path.name  # read by the fast path itself
-        if path.stem in (("jobB", "jobC") if small else ("jobC",)):
-            assert same[0] == path.stem, path.name  # by the layout of the job's first file (large: its second's)
-        if path.stem in ("jobD", "jobE", "jobF", "jobG", "jobH"):
+        if path.stem in (("jobB", "jobC", "jobI") if small else ("jobC", "jobI")):
+            assert same[0][0] == path.stem, path.name  # by the layout of the job's first file (large: its second's)
+        if path.stem in ("jobD", "jobE", "jobF", "jobG", "jobH", "jobJ", "jobK"):
             assert same and same[0] is None, path.name  # not by that layout
     assert zipdir.zip_records(tmp_path / "accented.pt")[0] == "modèle"
 
@@ -904,28 +914,36 @@ def test_zip_records_of_one_jobs_files_share_their_columns(tmp_path):
 
 
 def test_zip_layouts_kept_once_seen_twice_and_names_shared(tmp_path, monkeypatch):
-    """Rank files of one size whose records lie elsewhere (ranks holding other rows) keep no
-    layout: a layout is kept once a second zip of its size and place has it. Zips of other
-    layouts with the same record names share one index of names; each reads as zipfile does."""
+    """A layout is kept once a second zip of its directory's size has it, so a zip that is the
+    first of its kind keeps none. Rank files whose records lie elsewhere (ranks holding other
+    rows: other sizes, other places) are read from it, with their own sizes and places; those
+    that hold the same rows share its columns. Zips with the same record names share one index
+    of names; each reads as zipfile does."""
     monkeypatch.setattr(zipdir, "_SMALL", 0)  # (as for a 25k-record zip, with two records)
     monkeypatch.setattr(zipdir, "_ZIP_LAYOUTS", {})
     monkeypatch.setattr(zipdir, "_NAMES", {})
+    whole = []
+    read_layout = zipdir._read_layout
+    monkeypatch.setattr(zipdir, "_read_layout", lambda *a: whole.append(1) or read_layout(*a))
 
     def save(name: str, a: int, b: int) -> Path:
         torch.save({"x": torch.zeros(a), "y": torch.ones(b)}, p := tmp_path / f"{name}.pt")
         return p
 
-    u0, v0, v1 = save("u0", 64, 16), save("v0", 16, 64), save("v1", 16, 64)
-    assert u0.stat().st_size == v0.stat().st_size  # one key: the same size and directory place
+    u0, v0, v1, w0 = save("u0", 64, 16), save("v0", 16, 64), save("v1", 16, 64), save("w0", 300, 7)
     read = {}
-    for p in (u0, v0, v1):
+    for p in (u0, v0, v1, w0, u0):
         read[p.stem] = zipdir.zip_records(p)[1]
         with zipfile.ZipFile(p) as z:
-            want = {i.filename.split("/", 1)[1]: (i.file_size, i.CRC) for i in z.infolist()}
-        assert {n: (r.size, r.crc32) for n, r in read[p.stem].items()} == want
+            want = {i.filename.split("/", 1)[1]: (i.file_size, i.CRC, i.header_offset) for i in z.infolist()}
+        assert {n: (r.size, r.crc32) for n, r in read[p.stem].items()} == {n: w[:2] for n, w in want.items()}
+        data = p.read_bytes()
+        for n, r in read[p.stem].items():  # (its data where zipfile reads it)
+            assert zipfile.ZipFile(p).read(f"{p.stem}/{n}") == data[r.offset:r.offset + r.size]
         kept = [v for v in zipdir._ZIP_LAYOUTS.values() if type(v) is zipdir._ZipLayout]
-        assert len(kept) == (1 if p is v1 else 0), p.stem  # only v0's, once v1 repeated it
-    assert read["u0"].offset("data/1") != read["v0"].offset("data/1")  # two layouts
-    assert read["u0"]._cols.index is read["v0"]._cols.index  # one index of names
-    assert read["v1"]._cols is not read["v0"]._cols  # (v1 read its layout whole, then kept it)
-    assert zipdir.zip_records(tmp_path / "v1.pt")[1]._cols is zipdir.zip_records(v0)[1]._cols  # now from it
+        assert len(kept) == (0 if p is u0 and len(whole) == 1 else 1), p.stem  # v0's, the second of its size
+    assert len(whole) == 2  # u0 and v0 read whole; v1, w0 and u0 again from v0's layout
+    assert read["u0"].offset("data/1") != read["v0"].offset("data/1")  # other places
+    assert read["u0"]._cols.index is read["v0"]._cols.index is read["w0"]._cols.index  # one index of names
+    assert read["v1"]._cols is read["v0"]._cols  # the same rows: the layout's columns
+    assert read["w0"]._cols is not read["v0"]._cols  # other rows: its own sizes and places

@@ -18,7 +18,7 @@ import struct
 import zipfile
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -303,8 +303,9 @@ def _plain_records(fd: int, file_size: int) -> tuple[str, Records] | None:
 
     A job's rank files are the same zip but for their data, CRCs and archive folder (torch
     names it for the file): a file whose central directory, those aside, and local headers'
-    lengths equal the last such file's (of the same size and directory place) has its records,
-    with its own CRCs and folder."""
+    lengths equal the last such file's (of the same directory size and record count) has its
+    records, with its own CRCs and folder, and its own sizes and places where its ranks hold
+    other rows (:func:`_same_layout`)."""
     tail = min(file_size, _END.size + 76)
     end = os.pread(fd, tail, file_size - tail)
     if len(end) != tail or tail < _END.size:
@@ -322,20 +323,23 @@ def _plain_records(fd: int, file_size: int) -> tuple[str, Records] | None:
     central = os.pread(fd, cd_size, cd_offset)
     if len(central) != cd_size:
         return None
-    key = (file_size, cd_offset, cd_size, count)
+    key = (cd_size, count)
     known = _ZIP_LAYOUTS.get(key)
     if type(known) is _ZipLayout:
-        prefix = _same_layout(fd, central, known)
-        if prefix is not None:
-            return prefix, Records(known.columns, _crcs_at(central, known.crc_fields))
+        same = _same_layout(fd, central, known)
+        if same is not None:
+            prefix, layout = same
+            if layout is not known:  # (a file of other rows: the files after it that hold its rows share its)
+                _ZIP_LAYOUTS[key] = layout
+            return prefix, Records(layout.columns, _crcs_at(central, layout.crc_fields))
     read = _read_layout(fd, central, count)
     if read is None:
         return None
     prefix, layout, crcs = read
-    # kept once a second zip of its size and place has it too (the first is only noted, by a
-    # fingerprint): files that are all unlike (a job whose ranks hold different rows, of which
-    # many have one size) keep no layout of 25k records each (~10 MB)
-    mark = hash((layout.masked, layout.lens))
+    # kept once a second zip of its directory's size has it too (the first is only noted, by a
+    # fingerprint: its directory but for each file's own values, which a job's ranks holding
+    # other rows share): files that are all unlike keep no layout of 25k records each (~10 MB)
+    mark = hash(layout.masked)
     _ZIP_LAYOUTS.pop(key, None)
     _ZIP_LAYOUTS[key] = layout if count <= _SMALL or known == mark else mark
     while len(_ZIP_LAYOUTS) > _LAYOUTS_KEPT:  # the oldest go (a job's kinds of file take turns)
@@ -346,10 +350,11 @@ def _plain_records(fd: int, file_size: int) -> tuple[str, Records] | None:
 @dataclass(frozen=True)
 class _ZipLayout:
     """What :func:`_plain_records` read of a zip, but its CRCs and folder: ``masked``, its
-    central directory (as a little-endian int) with the CRC fields and the folder's bytes at
-    the start of each name (``name_at``, ``folder_len`` bytes) cleared by ``mask``; whether
+    central directory (as a little-endian int) with the values of each file's own cleared by
+    ``mask`` (its records' CRCs, sizes, local headers' places and data-descriptor flags, and
+    the folder's bytes at the start of each name: ``name_at``, ``folder_len`` bytes); whether
     names are UTF-8; its records' ``columns`` (names in the folder) and where their CRC
-    fields lie (``crcs``); each local header's place and length fields."""
+    fields lie (``crc_at``); each local header's place and length fields."""
 
     mask: int
     masked: int
@@ -359,6 +364,7 @@ class _ZipLayout:
     columns: _Columns
     crc_at: array
     headers: array
+    places: array  # each record's two sizes and local header's place, as its directory has them
     lens: bytes
     checks: tuple[tuple[int, int, Callable[[bytes], tuple[int, ...]], tuple[int, ...]], ...] | None = None
 
@@ -371,18 +377,43 @@ class _ZipLayout:
     def folder_fields(self) -> struct.Struct:
         return _fields_at(self.name_at, self.folder_len, f"{self.folder_len}s")
 
+    @functools.cached_property
+    def place_fields(self) -> struct.Struct:
+        """Each record's compressed and plain size and its local header's place, in turn."""
+        return _fields_at([at + k for at in self.crc_at for k in (4, 8, 26)], 4, "I")
 
-def _same_layout(fd: int, central: bytes, known: _ZipLayout) -> str | None:
-    """The archive folder of a zip whose central directory is ``central``, if its layout is
-    ``known``'s (the same bytes but for CRCs and one folder, local headers of the same
-    lengths); else None."""
+
+def _same_layout(fd: int, central: bytes, known: _ZipLayout) -> tuple[str, _ZipLayout] | None:
+    """The archive folder of a zip whose central directory is ``central`` and its layout, if
+    that is ``known``'s: the same bytes but for CRCs, sizes, local headers' places and one
+    folder, each record stored (its two sizes one). Its layout is ``known`` where its sizes and
+    places are too (a job's ranks of one layout share its records; its local headers of the
+    same lengths), else ``known`` with its own sizes and places, from its local headers (ranks
+    that hold other rows: read as :func:`_read_layout` reads them). None for any other."""
     folders = known.folder_fields.unpack_from(central)
     folder = folders[0]
     if b"/" in folder or b"\x00" in folder or folders.count(folder) != len(folders):
         return None
     if int.from_bytes(central, "little") & known.mask != known.masked:
         return None
-    if known.checks is not None:  # each window's signature and length bytes picked out at once, in C
+    places = array("I", known.place_fields.unpack_from(central))
+    if places != known.places:
+        # other rows: its own sizes, and its records' places from its own local headers (torch
+        # pads each one's extra field to align the data, so their lengths move with their places)
+        sizes, headers = array("q", places[1::3]), array("q", places[2::3])
+        if places[0::3] != places[1::3] or 0xFFFFFFFF in places:
+            return None
+        heads = _local_heads(fd, headers)
+        if len(heads) != len(headers) or not all(len(h) == 30 and h[:4] == b"PK\x03\x04" for h in heads):
+            return None
+        lens = b"".join([h[26:30] for h in heads])
+        offsets = tuple([at + 30 + n + e for at, (n, e) in zip(headers, struct.iter_unpack("<HH", lens))])
+        columns = _Columns(known.columns.index, offsets, sizes, max(map(operator.add, offsets, sizes), default=0))
+        mine = replace(known, columns=columns, headers=headers, places=places, lens=lens,
+                       checks=None if known.checks is None else _head_checks(headers, heads))
+        mine.__dict__.update({k: v for k, v in known.__dict__.items() if k.endswith("_fields")})  # (its structs)
+        known = mine
+    elif known.checks is not None:  # each window's signature and length bytes picked out at once, in C
         for base, length, pick, want in known.checks:
             window = os.pread(fd, length, base)
             if len(window) != length or pick(window) != want:
@@ -393,14 +424,14 @@ def _same_layout(fd: int, central: bytes, known: _ZipLayout) -> str | None:
                 or not all(h[:4] == b"PK\x03\x04" for h in heads):
             return None
     try:
-        return folder.decode("utf-8" if known.utf8 else "cp437")
+        return folder.decode("utf-8" if known.utf8 else "cp437"), known
     except UnicodeDecodeError:
         return None
 
 
-# (file size, central directory's place, size, records) -> the layout, or where the one zip of
-# that key read so far was not kept, its layout's fingerprint
-_ZIP_LAYOUTS: dict[tuple[int, int, int, int], _ZipLayout | int] = {}
+# (central directory's size, records) -> the layout, or where the one zip of that key read so
+# far was not kept, its layout's fingerprint
+_ZIP_LAYOUTS: dict[tuple[int, int], _ZipLayout | int] = {}
 _LAYOUTS_KEPT = 8  # a layout of 25k records holds ~10 MB
 _SMALL = 4096  # records of a layout kept from the first zip of its kind
 _NEAR = 4096  # local headers at most this far apart are read by one pread (a page apiece at most)
@@ -455,7 +486,11 @@ def _read_layout(fd: int, central: bytes, count: int) -> tuple[str, _ZipLayout, 
         (sig, _made, _need, flags, method, _t, _d, crc, csize, size, name_len, extra_len, comment_len,
          disk, _iattr, _eattr, header) = _CENTRAL.unpack_from(central, at)
         raw = central[at + _CENTRAL.size:at + _CENTRAL.size + name_len]
-        keep[at + 16:at + 20] = bytes(4)
+        # its own: its CRC, sizes and local header's place, and whether its sizes follow its data
+        # (flag 8: a writer's choice per record, an empty one's not; no reader here takes them there)
+        keep[at + 8] = 0xFF ^ 0x08
+        keep[at + 16:at + 28] = bytes(12)
+        keep[at + 42:at + 46] = bytes(4)
         crcs.append(crc)
         crc_at.append(at + 16)
         name_at.append(at_name := at + _CENTRAL.size)
@@ -494,8 +529,9 @@ def _read_layout(fd: int, central: bytes, count: int) -> tuple[str, _ZipLayout, 
     checks = _head_checks(headers, heads) if count <= _SMALL else None  # (~300 bytes a record)
     # (its places as arrays, its header lengths as one string: a layout of 25k records held
     # ~11 MB in tuples of ints, slices and strings, now ~6 MB, most of it its two masks)
+    places = array("I", [v for _, header, size in entries for v in (size, size, header)])
     return prefix, _ZipLayout(mask, int.from_bytes(central, "little") & mask, name_at, folder_len, utf8,
-                              _Columns.of(records), crc_at, headers, b"".join([h[26:30] for h in heads]),
+                              _Columns.of(records), crc_at, headers, places, b"".join([h[26:30] for h in heads]),
                               checks), crcs
 
 
