@@ -363,10 +363,13 @@ class _ZipLayout:
     utf8: bool
     columns: _Columns
     crc_at: array
-    headers: array
     places: array  # each record's two sizes and local header's place, as its directory has them
     lens: bytes
     checks: tuple[tuple[int, int, Callable[[bytes], tuple[int, ...]], tuple[int, ...]], ...] | None = None
+
+    @property
+    def headers(self) -> array:
+        return self.places[2::3]
 
     # built once a later zip is checked against it (most layouts read are never kept)
     @functools.cached_property
@@ -404,12 +407,12 @@ def _same_layout(fd: int, central: bytes, known: _ZipLayout) -> tuple[str, _ZipL
         if places[0::3] != places[1::3] or 0xFFFFFFFF in places:
             return None
         heads = _local_heads(fd, headers)
-        if len(heads) != len(headers) or not all(len(h) == 30 and h[:4] == b"PK\x03\x04" for h in heads):
+        if heads is None:
             return None
         lens = b"".join([h[26:30] for h in heads])
         offsets = tuple([at + 30 + n + e for at, (n, e) in zip(headers, struct.iter_unpack("<HH", lens))])
         columns = _Columns(known.columns.index, offsets, sizes, max(map(operator.add, offsets, sizes), default=0))
-        mine = replace(known, columns=columns, headers=headers, places=places, lens=lens,
+        mine = replace(known, columns=columns, places=places, lens=lens,
                        checks=None if known.checks is None else _head_checks(headers, heads))
         mine.__dict__.update({k: v for k, v in known.__dict__.items() if k.endswith("_fields")})  # (its structs)
         known = mine
@@ -420,8 +423,7 @@ def _same_layout(fd: int, central: bytes, known: _ZipLayout) -> tuple[str, _ZipL
                 return None
     else:
         heads = _local_heads(fd, known.headers)
-        if len(heads) != len(known.headers) or b"".join([h[26:30] for h in heads]) != known.lens \
-                or not all(h[:4] == b"PK\x03\x04" for h in heads):
+        if heads is None or b"".join([h[26:30] for h in heads]) != known.lens:
             return None
     try:
         return folder.decode("utf-8" if known.utf8 else "cp437"), known
@@ -451,13 +453,14 @@ def _runs(headers: Sequence[int]) -> Iterator[tuple[int, int, int, int]]:
         i = j
 
 
-def _local_heads(fd: int, headers: Sequence[int]) -> list[bytes]:
-    """The 30 fixed bytes of the local header at each offset (fewer where the file ends)."""
+def _local_heads(fd: int, headers: Sequence[int]) -> list[bytes] | None:
+    """The 30 fixed bytes of the local header at each offset; None unless each is there whole,
+    a local header's signature first."""
     heads: list[bytes] = []
     for i, j, base, length in _runs(headers):
         window = os.pread(fd, length, base)
         heads += [window[h - base:h - base + 30] for h in headers[i:j]]
-    return heads
+    return heads if all(len(h) == 30 and h[:4] == b"PK\x03\x04" for h in heads) else None
 
 
 _CHECKED = (0, 1, 2, 3, 26, 27, 28, 29)  # a local header's signature, and its name and extra lengths
@@ -519,10 +522,10 @@ def _read_layout(fd: int, central: bytes, count: int) -> tuple[str, _ZipLayout, 
     if at != len(central) or prefix is None:
         return None
     heads = _local_heads(fd, headers)
+    if heads is None:
+        return None
     records = []
     for (name, header, size), head in zip(entries, heads):
-        if len(head) < 30 or head[:4] != b"PK\x03\x04":
-            return None
         local_name, local_extra = struct.unpack_from("<HH", head, 26)
         records.append((name, header + 30 + local_name + local_extra, size))
     mask = int.from_bytes(keep, "little")
@@ -531,7 +534,7 @@ def _read_layout(fd: int, central: bytes, count: int) -> tuple[str, _ZipLayout, 
     # ~11 MB in tuples of ints, slices and strings, now ~6 MB, most of it its two masks)
     places = array("I", [v for _, header, size in entries for v in (size, size, header)])
     return prefix, _ZipLayout(mask, int.from_bytes(central, "little") & mask, name_at, folder_len, utf8,
-                              _Columns.of(records), crc_at, headers, places, b"".join([h[26:30] for h in heads]),
+                              _Columns.of(records), crc_at, places, b"".join([h[26:30] for h in heads]),
                               checks), crcs
 
 
