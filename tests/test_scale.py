@@ -172,6 +172,37 @@ def test_rank_file_pickles_patched_equal_pickles_written_whole(tmp_path, monkeyp
     assert all(torch.equal(got[k], want[k]) for k in ("big.w", "cross.w"))
 
 
+def test_rank_files_after_the_first_of_their_kind_are_checked_by_their_targets(tmp_path, monkeypatch):
+    """A reshard's dry run checks each destination rank file against its kind's recipe: where a
+    file's targets are, in order, those of the last file checked by its pieces' keys (every
+    rank's), it is checked by comparing them, its pieces never made. Written, each file takes
+    the pieces the keys give: byte for byte the files written with every file found by keys."""
+    from ckpt_tools.core import plan
+    from ckpt_tools.formats import shardrebuild
+
+    make_verl(tmp_path / "src", 8, optim=True, shapes=SHAPES)
+    made = []
+    pieces = plan.RankRows.pieces
+    monkeypatch.setattr(plan.RankRows, "pieces", lambda self, rank: made.append(rank) or pieces(self, rank))
+    _run("reshard", str(tmp_path / "src"), str(tmp_path / "dry"), "--to", "5", "--quiet", "--dry-run")
+    assert sorted(made) == [0, 0, 1, 1]  # model and optim: rank 0 built whole, rank 1 by keys, 2-4 neither
+    made.clear()
+    _run("reshard", str(tmp_path / "src"), str(tmp_path / "fast"), "--to", "5", "--quiet")
+    assert sorted(made) == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 4, 4]  # checked as above, then written
+    order = shardrebuild.Rebuilt._order
+
+    def by_keys(self, job, recipe):
+        self._order_of = None
+        return order(self, job, recipe)
+
+    monkeypatch.setattr(shardrebuild.Rebuilt, "_order", by_keys)
+    _run("reshard", str(tmp_path / "src"), str(tmp_path / "keys"), "--to", "5", "--quiet")
+    files = sorted(p.name for p in (tmp_path / "keys").glob("*.pt"))
+    assert len(files) == 15  # model, optim and extra state
+    for name in files:
+        assert (tmp_path / "fast" / name).read_bytes() == (tmp_path / "keys" / name).read_bytes(), name
+
+
 def test_rank_files_from_a_dcp_patched_equal_files_written_whole(tmp_path, monkeypatch):
     """Rank files built from a DCP (no source rank file to rebuild: each tree built from the
     plan, :class:`~ckpt_tools.formats.shardsynth.Synthesized`) after the first of their kind
@@ -206,10 +237,11 @@ def test_rank_files_from_a_dcp_patched_equal_files_written_whole(tmp_path, monke
         assert torch.equal(moments[f"{i}.exp_avg_sq"], v.abs() * 0.01), k
 
 
-def test_reshard_refuses_ranks_whose_step_differs(tmp_path):
+def test_reshard_refuses_ranks_whose_step_differs(tmp_path, monkeypatch):
     """Every rank's copy of the optimizer's ``step`` is read (from the files, never mapped) and
     compared: one rank's differing step means files of two saves, refused; the bytes read are
-    the bytes a mapping of the file shows."""
+    the bytes a mapping of the file shows, however the ranges are read together."""
+    from ckpt_tools.engine import reader
     from ckpt_tools.engine.reader import Reader
     from ckpt_tools.formats import describe
 
@@ -217,8 +249,21 @@ def test_reshard_refuses_ranks_whose_step_differs(tmp_path):
     ckpt = describe(tmp_path / "src")
     steps = [c.location for t in ckpt.tensors if t.state == "step" for c in t.chunks]
     assert len(steps) == 16 * len(SHAPES)
+    ranges = [(loc.file, loc.offset, loc.length) for loc in steps]
     with Reader(ckpt) as r:
-        assert r.raw_small(steps) == [bytes(r.raw(loc)) for loc in steps]
+        mapped = [bytes(r.raw(loc)) for loc in steps]
+    assert len(set(mapped)) == 1 and len(mapped[0]) in (4, 8)  # (one step, as torch stores it)
+    # ranges out of order, overlapping and repeated, and reads split where a run grows too long
+    # (a rank file's steps lie between its moments: those near each other are read together)
+    odd = [ranges[5], ranges[0], (ranges[0][0], ranges[0][1] + 1, 2), ranges[0], ranges[17]]
+    for run in (1 << 20, 1):
+        monkeypatch.setattr(reader, "_SMALL_RUN", run)
+        with Reader(ckpt) as r:
+            assert r.raw_small(ranges) == mapped
+            got = r.raw_small(odd)
+        with Reader(ckpt) as r:
+            assert got == [bytes(r.raw(loc)) for loc in (steps[5], steps[0])] + [mapped[0][1:3]] + \
+                [bytes(r.raw(loc)) for loc in (steps[0], steps[17])]
     odd = tmp_path / "src" / "optim_world_size_16_rank_9.pt"
     sd = torch.load(odd, weights_only=False)
     sd["state"][2]["step"] = sd["state"][2]["step"] + 1

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import layouts
+from ..core.chunks import extents, kinds
 from ..core.describe import Checkpoint
 from ..core.plan import rows_of, share_of, targets_from
 from ..engine.execute import execute
@@ -323,11 +324,16 @@ def _check_same_save(ckpt: Checkpoint) -> None:
     """Every rank's copy of a replicated scalar (the optimizer's ``step``) must agree."""
     steps = [t for t in ckpt.tensors if t.state == "step" and len(t.chunks) > 1]
     with Reader(ckpt) as r:
-        # compared as stored bytes: no tensor (and no torch) needed
-        raw = [c.location for t in steps for c in t.chunks if c.location.kind == "raw"]
-        stored = iter(r.raw_small(raw))
-        for t in steps:
-            values = {next(stored) if c.location.kind == "raw" else r.chunk(t, c).item() for c in t.chunks}
+        # compared as stored bytes: no tensor (and no torch) needed; a table's read from its
+        # columns (74k chunks at 256 ranks, each made with its location, were ~0.1 s)
+        raw = [kinds(t.chunks) == {"raw"} for t in steps]
+        stored = iter(r.raw_small([(file, start, length) for t, plain in zip(steps, raw) if plain
+                                   for _, file, start, length in extents(t.chunks)]))
+        for t, plain in zip(steps, raw):
+            if plain:
+                values = {next(stored) for _ in range(len(t.chunks))}
+            else:
+                values = {r.chunk(t, c).item() for c in t.chunks}
             if len(values) > 1:
                 values = {r.chunk(t, c).item() for c in t.chunks}
                 raise BadInput(f"{ckpt.root}: {t.name!r} differs between ranks ({sorted(values)}); "

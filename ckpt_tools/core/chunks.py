@@ -373,6 +373,13 @@ def extents(chunks: tuple[Chunk, ...] | ChunkTable) -> Iterator[tuple[tuple[int,
     return ((c.sizes, c.file, c.byte_offset, c.length) for c in chunks)
 
 
+def kinds(chunks: tuple[Chunk, ...] | ChunkTable) -> set[str]:
+    """The kinds of storage the chunks are (a table's one kind: no chunk made)."""
+    if type(chunks) is ChunkTable:
+        return {chunks.kind} if len(chunks) else set()
+    return {c.kind for c in chunks}
+
+
 def holders(chunks: tuple[Chunk, ...] | ChunkTable) -> Iterator[tuple[int | None, tuple[int, ...]]]:
     """Each chunk's ``(rank, sizes)``, in order: a table's columns (no chunk made), else the
     chunks' fields."""

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
+from ..core.chunks import kinds
 from ..core.describe import Checkpoint, ObjectInfo, TensorInfo
 from ..core.plan import FileJob, Piece, RankPieces, RankRows, Target, rows_of, whole
 from ..core.state import per_rank_extras
@@ -302,7 +303,7 @@ def _entry(o: ObjectInfo) -> shardtree.Entry:
 
 def _all_raw(ckpt: Checkpoint) -> bool:
     """Every tensor chunk a raw byte range (read without torch)."""
-    return all(c.kind == "raw" for t in ckpt.tensors for c in t.chunks)
+    return all(kinds(t.chunks) <= {"raw"} for t in ckpt.tensors)  # (a table's kind: no chunk made)
 
 
 def _dry_run(writer: sharded.Writer, jobs: list[FileJob], extras: list[dict] | None = None) -> list[FileJob]:
