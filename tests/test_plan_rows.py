@@ -96,7 +96,7 @@ def _coverage(t: TensorInfo) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("boxes,refused", [
+_COVERAGE = [
     ([((0, 0), (4, 6)), ((4, 0), (4, 6)), ((8, 0), (0, 6))], None),  # tiles, an empty chunk at the end
     ([((0, 0), (4, 6)), ((4, 0), (4, 6)), ((9, 0), (0, 6))], "outside"),  # tiles, an empty chunk past the end
     ([((0, 0), (4, 6)), ((4, 0), (4, 6)), ((-1, 0), (0, 6))], "outside"),  # ... before the start
@@ -110,7 +110,10 @@ def _coverage(t: TensorInfo) -> str | None:
     ([((0,), (8, 6))], "outside"),  # ... its offset of too few dimensions
     ([((1, 0), (8, 6))], "outside"),
     ([((0, 0), (7, 6))], "hole"),
-])
+]
+
+
+@pytest.mark.parametrize("boxes,refused", _COVERAGE)
 def test_coverage_of_tiled_rows_is_the_general_check(boxes, refused, monkeypatch):
     """A tiling is accepted without the box-by-box check; anything else gets that check, and
     the answer is the same with the shortcut off."""
@@ -120,6 +123,43 @@ def test_coverage_of_tiled_rows_is_the_general_check(boxes, refused, monkeypatch
     assert (got is None) if refused is None else (refused in got), got
     monkeypatch.setattr(describe, "_tiled", lambda t: False)
     assert _coverage(_tensor(8, boxes)) == got
+
+
+def _table_tensor(name: str, boxes: list, columns: tuple) -> TensorInfo:
+    """A tensor of 8 x 6 whose chunks are a table's columns (as rank files' are read), the
+    description's file names and values ``columns`` shared with the other tensors made."""
+    from ckpt_tools.core.chunks import ChunkColumns
+
+    table = ChunkColumns(*columns)
+    for i, (o, s) in enumerate(boxes):
+        table.add(o, s, f"f{i}", "raw", i * 100, max(s[0], 0) * 6 * 4, (name,), i)
+    return TensorInfo("model", name, (8, 6), DType("float32"), table._table())
+
+
+@pytest.mark.parametrize("boxes,refused", _COVERAGE)
+def test_tensors_of_one_chunk_layout_share_what_their_coverage_finds(boxes, refused, monkeypatch):
+    """Tensors whose chunk tables have one layout (the same shape, offsets and sizes) are
+    checked once: the others take that one's answer and rows index, the same arrays. A tensor
+    of a layout of its own among them, a hole or an overlap in it, is found as a check tensor
+    by tensor finds it, named."""
+    from ckpt_tools.core import describe
+    from ckpt_tools.core.chunks import Palette
+
+    def coverage(tensors: list) -> str | None:
+        try:
+            describe.check_coverage(describe.Checkpoint("sharded", "root", 1, tuple(tensors), (), (), None, {}, ()))
+        except BadInput as e:
+            return str(e)
+        return None
+
+    columns = ([], {}, Palette())
+    tiled = [((0, 0), (3, 6)), ((3, 0), (3, 6)), ((6, 0), (2, 6))]
+    made = [_table_tensor(f"w{i}", tiled if i != 4 else boxes, columns) for i in range(5)]
+    got = coverage(made)
+    assert (got is None) if refused is None else (refused in got and "'w4'" in got), got
+    assert made[3].rows_index() is made[0].rows_index() and made[3].__dict__["_row_tiles"] is True
+    monkeypatch.setattr(describe, "_tiled_like", lambda t, layouts: describe._tiled(t))
+    assert coverage([_table_tensor(f"w{i}", tiled if i != 4 else boxes, columns) for i in range(5)]) == got
 
 
 def test_by_piece_gives_each_piece_its_value_in_any_order():

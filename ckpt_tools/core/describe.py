@@ -237,8 +237,12 @@ def chunk_rows(dim0: int, world_size: int, rank: int) -> tuple[int, int]:
 def check_coverage(ckpt: Checkpoint) -> None:
     """Every tensor must be covered by its chunks exactly once (replicas, i.e. identical boxes,
     allowed): no hole, no partial overlap, no chunk outside the tensor."""
+    # a chunk layout (a shape, its chunks' offsets and sizes) -> its rows index, whether its rows
+    # tile and whether it is _tiled: found once for the tensors of that layout (a model's are a
+    # few: at 25k tensors on 16 ranks, 0.4 s of an inspect), the index's arrays shared by them
+    layouts: dict[tuple, tuple] = {}
     for t in ckpt.tensors:
-        if t.whole_chunk() is not None or _tiled(t):
+        if t.whole_chunk() is not None or _tiled_like(t, layouts):
             continue
         boxes = {}
         for c in t.chunks:
@@ -261,6 +265,25 @@ def check_coverage(ckpt: Checkpoint) -> None:
                 f"{t.numel} elements (files: {', '.join(files[:4])}{'...' if len(files) > 4 else ''}); "
                 "is a rank file missing or from another save?"
             )
+
+
+def _tiled_like(t: TensorInfo, layouts: dict[tuple, tuple]) -> bool:
+    """:func:`_tiled`, from ``layouts`` where a tensor of ``t``'s layout was seen (its rows index
+    and tiling then ``t``'s too, as :meth:`TensorInfo.rows_index` and ``row_tiles`` would find
+    them: they read only the shape and the chunks' offsets and sizes); else found and noted."""
+    chunks = t.chunks
+    if type(chunks) is not ChunkTable or type(chunks.offsets) is not Coded or type(chunks.sizes) is not Coded:
+        return _tiled(t)
+    o, z = chunks.offsets, chunks.sizes
+    # (codes index a palette's values, which only grow: one list and its codes are one sequence)
+    key = (t.shape, id(o.values), id(z.values), o.codes.tobytes(), z.codes.tobytes())
+    got = layouts.get(key)
+    if got is None:
+        got = layouts[key] = (o.values, z.values, t.rows_index(), t.row_tiles(), _tiled(t))
+    else:
+        object.__setattr__(t, "_rows_index", got[2])
+        object.__setattr__(t, "_row_tiles", got[3])
+    return got[4]
 
 
 def _tiled(t: TensorInfo) -> bool:
