@@ -237,6 +237,26 @@ def test_rank_files_from_a_dcp_patched_equal_files_written_whole(tmp_path, monke
         assert torch.equal(moments[f"{i}.exp_avg_sq"], v.abs() * 0.01), k
 
 
+def test_inspect_says_the_bytes_each_rank_holds(tmp_path):
+    """``inspect``'s bytes per rank of rank files are the bytes of the tensors each rank's files
+    hold as torch loads them: trailing ranks' fewer rows, replicated tensors and each rank's
+    ``step`` included. (The tensors of one chunk layout are counted with one walk of its chunks.)"""
+    make_verl(tmp_path / "src", 16, optim=True, shapes=SHAPES)
+    got = json.loads(_run("inspect", str(tmp_path / "src"), "--json"))["bytes_per_rank"]
+
+    def held(x) -> int:
+        if isinstance(x, torch.Tensor):
+            local = getattr(x, "_local_tensor", x)
+            return local.numel() * local.element_size()
+        if isinstance(x, dict):
+            return sum(held(v) for v in x.values())
+        return sum(held(v) for v in x) if isinstance(x, (list, tuple)) else 0
+
+    want = [sum(held(torch.load(tmp_path / "src" / f"{kind}_world_size_16_rank_{r}.pt", weights_only=False))
+                for kind in ("model", "optim")) for r in range(16)]
+    assert got == want and len(set(want)) > 1
+
+
 def test_reshard_refuses_ranks_whose_step_differs(tmp_path, monkeypatch):
     """Every rank's copy of the optimizer's ``step`` is read (from the files, never mapped) and
     compared: one rank's differing step means files of two saves, refused; the bytes read are

@@ -373,6 +373,22 @@ def extents(chunks: tuple[Chunk, ...] | ChunkTable) -> Iterator[tuple[tuple[int,
     return ((c.sizes, c.file, c.byte_offset, c.length) for c in chunks)
 
 
+def layout_key(chunks: tuple[Chunk, ...] | ChunkTable) -> tuple | None:
+    """A value two chunk tables share where their chunks' offsets, sizes and ranks are the same,
+    in order: their codes into one description's values, compared as bytes (no chunk made). A
+    model's tensors are a few layouts, so what depends on those alone is found once for each
+    (the tables compared must stay alive meanwhile: a key names their values by ``id``). None
+    where the chunks are not such a table."""
+    if type(chunks) is not ChunkTable:
+        return None
+    o, z, r = chunks.offsets, chunks.sizes, chunks.ranks
+    if type(o) is not Coded or type(z) is not Coded or not (r is None or type(r) is range or type(r) is array):
+        return None
+    # (codes index a palette's values, which only grow: one list and its codes are one sequence)
+    return (id(o.values), id(z.values), o.codes.tobytes(), z.codes.tobytes(),
+            r if r is None or type(r) is range else (r.typecode, r.tobytes()))
+
+
 def kinds(chunks: tuple[Chunk, ...] | ChunkTable) -> set[str]:
     """The kinds of storage the chunks are (a table's one kind: no chunk made)."""
     if type(chunks) is ChunkTable:

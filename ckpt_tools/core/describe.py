@@ -18,7 +18,7 @@ from typing import Any
 
 # (the chunk types, named here too: where a description's parts have always been imported from)
 from .chunks import (TABLE_MIN, Chunk, ChunkColumns, ChunkTable, Coded, Location, Palette, Repeated,  # noqa: F401
-                     TableColumns, columns, extents, files_of, holders, in_order)
+                     TableColumns, columns, extents, files_of, holders, in_order, layout_key)
 from .dtypes import DType
 from .groups import Roots
 from ..errors import BadInput
@@ -271,19 +271,17 @@ def _tiled_like(t: TensorInfo, layouts: dict[tuple, tuple]) -> bool:
     """:func:`_tiled`, from ``layouts`` where a tensor of ``t``'s layout was seen (its rows index
     and tiling then ``t``'s too, as :meth:`TensorInfo.rows_index` and ``row_tiles`` would find
     them: they read only the shape and the chunks' offsets and sizes); else found and noted."""
-    chunks = t.chunks
-    if type(chunks) is not ChunkTable or type(chunks.offsets) is not Coded or type(chunks.sizes) is not Coded:
+    key = layout_key(t.chunks)
+    if key is None:
         return _tiled(t)
-    o, z = chunks.offsets, chunks.sizes
-    # (codes index a palette's values, which only grow: one list and its codes are one sequence)
-    key = (t.shape, id(o.values), id(z.values), o.codes.tobytes(), z.codes.tobytes())
+    key = (t.shape, key)
     got = layouts.get(key)
-    if got is None:
-        got = layouts[key] = (o.values, z.values, t.rows_index(), t.row_tiles(), _tiled(t))
+    if got is None:  # (its table kept: the key names its values by id)
+        got = layouts[key] = (t.chunks, t.rows_index(), t.row_tiles(), _tiled(t))
     else:
-        object.__setattr__(t, "_rows_index", got[2])
-        object.__setattr__(t, "_row_tiles", got[3])
-    return got[4]
+        object.__setattr__(t, "_rows_index", got[1])
+        object.__setattr__(t, "_row_tiles", got[2])
+    return got[3]
 
 
 def _tiled(t: TensorInfo) -> bool:
