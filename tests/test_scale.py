@@ -345,6 +345,46 @@ def test_reader_windows_of_many_files_hold_a_bounded_total(tmp_path, monkeypatch
     assert [reader_mod._window_for(n) for n in (1, 17, 256, 10**6)] == [64 << 10, 64 << 10, 8 << 10, 4 << 10]
 
 
+def test_reader_reads_a_file_read_item_after_item_in_bigger_windows(tmp_path, monkeypatch):
+    """A file whose windows follow each other within a few of other files' (a reshard reads a
+    few source files at a time) is read in bigger windows, the last few such kept; files read
+    in turn (an export reads an item of every file) keep the small ones. Every range reads as
+    a plain read of it does, and the windows kept stay within the budget and the hot ones."""
+    from types import SimpleNamespace
+
+    from ckpt_tools.engine import reader as reader_mod
+    from ckpt_tools.formats import describe
+
+    make_dcp(tmp_path / "dcp", 4, shapes={"w": (256, 64)})
+    for name, value in (("_WINDOWS_BYTES", 2048), ("_MIN_WINDOW", 128), ("_HOT_WINDOW", 4096),
+                        ("_HOT_GAP", 3), ("_HOT_KEPT", 2)):
+        monkeypatch.setattr(reader_mod, name, value)
+    sizes: list[int] = []
+    monkeypatch.setattr(reader_mod, "os", SimpleNamespace(**{
+        **{k: getattr(os, k) for k in dir(os) if not k.startswith("__")},
+        "pread": lambda fd, n, at: sizes.append(n) or os.pread(fd, n, at)}))
+    files = sorted(p.name for p in (tmp_path / "dcp").iterdir() if p.suffix == ".distcp")
+    data = {f: (tmp_path / "dcp" / f).read_bytes() for f in files}
+    assert min(len(d) for d in data.values()) > 3 * 4096
+    ckpt = describe(tmp_path / "dcp")
+    with reader_mod.Reader(ckpt) as r:  # in turn: small windows only
+        small = r._window
+        assert small == 2048 // len(ckpt.files) < 4096
+        for at in range(0, 3 * 4096, 40):
+            for f in files:
+                assert r._pread(f, at, 40) == data[f][at:at + 40]
+        assert sizes and set(sizes) == {small}
+    sizes.clear()
+    with reader_mod.Reader(ckpt) as r:  # two files at a time, item after item: big windows
+        for a, b in zip(files, files[1:]):
+            for at in range(0, len(data[a]) - 40, 40):
+                assert r._pread(a, at, 40) == data[a][at:at + 40]
+                assert r._pread(b, at + 7, 33) == data[b][at + 7:at + 40]
+        assert sizes.count(4096) > 2 * sizes.count(small) > 0 and set(sizes) == {small, 4096}
+        kept = [len(w) for _, w in r._windows.values()]
+        assert sum(n > small for n in kept) <= 2 and sum(kept) <= 2048 + 2 * 4096
+
+
 def test_reader_reads_small_ranges_through_windows_as_pread_does(tmp_path, monkeypatch):
     """Small ranges of source files read through the reader's windows (forward, backward, past
     a window, at a file's end, over more files than windows and open files kept) are each the
