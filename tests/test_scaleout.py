@@ -303,3 +303,25 @@ def test_torchrun_dcp_metadata_from_the_processes_reports(name: str, fixtures_di
     got, want = _files(three), _files(one)
     assert got.keys() == want.keys() and sum(k.endswith(".metadata") for k in got) == (2 if "accelerate" in name else 1)
     assert [k for k in got if got[k] != want[k]] == []
+
+
+def test_workers_share_files_by_bytes_and_by_count():
+    """``--workers`` (and a torchrun launch) split whole files largest first onto the least
+    loaded process; files of no tensor bytes (a many-rank job's extra state) are spread over
+    the processes too, not all given to one, and every file is in exactly one share."""
+    from ckpt_tools.core.plan import FileJob
+    from ckpt_tools.engine.parallel import FILE_COST, balance
+
+    class Job(FileJob):
+        @property
+        def nbytes(self) -> int:  # (the bytes a job would write, without its pieces)
+            return self.meta["bytes"]
+
+    jobs = [Job(f"extra_{r}.pt", meta={"bytes": 0}) for r in range(6)]
+    jobs += [Job(f"model_{r}.pt", meta={"bytes": (10 + r) * FILE_COST}) for r in range(6)]
+    shares = balance(jobs, 3)
+    assert sorted(j.path for share in shares for j in share) == sorted(j.path for j in jobs)
+    assert [[j.path for j in share] for share in shares] == [  # largest first onto the least loaded
+        ["model_5.pt", "model_0.pt", "extra_0.pt", "extra_3.pt"],
+        ["model_4.pt", "model_1.pt", "extra_1.pt", "extra_4.pt"],
+        ["model_3.pt", "model_2.pt", "extra_2.pt", "extra_5.pt"]]
